@@ -1,0 +1,90 @@
+"""Every Redis key, channel and TTL that lanes uses, in one place.
+
+Queue-plane keys share the hash tag ``{q}`` so that Lua scripts and the multi-key
+``BZPOPMIN`` stay in one cluster slot. Token streams are tagged per request
+(``{r:<id>}``) so they spread over a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lanes.queue.messages import Lane
+
+#: Lanes in strict priority order: a worker pops from the first non-empty one.
+LANE_ORDER: tuple[Lane, ...] = (Lane.SHORT, Lane.MEDIUM, Lane.LONG)
+
+#: How long a request hash lives while queued or running (renewed on claim).
+REQUEST_TTL_S = 900
+#: How long a finished request's hash and token stream stay readable (for resume).
+FINISHED_TTL_S = 300
+#: Approximate cap on a token stream's length (``XADD MAXLEN ~``).
+STREAM_MAXLEN = 8192
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix (``lanes`` by default; tests use their own)."""
+
+    prefix: str = "lanes"
+
+    def pending(self, lane: Lane) -> str:
+        """ZSET request id -> enqueue ms, one per lane."""
+        return f"{self.prefix}:{{q}}:pending:{lane.value}"
+
+    def pending_all(self) -> list[str]:
+        return [self.pending(lane) for lane in LANE_ORDER]
+
+    def request(self, request_id: str) -> str:
+        """HASH with the request's payload and state."""
+        return f"{self.prefix}:{{q}}:req:{request_id}"
+
+    @property
+    def watch(self) -> str:
+        """ZSET request id -> deadline ms (start deadline if queued, lease if running)."""
+        return f"{self.prefix}:{{q}}:watch"
+
+    @property
+    def running(self) -> str:
+        """HASH lane -> number of running requests (for depth snapshots)."""
+        return f"{self.prefix}:{{q}}:running"
+
+    @property
+    def depths(self) -> str:
+        """STRING: the scheduler's latest depth snapshot (JSON)."""
+        return f"{self.prefix}:{{q}}:depths"
+
+    @property
+    def workers(self) -> str:
+        """ZSET worker id -> last heartbeat ms."""
+        return f"{self.prefix}:{{q}}:workers"
+
+    def worker_info(self, worker_id: str) -> str:
+        """STRING: a worker's latest stats (JSON), with a TTL."""
+        return f"{self.prefix}:{{q}}:worker:{worker_id}"
+
+    def stream(self, request_id: str) -> str:
+        """STREAM of token deltas with explicit ids ``<seq+1>-0``."""
+        return f"{self.prefix}:{{r:{request_id}}}:tok"
+
+    def fence(self, request_id: str) -> str:
+        """STRING: the newest attempt allowed to write the stream (same slot as it)."""
+        return f"{self.prefix}:{{r:{request_id}}}:fence"
+
+    def edge_channel(self, edge_id: str) -> str:
+        """Pub/sub channel carrying token batches to one edge."""
+        return f"{self.prefix}:edge:{edge_id}"
+
+    def control_channel(self, worker_id: str) -> str:
+        """Pub/sub channel carrying cancel messages to one worker."""
+        return f"{self.prefix}:ctl:{worker_id}"
+
+    @property
+    def depth_channel(self) -> str:
+        """Pub/sub channel where the scheduler publishes depth snapshots."""
+        return f"{self.prefix}:depths"
+
+    @property
+    def observations(self) -> str:
+        """LIST of recent (prompt, output length) observations for predictor refresh."""
+        return f"{self.prefix}:obs"

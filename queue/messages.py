@@ -1,0 +1,122 @@
+"""Messages that cross Redis between processes (msgspec, JSON on the wire; never pickle).
+
+Naming: units live in field names (``_ms``, ``_s``); outcomes are enums.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class Lane(str, enum.Enum):
+    """Priority lanes, highest priority first."""
+
+    SHORT = "short"
+    MEDIUM = "medium"
+    LONG = "long"
+
+
+class RequestState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class RequestPayload(msgspec.Struct, frozen=True):
+    """What the edge enqueues and the worker runs (stored as JSON in the request hash)."""
+
+    id: str
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    lane: Lane = Lane.MEDIUM
+    predicted_tokens: int = 0
+    #: W3C trace context (``traceparent``/``tracestate``) of the edge's span.
+    trace: dict[str, str] = {}
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Finish(msgspec.Struct, frozen=True):
+    """The end of a request, carried by its last stream entry."""
+
+    reason: FinishReason
+    usage: Usage
+    queue_ms: float = 0.0
+    #: Machine-readable error code when ``reason`` is ERROR (e.g. ``prompt_too_long``).
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
+    """One delta of one request: what a stream entry holds and what an edge receives.
+
+    ``seq`` counts deltas from 0; the stream entry id is ``<seq+1>-0``.
+    """
+
+    id: str
+    attempt: int
+    seq: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish: Finish | None = None
+
+
+class TokenBatch(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step's events for one edge (one PUBLISH)."""
+
+    worker: str
+    events: tuple[TokenEvent, ...]
+
+
+class Control(msgspec.Struct, frozen=True, tag_field="op", tag="cancel"):
+    """A message on a worker's control channel."""
+
+    id: str
+
+
+class DepthSnapshot(msgspec.Struct, frozen=True):
+    """Lane depths published by the scheduler process."""
+
+    at_ms: int
+    pending: dict[str, int]
+    running: dict[str, int]
+    oldest_wait_ms: dict[str, int]
+    workers: int = 0
+
+
+json_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return json_encoder.encode(obj)
+
+
+def decode(data: bytes | str, type_: type[T]) -> T:
+    """Decode JSON into ``type_``; raises ``msgspec.DecodeError`` on bad input."""
+    return msgspec.json.decode(data, type=type_)

@@ -1,0 +1,26 @@
+"""Settings every process shares: where Redis is and how leases behave."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RedisSettings(BaseSettings):
+    """Base for each process's settings object (env prefix ``LANES_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LANES_", extra="ignore")
+
+    #: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password goes in the URL.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Prefix of every key and channel (lets several deployments share one Redis).
+    key_prefix: str = "lanes"
+    #: A running request's lease; a worker renews it every ``heartbeat_s``.
+    lease_ms: int = 2500
+    heartbeat_s: float = 0.5
+    #: How long a queued request may sit unwatched before the reaper re-checks it.
+    start_timeout_ms: int = 3000
+    #: A request whose lease expired this many times is failed instead of retried.
+    max_attempts: int = 3
+    log_level: str = "INFO"
+    #: OpenTelemetry exporter: ``none``, ``console`` or ``otlp`` (needs the ``[otlp]`` extra).
+    otel_exporter: str = "none"

@@ -1,0 +1,96 @@
+"""The one engine protocol every backend implements (vllm, trtllm, hf, sim).
+
+Heavy imports (torch, vllm, tensorrt_llm) live only inside each engine's module; this
+module imports none of them.
+
+Exception tree::
+
+    EngineError                 base; ``code`` is machine-readable
+    ├── RequestRejected         this request cannot run (prompt too long, bad params); others can
+    └── EngineDead              the engine is gone; the worker stops claiming and exits non-zero
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from lanes.queue.messages import ChatMessage, FinishReason, Lane
+
+
+class EngineError(Exception):
+    code = "engine_error"
+
+
+class RequestRejected(EngineError):
+    """The request is invalid for this engine; ``code`` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineDead(EngineError):
+    code = "engine_dead"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation, as a worker hands it to an engine."""
+
+    id: str
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    lane: Lane = Lane.MEDIUM
+    #: Tokens an earlier attempt already streamed: continue after them (prompt + these).
+    resume_token_ids: tuple[int, ...] = ()
+    #: W3C trace context for engines that join our trace (vLLM ``trace_headers``).
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    """New output of one request since the previous delta.
+
+    ``text`` is the exact decoded text of ``token_ids`` given everything before them
+    (incremental detokenization), so concatenating deltas gives the full answer.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    #: Prompt length in tokens; engines set it on every delta (cheap) so the first one carries it.
+    prompt_tokens: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a worker needs from an inference engine."""
+
+    name: str
+    #: How many requests the engine runs at once (the worker's total slots).
+    max_concurrency: int
+
+    async def start(self) -> None:
+        """Load the model; raises ``EngineError`` with a clear message on bad config."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        """Stream deltas until one carries ``finish_reason``.
+
+        Raises ``RequestRejected`` for a request it cannot run and ``EngineDead`` when the
+        engine is gone. Cancelling the consuming task aborts the request.
+        """
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request soon; its ``generate`` then ends with CANCELLED."""
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-level gauges and counters (running, waiting, kv use, acceptance...)."""
+
+    async def close(self) -> None:
+        """Release the model and background threads/processes."""

@@ -1,0 +1,38 @@
+"""The worker process's settings (env prefix ``LANES_``, overridden by CLI flags)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from lanes.queue.settings import RedisSettings
+
+EngineName = Literal["hf", "vllm", "trtllm", "sim"]
+SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
+
+
+class WorkerSettings(RedisSettings):
+    engine: EngineName = "hf"
+    #: A local Hugging Face model directory or a hub id; empty = the shipped demo model.
+    model: str = ""
+    #: Draft model directory/id for ``spec_method=draft_model`` (and eagle heads).
+    draft_model: str = ""
+    spec_method: SpecMethod = "none"
+    num_speculative_tokens: int = 4
+    #: ``none`` or ``awq`` (INT4 weights from a pre-quantized checkpoint).
+    quantization: Literal["none", "awq", "fp8"] = "none"
+    #: Quantize the KV cache too; off by default (it raised memory use in the seeds' run).
+    kv_cache_quantization: bool = False
+    max_num_batched_tokens: int = 2048
+    #: Total concurrent requests (the engine's ``max_num_seqs``).
+    max_slots: int = 8
+    max_long_slots: int = 4
+    max_medium_long_slots: int = 6
+    device: str = "cpu"
+    gpu_index: int = 0
+    dtype: str = "auto"
+    #: Max tokens of prompt + output the engine accepts (0 = the model's own limit).
+    max_model_len: int = 0
+    #: Time scale for the ``sim`` engine (10 = ten times faster than real time).
+    sim_time_scale: float = 1.0
+    sim_profile: str = "l70-h100"
+    worker_id: str = ""
