@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any, Optional
+
 import typer
 
 from lanes.cli import bench, model, predictor
@@ -10,6 +12,91 @@ app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes
 app.add_typer(model.app, name="model", help="Build or train the small offline models.")
 app.add_typer(predictor.app, name="predictor", help="Train and evaluate the length predictor.")
 app.add_typer(bench.app, name="bench", help="Benchmarks and the policy simulator.")
+
+
+def _given(**flags: Any) -> dict[str, Any]:
+    """CLI flags that were set; they override LANES_* environment settings."""
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+@app.command()
+def up(
+    port: Annotated[int, typer.Option(help="WebSocket/HTTP port of the edge")] = 8000,
+    workers: Annotated[int, typer.Option(help="number of worker processes")] = 1,
+    engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
+    model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
+) -> None:
+    """Start embedded Redis (unless LANES_REDIS_URL is set), an edge, workers and the scheduler."""
+    from lanes.cli.up import up as run_up
+
+    worker_args = ["--engine", engine] + (["--model", model] if model else [])
+    run_up(port, workers, worker_args)
+
+
+@app.command()
+def edge(
+    port: Annotated[Optional[int], typer.Option(help="listen port (env LANES_PORT)")] = None,
+    host: Annotated[Optional[str], typer.Option(help="listen address (env LANES_HOST)")] = None,
+) -> None:
+    """Run one WebSocket edge."""
+    from lanes.cli.processes import run_edge
+
+    run_edge(_given(port=port, host=host))
+
+
+@app.command()
+def worker(
+    engine: Annotated[Optional[str], typer.Option(help="hf | sim | vllm | trtllm")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model directory or Hugging Face id")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(help="draft model for speculative decoding")] = None,
+    spec_method: Annotated[Optional[str], typer.Option(
+        help="none | draft_model | ngram | prompt_lookup | eagle | eagle3 | mtp")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option()] = None,
+    quantization: Annotated[Optional[str], typer.Option(help="none | awq | fp8")] = None,
+    max_slots: Annotated[Optional[int], typer.Option(help="concurrent requests")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="token budget per engine step")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu | cuda")] = None,
+    gpu_index: Annotated[Optional[int], typer.Option()] = None,
+    sim_time_scale: Annotated[Optional[float], typer.Option(help="sim engine speed-up")] = None,
+    sim_profile: Annotated[Optional[str], typer.Option(help="l70-h100 | l70-a100 | l7-a100")] = None,
+    burst: Annotated[bool, typer.Option(help="exit when the lanes are empty")] = False,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off)")] = 0,
+) -> None:
+    """Run one worker: claim requests from the lanes and stream tokens back."""
+    from lanes.cli.processes import run_worker
+    from lanes.workers.engines.engine_config import ConfigError
+
+    try:
+        run_worker(_given(
+            engine=engine, model=model, draft_model=draft_model, spec_method=spec_method,
+            num_speculative_tokens=num_speculative_tokens, quantization=quantization, max_slots=max_slots,
+            max_num_batched_tokens=max_num_batched_tokens, device=device, gpu_index=gpu_index,
+            sim_time_scale=sim_time_scale, sim_profile=sim_profile,
+        ), burst=burst, metrics_port=metrics_port)
+    except ConfigError as err:
+        typer.echo(f"configuration error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def scheduler() -> None:
+    """Run the scheduler process: lease reaper and lane-depth snapshots."""
+    from lanes.cli.processes import run_scheduler
+
+    run_scheduler({})
+
+
+@app.command()
+def chat(
+    prompt: Annotated[str, typer.Argument(help="what to ask")],
+    url: Annotated[str, typer.Option(help="edge WebSocket URL")] = "ws://127.0.0.1:8000/v1/chat",
+    max_tokens: Annotated[int, typer.Option()] = 128,
+    temperature: Annotated[float, typer.Option()] = 0.7,
+) -> None:
+    """Stream one answer in the terminal and print its timing."""
+    from lanes.cli.chat import run_chat
+
+    raise typer.Exit(run_chat(url, prompt, max_tokens, temperature))
 
 
 def main() -> None:

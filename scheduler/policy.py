@@ -1,4 +1,4 @@
-"""Pure scheduling policy: lane choice, slot reservation, engine priority.
+"""Pure scheduling policy: lane choice, slot reservation, anti-starvation, engine priority.
 
 No I/O, no clock, no environment: every input is an argument, so the same code runs in
 the edge, the workers, the unit tests and the trace simulator.
@@ -6,7 +6,8 @@ the edge, the workers, the unit tests and the trace simulator.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lanes.queue.messages import Lane
@@ -32,18 +33,91 @@ def choose_lane(predicted_tokens: int, thresholds: LaneThresholds) -> Lane:
     return Lane.LONG
 
 
+def _normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def short_to_long_rate(short_tokens: Sequence[int], log_sigma: float, long_above_tokens: float) -> float:
+    """Share of truly short requests a predictor ``pred = true * exp(N(0, log_sigma^2))``
+    sends above ``long_above_tokens`` (the short->long misroute rate)."""
+    if not short_tokens:
+        return 0.0
+    if log_sigma <= 0.0:
+        return sum(t > long_above_tokens for t in short_tokens) / len(short_tokens)
+    total = sum(_normal_sf(math.log(long_above_tokens / max(t, 1)) / log_sigma) for t in short_tokens)
+    return total / len(short_tokens)
+
+
+def _threshold_for_rate(shorts: Sequence[int], log_sigma: float, max_rate: float, floor_tokens: int) -> int:
+    """Lowest threshold >= ``floor_tokens`` that at most ``max_rate`` of ``shorts`` exceed."""
+    lo, hi = math.log(floor_tokens), math.log(floor_tokens) + 8.0 * max(log_sigma, 0.01)
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if short_to_long_rate(shorts, log_sigma, math.exp(mid)) > max_rate else (lo, mid)
+    return math.ceil(math.exp(hi))
+
+
+def thresholds_from_error(
+    observed_tokens: Sequence[int],
+    log_sigma: float,
+    max_short_to_long: float = 0.005,
+    max_short_to_medium: float = 1.0,
+    short_quantile: float = 0.5,
+) -> LaneThresholds:
+    """Lane thresholds for a predictor whose log-space error has std ``log_sigma``.
+
+    ``observed_tokens`` are recent true output lengths; "short" means at or below their
+    ``short_quantile``. Each threshold is the lowest one (found by bisection in log space)
+    that sends at most the given share of short requests past it: few short requests in
+    the long lane is what keeps the short-request tail low, and fewer in the medium lane
+    keeps them clear of the medium lane's backlog under overload. The default
+    ``max_short_to_medium`` of 1.0 puts the short threshold at the short quantile itself;
+    ``max_short_to_medium <= max_short_to_long`` leaves the medium lane empty (two lanes).
+    """
+    ordered = sorted(observed_tokens)
+    assert ordered, "need observed lengths"
+    short_max = ordered[min(len(ordered) - 1, int(short_quantile * len(ordered)))]
+    shorts = [t for t in ordered if t <= short_max]
+    long_above = _threshold_for_rate(shorts, log_sigma, max_short_to_long, short_max)
+    short_lane_max = short_max
+    if max_short_to_medium < 1.0:
+        short_lane_max = _threshold_for_rate(shorts, log_sigma, max_short_to_medium, short_max)
+    return LaneThresholds(short_max_tokens=min(short_lane_max, long_above), medium_max_tokens=long_above)
+
+
 @dataclass(frozen=True)
 class SlotConfig:
     """How a worker's ``max_slots`` concurrent requests are shared among lanes.
 
     ``max_long`` caps long-lane requests (the rest stay free for short/medium ones);
     ``max_medium_long`` caps medium + long together, so ``max_slots - max_medium_long``
-    slots are reserved for the short lane.
+    slots are reserved for the short lane. The guaranteed shares keep the lower lanes
+    from starving: once a lane's oldest request has waited ``starve_after_ms``, that lane
+    is popped first until it runs ``min_<lane>`` requests, caps notwithstanding.
     """
 
     max_slots: int = 8
     max_long: int = 4
     max_medium_long: int = 6
+    #: Slots the medium lane may claim ahead of the short lane once it starves.
+    min_medium: int = 0
+    #: Slots the long lane may claim ahead of shorter lanes once it starves.
+    min_long: int = 0
+    #: How long a lane's oldest request waits before its guaranteed share applies.
+    starve_after_ms: float = 60_000.0
+    #: Load-aware bound: a starving lane does not jump a lane ahead of it whose oldest request
+    #: has itself waited this long (under overload the shorter lanes keep a bounded wait).
+    protect_after_ms: float = math.inf
+    #: Let long requests use the reserved slots while the short and medium lanes are empty.
+    borrow_when_idle: bool = False
+
+    def __post_init__(self) -> None:
+        # Caps above max_slots are allowed (they just never bind): workers pass them as set.
+        if min(self.max_slots, self.max_long, self.max_medium_long) < 0:
+            raise ValueError("slot counts must be >= 0")
+        if self.min_medium < 0 or self.min_long < 0 or self.min_medium + self.min_long > self.max_slots:
+            raise ValueError("guaranteed shares must be >= 0 and fit in max_slots")
 
 
 def eligible_lanes(running: Mapping[Lane, int], config: SlotConfig) -> tuple[Lane, ...]:
@@ -61,6 +135,40 @@ def eligible_lanes(running: Mapping[Lane, int], config: SlotConfig) -> tuple[Lan
         if running.get(Lane.LONG, 0) < config.max_long:
             lanes.append(Lane.LONG)
     return tuple(lanes)
+
+
+def lanes_to_pop(
+    running: Mapping[Lane, int],
+    oldest_wait_ms: Mapping[Lane, float],
+    config: SlotConfig,
+) -> tuple[Lane, ...]:
+    """Lanes to pop from now, in order: the worker takes the first non-empty one.
+
+    ``running`` counts this worker's running requests per lane; ``oldest_wait_ms`` holds
+    the age of each lane's oldest waiting request (a missing lane is empty). Starving lanes
+    below their guaranteed share come first, longest-waiting first, unless a lane ahead has
+    waited ``protect_after_ms`` itself; then the capped
+    priority order of ``eligible_lanes``; then, with ``borrow_when_idle``, lanes over
+    their cap when every lane ahead of them is empty (so slots never idle needlessly).
+    """
+    if sum(running.get(lane, 0) for lane in LANE_ORDER) >= config.max_slots:
+        return ()
+    shares = {Lane.MEDIUM: config.min_medium, Lane.LONG: config.min_long}
+    starving = [
+        lane
+        for lane, share in shares.items()
+        if running.get(lane, 0) < share
+        and oldest_wait_ms.get(lane, -1.0) >= config.starve_after_ms
+        and all(oldest_wait_ms.get(a, 0.0) < config.protect_after_ms for a in LANE_ORDER[: LANE_ORDER.index(lane)])
+    ]
+    starving.sort(key=lambda lane: -oldest_wait_ms[lane])
+    order = starving + [lane for lane in eligible_lanes(running, config) if lane not in starving]
+    if config.borrow_when_idle:
+        for lane in LANE_ORDER:
+            ahead = LANE_ORDER[: LANE_ORDER.index(lane)]
+            if lane not in order and not any(a in oldest_wait_ms for a in ahead):
+                order.append(lane)
+    return tuple(order)
 
 
 def vllm_priority(lane: Lane) -> int:

@@ -1,0 +1,47 @@
+"""``lanes chat``: a terminal client that streams one answer and prints its timing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+
+import websockets
+
+
+async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: object = sys.stdout) -> dict:
+    """Send one chat request; stream text to ``out``; return the ``done`` (or ``error``) frame."""
+    request_id = uuid.uuid4().hex[:12]
+    frame = {"type": "chat", "id": request_id, "messages": [{"role": "user", "content": prompt}],
+             "max_tokens": max_tokens, "temperature": temperature}
+    async with websockets.connect(url, max_size=None) as ws:
+        sent = time.perf_counter()
+        await ws.send(json.dumps(frame))
+        async for raw in ws:
+            msg = json.loads(raw)
+            if msg["type"] == "accepted":
+                print(f"[{msg['lane']} lane, ~{msg['predicted_tokens']} tokens predicted]", file=sys.stderr)
+            elif msg["type"] == "delta":
+                out.write(msg["text"])  # type: ignore[attr-defined]
+                out.flush()  # type: ignore[attr-defined]
+            elif msg["type"] in ("done", "error"):
+                msg["client_total_ms"] = (time.perf_counter() - sent) * 1000
+                return msg
+    raise ConnectionError("connection closed before the answer finished")
+
+
+def run_chat(url: str, prompt: str, max_tokens: int, temperature: float) -> int:
+    result = asyncio.run(chat(url, prompt, max_tokens, temperature))
+    print()
+    if result["type"] == "error":
+        print(f"error: {result['code']}: {result['message']}", file=sys.stderr)
+        return 1
+    timing, usage = result["timing"], result["usage"]
+    decode_s = max((timing["total_ms"] - timing["ttft_ms"]) / 1000, 1e-9)
+    tps = (usage["completion_tokens"] - 1) / decode_s if usage["completion_tokens"] > 1 else 0.0
+    print(f"-- {result['finish_reason']} · {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
+          f"completion tokens · queue {timing['queue_ms']:.1f} ms · TTFT {timing['ttft_ms']:.1f} ms · "
+          f"total {timing['total_ms']:.1f} ms · {tps:.0f} tokens/s", file=sys.stderr)
+    return 0

@@ -1,0 +1,231 @@
+"""The queue plane: every Redis operation of the request path, as one small async API.
+
+Edges enqueue and cancel; workers pop, claim, heartbeat, append tokens and complete; the
+scheduler reaps expired leases and reads depths. Each state change is one Lua script (see
+``scripts.py``), so a crash between two calls never leaves a request half-moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lanes.queue import scripts
+from lanes.queue.keys import FINISHED_TTL_S, LANE_ORDER, REQUEST_TTL_S, STREAM_MAXLEN, Keys
+from lanes.queue.messages import Lane, RequestPayload, TokenBatch, TokenEvent, encode
+from lanes.queue.settings import RedisSettings
+
+_event_decoder = msgspec.json.Decoder(TokenEvent)
+_payload_decoder = msgspec.json.Decoder(RequestPayload)
+
+
+def connect(url: str, **kwargs: object) -> aioredis.Redis:
+    """A client that retries transient connection errors with capped exponential backoff."""
+    return aioredis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=5),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=10,
+        **kwargs,
+    )
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    created: bool
+    #: Enqueue time (Redis clock, ms) when created; else 0.
+    enqueued_at_ms: int = 0
+    #: State of the existing request when not created.
+    existing_state: str = ""
+
+
+@dataclass(frozen=True)
+class Claim:
+    payload: RequestPayload
+    attempt: int
+    enqueued_at_ms: int
+    claimed_at_ms: int
+    edge: str
+
+
+@dataclass(frozen=True)
+class Reaped:
+    id: str
+    action: str
+    edge: str
+    attempt: int
+
+
+class QueuePlane:
+    """Redis I/O of the request path. Safe to share within one event loop."""
+
+    def __init__(self, client: aioredis.Redis, settings: RedisSettings) -> None:
+        self.redis = client
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self._enqueue = client.register_script(scripts.ENQUEUE)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._heartbeat = client.register_script(scripts.HEARTBEAT)
+        self._complete = client.register_script(scripts.COMPLETE)
+        self._cancel = client.register_script(scripts.CANCEL)
+        self._requeue = client.register_script(scripts.REQUEUE)
+        self._append = client.register_script(scripts.APPEND)
+        self._fence = client.register_script(scripts.FENCE)
+        self._repoint = client.register_script(scripts.REPOINT)
+
+    @classmethod
+    def from_settings(cls, settings: RedisSettings) -> QueuePlane:
+        return cls(connect(settings.redis_url), settings)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # -- edge -------------------------------------------------------------------------
+
+    async def enqueue(self, payload: RequestPayload, edge_id: str) -> Enqueued:
+        """Put a request in its lane; a no-op (``created=False``) if the id exists."""
+        k = self.keys
+        created, value = await self._enqueue(
+            keys=[k.request(payload.id), k.pending(payload.lane), k.watch],
+            args=[payload.id, encode(payload), payload.lane.value, edge_id,
+                  self.settings.start_timeout_ms, REQUEST_TTL_S],
+        )
+        if created:
+            return Enqueued(True, enqueued_at_ms=int(value))
+        return Enqueued(False, existing_state=value.decode() if isinstance(value, bytes) else str(value))
+
+    async def cancel(self, request_id: str) -> tuple[str, str]:
+        """Cancel a request: ``(previous_state, worker)``; tells the worker if it runs."""
+        k = self.keys
+        state, worker = await self._cancel(
+            keys=[k.request(request_id), k.watch, *k.pending_all()], args=[request_id, FINISHED_TTL_S]
+        )
+        state, worker = state.decode(), worker.decode()
+        if state == "running" and worker:
+            await self.redis.publish(k.control_channel(worker), b'{"op":"cancel","id":"%s"}' % request_id.encode())
+        return state, worker
+
+    async def repoint(self, request_id: str, edge_id: str) -> str | None:
+        """Send a request's future tokens to ``edge_id``; returns its state or None if gone."""
+        state = await self._repoint(keys=[self.keys.request(request_id)], args=[edge_id])
+        return state.decode() if state else None
+
+    async def read_stream(self, request_id: str, after_seq: int = -1) -> list[TokenEvent]:
+        """Events with ``seq > after_seq``, in order."""
+        entries = await self.redis.xrange(self.keys.stream(request_id), min=f"{after_seq + 2}-0")
+        return [_event_decoder.decode(fields[b"e"]) for _, fields in entries]
+
+    # -- worker -----------------------------------------------------------------------
+
+    async def pop(self, conn: aioredis.Redis, lanes: tuple[Lane, ...], timeout_s: float) -> tuple[str, Lane] | None:
+        """Block until a request is in one of ``lanes`` (first non-empty wins) or timeout.
+
+        ``conn`` must be a dedicated connection (it blocks); ``CLIENT UNBLOCK`` on its id
+        makes it return None early.
+        """
+        keys = [self.keys.pending(lane) for lane in lanes]
+        popped = await conn.bzpopmin(keys, timeout=timeout_s)
+        if popped is None:
+            return None
+        key, member, _score = popped
+        lane = lanes[keys.index(key.decode())]
+        return member.decode(), lane
+
+    async def claim(self, request_id: str, worker_id: str) -> Claim | None:
+        k = self.keys
+        got = await self._claim(
+            keys=[k.request(request_id), k.watch],
+            args=[request_id, worker_id, self.settings.lease_ms, REQUEST_TTL_S],
+        )
+        if not got:
+            return None
+        attempt, payload, enq_ms, now_ms, edge = got
+        return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode())
+
+    async def fence(self, request_id: str, attempt: int) -> int:
+        """Make ``attempt`` the only writer of the request's stream; returns the fence."""
+        k = self.keys
+        return int(await self._fence(keys=[k.fence(request_id), k.stream(request_id)], args=[attempt, REQUEST_TTL_S]))
+
+    async def heartbeat(self, runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
+        """Renew leases of ``(id, attempt)`` runs; per run ``(status, edge)``."""
+        if not runs:
+            return []
+        k = self.keys
+        args: list[object] = [self.settings.lease_ms]
+        for request_id, attempt in runs:
+            args += [request_id, attempt]
+        out = await self._heartbeat(keys=[k.watch, *(k.request(r) for r, _ in runs)], args=args)
+        return [(status.decode(), edge.decode()) for status, edge in out]
+
+    async def append(self, events_by_request: dict[str, list[TokenEvent]]) -> dict[str, int]:
+        """Append each request's events to its stream, fenced by attempt (one pipeline).
+
+        Returns per request the number appended, or -1 (stale attempt) / -2 (seq taken).
+        """
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id, events in events_by_request.items():
+                args: list[object] = [events[0].attempt, STREAM_MAXLEN, REQUEST_TTL_S]
+                for event in events:
+                    args += [event.seq, encode(event)]
+                await self._append(keys=[k.stream(request_id), k.fence(request_id)], args=args, client=pipe)
+            results = await pipe.execute()
+        return dict(zip(events_by_request, (int(r) for r in results)))
+
+    async def publish(self, batches: dict[str, TokenBatch]) -> None:
+        """One PUBLISH per edge, pipelined."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for edge, batch in batches.items():
+                pipe.publish(self.keys.edge_channel(edge), encode(batch))
+            await pipe.execute()
+
+    async def complete(self, request_id: str, attempt: int, final_state: str) -> bool:
+        k = self.keys
+        done = await self._complete(
+            keys=[k.request(request_id), k.watch], args=[request_id, attempt, final_state, FINISHED_TTL_S]
+        )
+        if done:
+            await self.redis.expire(k.stream(request_id), FINISHED_TTL_S)
+        return bool(done)
+
+    # -- scheduler --------------------------------------------------------------------
+
+    async def reap(self, now_ms: int, limit: int = 100) -> list[Reaped]:
+        """Handle watch entries whose deadline passed (expired leases, lost pops)."""
+        k = self.keys
+        due = await self.redis.zrangebyscore(k.watch, "-inf", now_ms, start=0, num=limit)
+        reaped = []
+        for raw in due:
+            request_id = raw.decode()
+            action, edge, attempt = await self._requeue(
+                keys=[k.request(request_id), k.watch, *k.pending_all()],
+                args=[request_id, self.settings.start_timeout_ms, self.settings.max_attempts, FINISHED_TTL_S, now_ms],
+            )
+            reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt)))
+        return reaped
+
+    async def server_time_ms(self) -> int:
+        seconds, micros = await self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def lane_depths(self, now_ms: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Per lane: number pending, and how long the oldest has waited (ms)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in LANE_ORDER:
+                pipe.zcard(k.pending(lane))
+                pipe.zrange(k.pending(lane), 0, 0, withscores=True)
+            results = await pipe.execute()
+        pending, oldest = {}, {}
+        for i, lane in enumerate(LANE_ORDER):
+            pending[lane.value] = int(results[2 * i])
+            head = results[2 * i + 1]
+            oldest[lane.value] = max(0, now_ms - int(head[0][1])) if head else 0
+        return pending, oldest

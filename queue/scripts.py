@@ -1,0 +1,152 @@
+"""Lua scripts of the queue plane. Every key a script touches is declared in KEYS.
+
+Times come from the Redis server clock (``TIME``), so edges and workers on different hosts
+agree on enqueue times, leases and deadlines.
+"""
+
+from __future__ import annotations
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+#: KEYS: req, pending:<lane>, watch. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s.
+#: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op).
+ENQUEUE = _NOW + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, redis.call('HGET', KEYS[1], 'state') or ''}
+end
+redis.call('HSET', KEYS[1], 'p', ARGV[2], 'lane', ARGV[3], 'edge', ARGV[4], 'state', 'queued',
+           'attempt', 0, 'enq_ms', now, 'worker', '')
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])
+return {1, now}
+"""
+
+#: KEYS: req, watch. ARGV: id, worker, lease_ms, ttl_s.
+#: Returns {attempt, payload, enq_ms, now, edge} or false when the request is not queued.
+CLAIM = _NOW + """
+if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return false end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claim_ms', now)
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge')
+return {attempt, h[1], h[2], now, h[3]}
+"""
+
+#: KEYS: watch, req1..reqN. ARGV: lease_ms, id1, attempt1, ..., idN, attemptN.
+#: Renews each lease this worker still holds. Returns per request {status, edge} with
+#: status 'ok', 'cancelled' or 'lost' (another attempt owns it, or it is gone).
+HEARTBEAT = _NOW + """
+local out = {}
+for i = 2, #KEYS do
+  local id, attempt = ARGV[2 * (i - 1)], ARGV[2 * (i - 1) + 1]
+  local h = redis.call('HMGET', KEYS[i], 'state', 'attempt', 'edge')
+  if h[2] ~= attempt or (h[1] ~= 'running' and h[1] ~= 'cancelled') then
+    out[#out + 1] = {'lost', h[3] or ''}
+  else
+    redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), id)
+    out[#out + 1] = {h[1] == 'cancelled' and 'cancelled' or 'ok', h[3]}
+  end
+end
+return out
+"""
+
+#: KEYS: req, watch. ARGV: id, attempt, final_state, finished_ttl_s.
+#: Returns 1 when this attempt owned the request and it is now final, else 0.
+COMPLETE = """
+local h = redis.call('HMGET', KEYS[1], 'state', 'attempt')
+if h[2] ~= ARGV[2] or (h[1] ~= 'running' and h[1] ~= 'cancelled') then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[3])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+#: KEYS: req, watch, pending:short, pending:medium, pending:long. ARGV: id, finished_ttl_s.
+#: Returns {previous_state, worker}: a queued request leaves its lane at once; a running one
+#: is marked cancelled and its worker must be told (the caller publishes on its channel).
+CANCEL = """
+local h = redis.call('HMGET', KEYS[1], 'state', 'worker')
+if not h[1] then return {'absent', ''} end
+if h[1] == 'queued' then
+  for i = 3, 5 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'cancelled')
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+elseif h[1] == 'running' then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled')
+end
+return {h[1], h[2]}
+"""
+
+#: KEYS: req, watch, pending:short, pending:medium, pending:long.
+#: ARGV: id, start_timeout_ms, max_attempts, finished_ttl_s, now_ms (the Redis clock, read by
+#: the caller just before). Handles one expired watch entry. Returns {action, edge, attempt}
+#: with action one of skip (renewed meanwhile), gone, finished, waiting, restored, requeued, failed.
+REQUEUE = """
+local now = tonumber(ARGV[5])
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not score or tonumber(score) > now then return {'skip', '', 0} end
+local h = redis.call('HMGET', KEYS[1], 'state', 'lane', 'attempt', 'enq_ms', 'edge')
+if not h[1] then redis.call('ZREM', KEYS[2], ARGV[1]); return {'gone', '', 0} end
+if h[1] ~= 'queued' and h[1] ~= 'running' then
+  redis.call('ZREM', KEYS[2], ARGV[1]); return {'finished', h[5], tonumber(h[3])}
+end
+local lanes = {short = KEYS[3], medium = KEYS[4], long = KEYS[5]}
+local pending = lanes[h[2]] or KEYS[4]
+local deadline = now + tonumber(ARGV[2])
+if h[1] == 'queued' then
+  if redis.call('ZSCORE', pending, ARGV[1]) then
+    redis.call('ZADD', KEYS[2], deadline, ARGV[1]); return {'waiting', h[5], tonumber(h[3])}
+  end
+  -- popped by a worker that died before claiming: back to its original place in line
+  redis.call('ZADD', pending, h[4], ARGV[1])
+  redis.call('ZADD', KEYS[2], deadline, ARGV[1]); return {'restored', h[5], tonumber(h[3])}
+end
+if tonumber(h[3]) >= tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[1], 'state', 'failed')
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  return {'failed', h[5], tonumber(h[3])}
+end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '')
+redis.call('ZADD', pending, h[4], ARGV[1])
+redis.call('ZADD', KEYS[2], deadline, ARGV[1])
+return {'requeued', h[5], tonumber(h[3])}
+"""
+
+#: KEYS: stream, fence. ARGV: attempt, maxlen, ttl_s, seq1, event1, ..., seqN, eventN.
+#: Appends events with explicit ids ``<seq+1>-0``. Returns the number appended, -1 when a
+#: newer attempt holds the fence (this writer is stale), -2 when a seq already exists.
+APPEND = """
+local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[1]) < fence then return -1 end
+local n = 0
+for i = 4, #ARGV, 2 do
+  local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], (tonumber(ARGV[i]) + 1) .. '-0', 'e', ARGV[i + 1])
+  if type(ok) == 'table' and ok.err then return -2 end
+  n = n + 1
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return n
+"""
+
+#: KEYS: fence, stream. ARGV: attempt, ttl_s. Raises the fence to ``attempt`` (never lowers it).
+FENCE = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+return math.max(cur, tonumber(ARGV[1]))
+"""
+
+#: KEYS: req. ARGV: edge. Re-points a request's token delivery to another edge (resume).
+#: Returns the state, or false if the request is gone.
+REPOINT = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return false end
+redis.call('HSET', KEYS[1], 'edge', ARGV[1])
+return st
+"""

@@ -1,0 +1,137 @@
+"""Length-predictor metrics: rank agreement, lane misroutes and prediction latency (numpy only).
+
+Rank metrics take any two equal-length sequences (predictions may be log scores or tokens: both
+are monotone in the same order). Misroute rates are conditional on the true lane::
+
+    misroute_short_to_long = P(predicted lane = LONG  | true lane = SHORT)
+    misroute_long_to_short = P(predicted lane = SHORT | true lane = LONG)
+
+with lanes from ``policy.choose_lane`` applied to true and predicted tokens. ``nan`` marks a rate
+whose true lane is empty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from lanes.queue.messages import ChatMessage, Lane
+from lanes.scheduler.policy import LaneThresholds, choose_lane
+from lanes.scheduler.predictor import LengthPredictor
+
+
+def kendall_tau(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Kendall tau-b (ties corrected) in [-1, 1]; nan when either side is constant. O(n^2) time."""
+    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError("kendall_tau needs two 1-d sequences of equal length")
+    n = len(a)
+    concordance = ties_a = ties_b = 0.0
+    for start in range(0, n, 512):  # row blocks bound memory to 512 x n
+        da = np.sign(a[start : start + 512, None] - a[None, :])
+        db = np.sign(b[start : start + 512, None] - b[None, :])
+        concordance += float((da * db).sum())
+        ties_a += float((da == 0).sum())
+        ties_b += float((db == 0).sum())
+    pairs = n * (n - 1)  # ordered pairs; the diagonal counts as a tie on both sides
+    denominator = np.sqrt((pairs - (ties_a - n)) * (pairs - (ties_b - n)))
+    return float(concordance / denominator) if denominator > 0 else float("nan")
+
+
+def _average_ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=np.float64)
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties); nan when either side is constant."""
+    ra = _average_ranks(np.asarray(x, dtype=np.float64))
+    rb = _average_ranks(np.asarray(y, dtype=np.float64))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = float(np.sqrt((ra @ ra) * (rb @ rb)))
+    return float(ra @ rb / denominator) if denominator > 0 else float("nan")
+
+
+def misroute_rates(
+    true_tokens: Sequence[float] | np.ndarray,
+    predicted_tokens: Sequence[float] | np.ndarray,
+    thresholds: LaneThresholds,
+) -> dict[str, float]:
+    """Short->long and long->short misroute rates plus the predicted share of each lane."""
+    true_lanes = np.array([choose_lane(round(t), thresholds) for t in true_tokens])
+    pred_lanes = np.array([choose_lane(round(p), thresholds) for p in predicted_tokens])
+
+    def rate(true: Lane, pred: Lane) -> float:
+        mask = true_lanes == true
+        return float((pred_lanes[mask] == pred).mean()) if mask.any() else float("nan")
+
+    shares = {f"predicted_share_{lane.value}": float((pred_lanes == lane).mean()) for lane in Lane}
+    return {
+        "misroute_short_to_long": rate(Lane.SHORT, Lane.LONG),
+        "misroute_long_to_short": rate(Lane.LONG, Lane.SHORT),
+        **shares,
+    }
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """What ``lanes predictor eval --json`` prints (latencies in milliseconds)."""
+
+    num_examples: int
+    kendall_tau: float
+    spearman: float
+    misroute_short_to_long: float
+    misroute_long_to_short: float
+    predicted_share_short: float
+    predicted_share_medium: float
+    predicted_share_long: float
+    latency_ms_p50: float
+    latency_ms_p99: float
+    model_kind: str
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def evaluate(
+    predictor: LengthPredictor,
+    prompts: Sequence[str],
+    true_tokens: Sequence[int],
+    thresholds: LaneThresholds = LaneThresholds(),
+    clock_ns: Callable[[], int] = time.perf_counter_ns,
+    max_tokens: int = 1 << 20,
+) -> EvalReport:
+    """Score ``predictor`` on (prompt, true output tokens) pairs, timing each ``predict`` call.
+
+    Latency is measured in this thread, one request at a time, after one warm-up call.
+    """
+    if len(prompts) != len(true_tokens) or not prompts:
+        raise ValueError("need the same, non-zero number of prompts and lengths")
+    predictor.predict([ChatMessage("user", prompts[0])], max_tokens)
+    predicted, latency_ms = [], []
+    for prompt in prompts:
+        start = clock_ns()
+        predicted.append(predictor.predict([ChatMessage("user", prompt)], max_tokens))
+        latency_ms.append((clock_ns() - start) / 1e6)
+    rates = misroute_rates(true_tokens, predicted, thresholds)
+    return EvalReport(
+        num_examples=len(prompts),
+        kendall_tau=kendall_tau(predicted, true_tokens),
+        spearman=spearman(predicted, true_tokens),
+        misroute_short_to_long=rates["misroute_short_to_long"],
+        misroute_long_to_short=rates["misroute_long_to_short"],
+        predicted_share_short=rates["predicted_share_short"],
+        predicted_share_medium=rates["predicted_share_medium"],
+        predicted_share_long=rates["predicted_share_long"],
+        latency_ms_p50=float(np.percentile(latency_ms, 50)),
+        latency_ms_p99=float(np.percentile(latency_ms, 99)),
+        model_kind=predictor.kind,
+    )

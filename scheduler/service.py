@@ -1,0 +1,90 @@
+"""The scheduler process: the lease reaper and lane-depth snapshots.
+
+The reaper is the at-least-once guarantee: a request whose lease expired (its worker died)
+goes back to its lane at its original place in line; one that failed ``max_attempts`` times
+ends with an error frame instead of looping forever. Depth snapshots feed the dashboard,
+the edges' admission control and autoscaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from redis.exceptions import RedisError
+
+from lanes.queue.messages import DepthSnapshot, Finish, FinishReason, TokenBatch, TokenEvent, Usage, encode
+from lanes.queue.plane import QueuePlane
+from lanes.scheduler.settings import SchedulerSettings
+from lanes.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings, plane: QueuePlane) -> None:
+        self.settings = settings
+        self.plane = plane
+
+    async def serve(self) -> None:
+        log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
+                 self.settings.reap_interval_s, self.settings.depth_interval_s)
+        await asyncio.gather(self._every(self.settings.reap_interval_s, self.reap_once),
+                             self._every(self.settings.depth_interval_s, self.snapshot_once))
+
+    async def _every(self, interval_s: float, step: object) -> None:
+        while True:
+            try:
+                await step()  # type: ignore[operator]
+            except RedisError as exc:
+                log.warning("%s failed: %s", getattr(step, "__name__", step), exc)
+            await asyncio.sleep(interval_s)
+
+    async def reap_once(self) -> int:
+        now_ms = await self.plane.server_time_ms()
+        reaped = await self.plane.reap(now_ms)
+        for item in reaped:
+            metrics.REAPED.labels(item.action).inc()
+            if item.action == "requeued":
+                log.info("lease of %s expired (attempt %d): back in its lane", item.id, item.attempt)
+            elif item.action == "failed":
+                log.warning("%s failed after %d attempts", item.id, item.attempt)
+                await self._notify_failed(item.id, item.edge, item.attempt)
+        return len(reaped)
+
+    async def _notify_failed(self, request_id: str, edge: str, attempt: int) -> None:
+        """End the request at its edge with an error, through the stream (so resume sees it too)."""
+        prior = await self.plane.read_stream(request_id)
+        num_tokens = sum(len(e.token_ids) for e in prior)
+        finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code="worker_failed",
+                        error_message=f"the request's worker died {attempt} times; giving up")
+        event = TokenEvent(request_id, attempt + 1, len(prior), "", (), finish)
+        await self.plane.fence(request_id, attempt + 1)
+        await self.plane.append({request_id: [event]})
+        if edge:
+            await self.plane.publish({edge: TokenBatch("scheduler", (event,))})
+
+    async def snapshot_once(self) -> DepthSnapshot:
+        now_ms = await self.plane.server_time_ms()
+        pending, oldest = await self.plane.lane_depths(now_ms)
+        k = self.plane.keys
+        await self.plane.redis.zremrangebyscore(k.workers, "-inf", now_ms - 10_000)
+        workers = [w.decode() for w in await self.plane.redis.zrange(k.workers, 0, -1)]
+        running = {lane: 0 for lane in pending}
+        infos = await self.plane.redis.mget([k.worker_info(w) for w in workers]) if workers else []
+        for raw in infos:
+            if raw:
+                for lane, n in json.loads(raw).get("running", {}).items():
+                    running[lane] = running.get(lane, 0) + int(n)
+        snapshot = DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
+                                 workers=len(workers))
+        data = encode(snapshot)
+        async with self.plane.redis.pipeline(transaction=False) as pipe:
+            pipe.set(k.depths, data, px=10_000)
+            pipe.publish(k.depth_channel, data)
+            await pipe.execute()
+        for lane, n in pending.items():
+            metrics.LANE_DEPTH.labels(lane).set(n)
+            metrics.LANE_OLDEST.labels(lane).set(oldest[lane] / 1000)
+        return snapshot

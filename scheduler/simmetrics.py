@@ -1,0 +1,51 @@
+"""Summaries of a simulation run: latency percentiles per request class, throughput, starvation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lanes.scheduler.simulator import SimResult
+
+#: A request counts as starved when it waits more than this many times its FCFS wait...
+STARVE_FACTOR = 5.0
+#: ...and that FCFS wait is taken as at least this long (a 5x of 10 ms is no starvation).
+STARVE_FLOOR_S = 1.0
+
+
+def _latency(result: SimResult, mask: np.ndarray) -> dict[str, float]:
+    ttft, e2e, wait = result.ttft_s[mask], result.e2e_s[mask], result.wait_s[mask]
+    if not mask.any():
+        return {}
+    return {
+        "num_requests": int(mask.sum()),
+        "ttft_s_p50": float(np.percentile(ttft, 50)),
+        "ttft_s_p99": float(np.percentile(ttft, 99)),
+        "e2e_s_p50": float(np.percentile(e2e, 50)),
+        "e2e_s_p99": float(np.percentile(e2e, 99)),
+        "e2e_s_mean": float(e2e.mean()),
+        "max_wait_s": float(wait.max()),
+        "num_wait_over_60s": int((wait > 60.0).sum()),
+    }
+
+
+def summarize(result: SimResult, output_tokens: np.ndarray, fcfs: SimResult | None = None) -> dict[str, Any]:
+    """Metrics for all, short (output <= p50) and long (> p90) requests.
+
+    With ``fcfs`` (the same trace under FCFS) also counts requests starved relative to it.
+    """
+    span_s = float(result.finish_s.max() - result.arrival_s.min())
+    short = output_tokens <= np.percentile(output_tokens, 50)
+    long = output_tokens > np.percentile(output_tokens, 90)
+    summary: dict[str, Any] = {
+        "throughput_rps": len(output_tokens) / span_s,
+        "output_tokens_per_s": float(output_tokens.sum()) / span_s,
+        "all": _latency(result, np.ones_like(short)),
+        "short": _latency(result, short),
+        "long": _latency(result, long),
+    }
+    if fcfs is not None:
+        bound_s = STARVE_FACTOR * np.maximum(fcfs.wait_s, STARVE_FLOOR_S)
+        summary["num_starved_vs_fcfs"] = int((result.wait_s > bound_s).sum())
+    return summary

@@ -1,0 +1,64 @@
+"""Shared fixtures: a real redis-server on a random loopback port, the tiny model, and a
+queue plane under a key prefix of its own per test (so tests never see each other's keys).
+
+Timing-sensitive waits scale by ``LANES_TEST_TIME_SCALE`` (default 1; raise it on slow CI).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from lanes.queue.embedded import EmbeddedRedis
+from lanes.queue.plane import QueuePlane
+from lanes.queue.settings import RedisSettings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+TIME_SCALE = float(os.environ.get("LANES_TEST_TIME_SCALE", "1"))
+
+
+def scaled(seconds: float) -> float:
+    return seconds * TIME_SCALE
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def redis_settings(redis_url: str, key_prefix: str) -> RedisSettings:
+    return RedisSettings(redis_url=redis_url, key_prefix=key_prefix, lease_ms=1000, start_timeout_ms=1000)
+
+
+@pytest.fixture
+async def plane(redis_settings: RedisSettings) -> AsyncIterator[QueuePlane]:
+    p = QueuePlane.from_settings(redis_settings)
+    yield p
+    await p.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):  # -> TinyModelPaths
+    from lanes.workers.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"))

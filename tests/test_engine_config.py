@@ -1,0 +1,213 @@
+"""Settings → vLLM / TensorRT-LLM arguments, and the validation that fails fast on bad combos.
+
+Pure: no engine package needed. Where ``vllm`` / ``tensorrt_llm`` are importable, the kwargs are
+also checked against the real classes' signatures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+import pytest
+
+from lanes.queue.messages import ChatMessage, FinishReason
+from lanes.workers.engines.base import EngineRequest
+from lanes.workers.engines.engine_config import (
+    ENGINE_QUEUE_MARGIN, ClassSpec, ConfigError, SpecCounters, filter_supported,
+    map_finish_reason, remaining_tokens, supported_names, trtllm_llm_kwargs,
+    trtllm_sampling_kwargs, validate, vllm_engine_kwargs, vllm_sampling_kwargs,
+)
+from lanes.workers.settings import WorkerSettings
+
+
+def settings(**kw: Any) -> WorkerSettings:
+    return WorkerSettings(_env_file=None, **{"model": "/models/m", **kw})
+
+
+def installed(_: str) -> bool:
+    return True
+
+
+def missing(_: str) -> bool:
+    return False
+
+
+def request(**kw: Any) -> EngineRequest:
+    return EngineRequest(id="r", messages=(ChatMessage("user", "hi"),), max_tokens=100, **kw)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    ({"engine": "vllm", "spec_method": "draft_model"}, "needs a draft model"),
+    ({"engine": "trtllm", "spec_method": "eagle3"}, "needs a draft model"),
+    ({"engine": "hf", "spec_method": "eagle", "draft_model": "d"}, "cannot run spec_method=eagle"),
+    ({"engine": "hf", "spec_method": "mtp"}, "cannot run spec_method=mtp"),
+    ({"engine": "hf", "quantization": "awq"}, "does not load awq"),
+    ({"engine": "vllm", "spec_method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+    ({"engine": "vllm", "max_num_batched_tokens": 4, "max_slots": 8}, ">= max_slots"),
+])
+def test_validate_rejects_bad_combinations(kw: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        validate(settings(**kw), is_installed=installed)
+
+
+@pytest.mark.parametrize("engine, extra", [("vllm", "lanes[vllm]"), ("trtllm", "lanes[trtllm]")])
+def test_validate_names_the_extra_to_install(engine: str, extra: str) -> None:
+    with pytest.raises(ConfigError, match=rf"pip install '{extra.replace('[', '.').replace(']', '.')}'"):
+        validate(settings(engine=engine), is_installed=missing)
+
+
+@pytest.mark.parametrize("kw", [
+    {"engine": "hf"}, {"engine": "hf", "spec_method": "prompt_lookup"},
+    {"engine": "hf", "spec_method": "draft_model", "draft_model": "d"},
+    {"engine": "vllm", "spec_method": "mtp"}, {"engine": "vllm", "quantization": "awq"},
+    {"engine": "trtllm", "spec_method": "eagle3", "draft_model": "e", "quantization": "awq"},
+])
+def test_validate_accepts_good_combinations(kw: dict[str, Any]) -> None:
+    validate(settings(**kw), is_installed=installed)
+
+
+def test_vllm_defaults_priority_chunked_prefill_and_capped_queue() -> None:
+    kw = vllm_engine_kwargs(settings(engine="vllm", max_slots=12))
+    assert kw["scheduling_policy"] == "priority" and kw["enable_chunked_prefill"] is True
+    assert kw["max_num_seqs"] == 12 and kw["max_num_batched_tokens"] == 2048
+    assert kw["max_num_queued_reqs"] == 12 + ENGINE_QUEUE_MARGIN
+    assert kw["kv_cache_dtype"] == "auto"
+    assert "quantization" not in kw and "speculative_config" not in kw
+    assert "max_model_len" not in kw
+
+
+def test_vllm_quantization_and_kv_cache() -> None:
+    kw = vllm_engine_kwargs(settings(quantization="awq", kv_cache_quantization=True,
+                                     max_model_len=4096))
+    assert kw["quantization"] == "awq" and kw["kv_cache_dtype"] == "fp8"
+    assert kw["max_model_len"] == 4096
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({"spec_method": "ngram"}, {"method": "ngram", "num_speculative_tokens": 4,
+                                "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
+    ({"spec_method": "prompt_lookup", "num_speculative_tokens": 3},
+     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+      "prompt_lookup_min": 1}),
+    ({"spec_method": "draft_model", "draft_model": "/d"},
+     {"method": "draft_model", "num_speculative_tokens": 4, "model": "/d"}),
+    ({"spec_method": "eagle3", "draft_model": "/e"},
+     {"method": "eagle3", "num_speculative_tokens": 4, "model": "/e"}),
+    ({"spec_method": "mtp", "num_speculative_tokens": 1},
+     {"method": "mtp", "num_speculative_tokens": 1}),
+])
+def test_vllm_speculative_config(kw: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert vllm_engine_kwargs(settings(**kw))["speculative_config"] == expected
+
+
+def test_trtllm_kwargs_as_data() -> None:
+    kw = trtllm_llm_kwargs(settings(engine="trtllm", max_slots=6, max_num_batched_tokens=1024))
+    assert kw["max_batch_size"] == 6 and kw["max_num_tokens"] == 1024
+    assert kw["kv_cache_config"] == ClassSpec("KvCacheConfig",
+                                              {"dtype": "auto", "enable_block_reuse": True})
+    assert kw["scheduler_config"].optional and "speculative_config" not in kw
+    fp8 = trtllm_llm_kwargs(settings(kv_cache_quantization=True, quantization="awq"))
+    assert fp8["kv_cache_config"].kwargs["dtype"] == "fp8" and "quantization" not in fp8
+
+
+@pytest.mark.parametrize("kw, class_name, fields", [
+    ({"spec_method": "draft_model", "draft_model": "/d"}, "DraftTargetDecodingConfig",
+     {"max_draft_len": 4, "speculative_model": "/d"}),
+    ({"spec_method": "eagle", "draft_model": "/e"}, "EagleDecodingConfig",
+     {"max_draft_len": 4, "speculative_model": "/e"}),
+    ({"spec_method": "eagle3", "draft_model": "/e"}, "Eagle3DecodingConfig",
+     {"max_draft_len": 4, "speculative_model": "/e"}),
+    ({"spec_method": "ngram"}, "NGramDecodingConfig",
+     {"max_draft_len": 4, "max_matching_ngram_size": 2, "is_public_pool": False}),
+    ({"spec_method": "mtp", "num_speculative_tokens": 2}, "MTPDecodingConfig",
+     {"num_nextn_predict_layers": 2}),
+])
+def test_trtllm_speculative_config(kw: dict[str, Any], class_name: str,
+                                   fields: dict[str, Any]) -> None:
+    spec = trtllm_llm_kwargs(settings(**kw))["speculative_config"]
+    assert (spec.class_name, dict(spec.kwargs)) == (class_name, fields)
+
+
+def test_sampling_kwargs_subtract_resumed_tokens() -> None:
+    req = request(temperature=0.0, stop=("\n\n",), seed=3, resume_token_ids=(1, 2, 3))
+    assert remaining_tokens(req) == 97
+    assert vllm_sampling_kwargs(req) == {"max_tokens": 97, "temperature": 0.0, "top_p": 1.0,
+                                         "seed": 3, "stop": ["\n\n"]}
+    trt = trtllm_sampling_kwargs(req)
+    assert trt["top_k"] == 1 and "temperature" not in trt and trt["max_tokens"] == 97
+    assert trtllm_sampling_kwargs(request(temperature=0.7))["temperature"] == 0.7
+    assert remaining_tokens(request(resume_token_ids=tuple(range(150)))) == 0
+
+
+@pytest.mark.parametrize("raw, ours", [
+    (None, None), ("stop", FinishReason.STOP), ("length", FinishReason.LENGTH),
+    ("abort", FinishReason.CANCELLED), ("cancelled", FinishReason.CANCELLED),
+    ("error", FinishReason.ERROR), ("timeout", FinishReason.ERROR),
+    ("repetition", FinishReason.STOP), ("something-new", FinishReason.ERROR),
+])
+def test_finish_reason_mapping(raw: str | None, ours: FinishReason | None) -> None:
+    assert map_finish_reason(raw) == ours
+
+
+def test_filter_supported_by_dataclass_and_signature() -> None:
+    @dataclasses.dataclass
+    class Args:
+        model: str = ""
+        max_num_seqs: int = 1
+
+    def func(model: str, dtype: str = "auto") -> None: ...
+
+    kept, dropped = filter_supported({"model": "m", "max_num_queued_reqs": 3},
+                                     supported_names(Args))
+    assert kept == {"model": "m"} and dropped == ["max_num_queued_reqs"]
+    assert supported_names(func) == {"model", "dtype"}
+
+
+def test_spec_counters_rates() -> None:
+    counters = SpecCounters()
+    assert counters.as_dict()["spec_acceptance_rate"] == 0.0
+    counters.observe(2, 8, 6)
+    out = counters.as_dict()
+    assert out["spec_acceptance_rate"] == 0.75 and out["spec_mean_acceptance_length"] == 4.0
+
+
+# ---- against the real classes, where installed -------------------------------------------
+
+has_vllm = importlib.util.find_spec("vllm") is not None
+has_trtllm = importlib.util.find_spec("tensorrt_llm") is not None
+#: Engine args that only newer releases have; the adapter drops them elsewhere.
+VERSION_DEPENDENT = {"max_num_queued_reqs"}
+
+
+@pytest.mark.skipif(not has_vllm, reason="vllm not installed")
+def test_vllm_kwargs_match_real_signatures() -> None:
+    from vllm import SamplingParams
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw = vllm_engine_kwargs(settings(spec_method="draft_model", draft_model="/d",
+                                     quantization="awq", max_model_len=4096))
+    assert set(kw) - VERSION_DEPENDENT <= supported_names(AsyncEngineArgs)
+    assert set(kw["speculative_config"]) <= supported_names(SpeculativeConfig)
+    ngram = vllm_engine_kwargs(settings(spec_method="ngram"))["speculative_config"]
+    assert set(ngram) <= supported_names(SpeculativeConfig)
+    SamplingParams(**vllm_sampling_kwargs(request(temperature=0.5)))
+
+
+@pytest.mark.skipif(not has_trtllm, reason="tensorrt_llm not installed")
+def test_trtllm_kwargs_match_real_classes() -> None:
+    import tensorrt_llm
+    from tensorrt_llm import llmapi
+
+    from lanes.workers.engines.trtllm import build_llm_kwargs
+
+    for kw in ({"spec_method": "draft_model", "draft_model": "/d"}, {"spec_method": "ngram"},
+               {"spec_method": "mtp"}, {"spec_method": "eagle3", "draft_model": "/e"}):
+        built = build_llm_kwargs(trtllm_llm_kwargs(settings(**kw)), llmapi)
+        assert built["kv_cache_config"].dtype == "auto"
+        assert built["speculative_config"] is not None
+    names = supported_names(tensorrt_llm.SamplingParams)
+    kept, _ = filter_supported(trtllm_sampling_kwargs(request(temperature=0.0)), names)
+    tensorrt_llm.SamplingParams(**kept)

@@ -1,0 +1,207 @@
+"""The transformers speculative engine on a real (random) tiny Llama, fully offline.
+
+Greedy speculative decoding must be *exactly* the target's greedy output, so every test here
+compares against ``model.generate(do_sample=False)`` token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+
+from lanes.queue.messages import ChatMessage, FinishReason  # noqa: E402
+from lanes.workers.engines.base import Engine, EngineDelta, EngineRequest  # noqa: E402
+from lanes.workers.engines.hf_spec import (  # noqa: E402
+    HFSpeculativeEngine, IncrementalText, prompt_lookup,
+)
+from lanes.workers.models.tiny import TinyModelPaths, build_tiny  # noqa: E402
+
+MESSAGES = (ChatMessage("user", "A class definition is an executable statement."),)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelPaths:
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny: TinyModelPaths) -> tuple[list[int], list[int], str]:
+    """(prompt ids, greedy output ids of 48 tokens, its text) from plain ``generate``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny.target)
+    model = AutoModelForCausalLM.from_pretrained(tiny.target, dtype=torch.float32).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": MESSAGES[0].content}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                         min_new_tokens=48, pad_token_id=tok.pad_token_id)
+    ids = out[0, len(prompt):].tolist()
+    return prompt, ids, tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def request(max_tokens: int = 48, **kw: object) -> EngineRequest:
+    return EngineRequest(id=str(kw.pop("id", "r1")), messages=MESSAGES, max_tokens=max_tokens,
+                         temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+async def collect(engine: HFSpeculativeEngine, req: EngineRequest) -> list[EngineDelta]:
+    return [d async for d in engine.generate(req)]
+
+
+async def started(model: Path, **kw: object) -> HFSpeculativeEngine:
+    engine = HFSpeculativeEngine(model, **kw)  # type: ignore[arg-type]
+    await engine.start()
+    return engine
+
+
+def joined(deltas: list[EngineDelta]) -> tuple[list[int], str]:
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model", "prompt_lookup"])
+async def test_greedy_matches_generate_token_for_token(tiny, greedy_ref, method) -> None:
+    _, ref_ids, ref_text = greedy_ref
+    engine = await started(tiny.target, draft_dir=tiny.draft, method=method)
+    assert isinstance(engine, Engine)
+    deltas = await collect(engine, request())
+    ids, text = joined(deltas)
+    eos = engine._eos_ids
+    cut = next((i + 1 for i, t in enumerate(ref_ids) if t in eos), len(ref_ids))
+    assert ids == ref_ids[:cut]
+    assert deltas[-1].finish_reason == (FinishReason.STOP if cut < 48 else FinishReason.LENGTH)
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert all(d.prompt_tokens == len(greedy_ref[0]) for d in deltas)
+    assert text == ref_text if cut == 48 else ref_text.startswith(text)
+    stats = engine.stats()
+    assert stats["tokens_generated"] == len(ids)
+    if method == "draft_model":
+        assert stats["spec_num_draft_tokens"] > 0 and stats["draft_forwards"] > 0
+        assert stats["target_forwards"] <= len(ids)
+    await engine.close()
+
+
+async def test_draft_equal_to_target_accepts_everything(tiny, greedy_ref) -> None:
+    engine = await started(tiny.target, draft_dir=tiny.target, method="draft_model",
+                           num_speculative_tokens=4)
+    ids, _ = joined(await collect(engine, request()))
+    stats = engine.stats()
+    assert ids == greedy_ref[1][:len(ids)]
+    assert stats["spec_acceptance_rate"] == 1.0
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+    # 1 prefill forward makes the first token; every verify forward yields accepted + 1.
+    assert stats["target_forwards"] == 1 + stats["spec_num_drafts"]
+    assert stats["spec_num_accepted_tokens"] == len(ids) - 1 - stats["spec_num_drafts"]
+    assert stats["spec_mean_acceptance_length"] == pytest.approx(4.7)  # 9 steps of k=4, 1 of k=1
+    await engine.close()
+
+
+async def test_streams_several_deltas(tiny) -> None:
+    engine = await started(tiny.target, method="none")
+    deltas = await collect(engine, request(max_tokens=20))
+    assert len(deltas) >= 2 and deltas[0].token_ids
+    await engine.close()
+
+
+async def test_abort_mid_generation_ends_with_cancelled(tiny) -> None:
+    engine = await started(tiny.target, draft_dir=tiny.draft, method="draft_model")
+    req = request(max_tokens=1500, id="long")
+    deltas: list[EngineDelta] = []
+    async for delta in engine.generate(req):
+        deltas.append(delta)
+        if len(deltas) == 3:
+            await engine.abort(req.id)
+    assert deltas[-1].finish_reason == FinishReason.CANCELLED
+    assert sum(len(d.token_ids) for d in deltas) < 100
+    assert engine.stats()["running"] == 0 or await asyncio.sleep(0.2) is None
+    await engine.close()
+
+
+async def test_consumer_cancel_stops_the_thread(tiny) -> None:
+    engine = await started(tiny.target, method="none")
+
+    async def consume() -> None:
+        async for _ in engine.generate(request(max_tokens=1500, id="gone")):
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        if engine.stats()["running"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.stats()["running"] == 0
+    await engine.close()
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+async def test_resume_continues_identically(tiny, greedy_ref, method) -> None:
+    _, ref_ids, _ = greedy_ref
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny.target)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    engine = await started(tiny.target, draft_dir=tiny.draft, method=method)
+    full_ids, _ = joined(await collect(engine, request(max_tokens=30)))
+    m = 11
+    resumed = await collect(engine, request(max_tokens=30, resume_token_ids=tuple(full_ids[:m])))
+    ids, text = joined(resumed)
+    assert full_ids[:m] + ids == full_ids
+    assert decode(full_ids[:m]) + text == decode(full_ids)
+    assert resumed[0].text == decode(full_ids)[len(decode(full_ids[:m])):][:len(resumed[0].text)]
+    assert resumed[-1].finish_reason == FinishReason.LENGTH or full_ids[-1] in engine._eos_ids
+    done = await collect(engine, request(max_tokens=5, resume_token_ids=tuple(full_ids[:5])))
+    assert done == [EngineDelta((), "", FinishReason.LENGTH, done[0].prompt_tokens)]
+    await engine.close()
+
+
+async def test_sampling_runs_without_speculation(tiny) -> None:
+    engine = await started(tiny.target, draft_dir=tiny.draft, method="draft_model")
+    req = EngineRequest(id="s", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=7)
+    first = joined(await collect(engine, req))[0]
+    again = joined(await collect(engine, req))[0]
+    assert first == again and 0 < len(first) <= 16
+    assert engine.stats()["spec_num_draft_tokens"] == 0
+    await engine.close()
+
+
+def test_incremental_text_holds_back_partial_characters_and_stops() -> None:
+    pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b" ok", 5: b"END", 6: b"!"}
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    text = IncrementalText(decode, prior_ids=[], stop=["ENDX"])
+    assert [text.push([1]), text.push([2]), text.push([3])] == ["caf", "", "é"]
+    assert text.push([4, 5]) == " ok"  # "END" may start "ENDX": held back
+    assert text.push([6]) == "END!" and not text.stopped
+    stopper = IncrementalText(decode, prior_ids=[1], stop=["ok"])
+    assert stopper.push([2, 3, 4, 6]) == "é " and stopper.stopped and stopper.flush() == ""
+
+
+def test_prompt_lookup_copies_what_followed_the_last_match() -> None:
+    assert prompt_lookup([5, 6, 7, 8, 1, 5, 6], 3, 2) == [7, 8, 1]
+    assert prompt_lookup([1, 2, 3], 3, 2) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_greedy_speculation_matches_cpu(tiny, greedy_ref) -> None:
+    engine = await started(tiny.target, draft_dir=tiny.target, method="draft_model",
+                           device="cuda")
+    ids, _ = joined(await collect(engine, request()))
+    assert ids == greedy_ref[1][:len(ids)]
+    assert engine.stats()["spec_acceptance_rate"] == 1.0
+    await engine.close()

@@ -1,0 +1,130 @@
+"""Pure tests of lane choice, slot reservation, anti-starvation and admission (no loop, no Redis)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lanes.queue.messages import Lane
+from lanes.scheduler.admission import AdmissionConfig, RejectReason, admit, predict_wait_ms
+from lanes.scheduler.policy import (
+    LaneThresholds,
+    SlotConfig,
+    choose_lane,
+    eligible_lanes,
+    lanes_to_pop,
+    short_to_long_rate,
+    thresholds_from_error,
+    trtllm_priority,
+    vllm_priority,
+)
+
+S, M, L = Lane.SHORT, Lane.MEDIUM, Lane.LONG
+
+
+def running(short: int = 0, medium: int = 0, long: int = 0) -> dict[Lane, int]:
+    return {S: short, M: medium, L: long}
+
+
+def test_choose_lane_boundaries() -> None:
+    t = LaneThresholds(short_max_tokens=100, medium_max_tokens=400)
+    assert [choose_lane(n, t) for n in (1, 100, 101, 400, 401)] == [S, S, M, M, L]
+
+
+def test_eligible_lanes_keeps_reserved_slots() -> None:
+    config = SlotConfig(max_slots=8, max_long=4, max_medium_long=6)
+    assert eligible_lanes(running(), config) == (S, M, L)
+    assert eligible_lanes(running(long=4), config) == (S, M)
+    assert eligible_lanes(running(medium=3, long=3), config) == (S,)
+    assert eligible_lanes(running(short=8), config) == ()
+
+
+def test_lanes_to_pop_plain_priority_without_starvation() -> None:
+    config = SlotConfig(max_slots=8, max_long=4, max_medium_long=6, min_long=2, starve_after_ms=1000)
+    ages = {S: 10.0, M: 10.0, L: 999.0}
+    assert lanes_to_pop(running(), ages, config) == (S, M, L)
+
+
+def test_starving_long_lane_takes_its_guaranteed_share_first() -> None:
+    config = SlotConfig(max_slots=8, max_long=4, max_medium_long=6, min_long=2, starve_after_ms=1000)
+    ages = {S: 10.0, L: 1000.0}
+    assert lanes_to_pop(running(long=1), ages, config) == (L, S, M)
+    # At its guaranteed share it falls back behind the shorter lanes.
+    assert lanes_to_pop(running(long=2), ages, config) == (S, M, L)
+
+
+def test_guaranteed_share_overrides_caps_but_not_a_full_worker() -> None:
+    config = SlotConfig(max_slots=4, max_long=0, max_medium_long=0, min_long=1, starve_after_ms=0)
+    assert lanes_to_pop(running(short=1), {L: 5.0}, config) == (L, S)
+    assert lanes_to_pop(running(short=4), {L: 5.0}, config) == ()
+
+
+def test_longest_starving_lane_goes_first() -> None:
+    config = SlotConfig(max_slots=8, min_medium=2, min_long=2, starve_after_ms=100)
+    assert lanes_to_pop(running(), {M: 200.0, L: 300.0}, config)[:2] == (L, M)
+    assert lanes_to_pop(running(), {M: 400.0, L: 300.0}, config)[:2] == (M, L)
+
+
+def test_protected_lane_keeps_priority_under_overload() -> None:
+    config = SlotConfig(max_slots=8, min_long=4, starve_after_ms=1000, protect_after_ms=500)
+    assert lanes_to_pop(running(), {S: 100.0, L: 5000.0}, config)[0] == L
+    assert lanes_to_pop(running(), {S: 600.0, L: 5000.0}, config)[0] == S
+
+
+def test_borrow_when_idle_lets_long_use_reserved_slots() -> None:
+    config = SlotConfig(max_slots=8, max_long=2, max_medium_long=2, borrow_when_idle=True)
+    assert lanes_to_pop(running(long=2), {L: 1.0}, config) == (S, M, L)
+    assert lanes_to_pop(running(long=2), {S: 1.0, L: 1.0}, config) == (S,)
+    # Medium may borrow past the empty short lane; long may not jump waiting medium requests.
+    assert lanes_to_pop(running(long=2), {M: 1.0, L: 1.0}, config) == (S, M)
+
+
+def test_slot_config_rejects_oversized_guarantees() -> None:
+    with pytest.raises(ValueError):
+        SlotConfig(max_slots=4, min_medium=3, min_long=2)
+
+
+def test_engine_priorities_follow_lane_order() -> None:
+    assert [vllm_priority(x) for x in (S, M, L)] == [0, 1, 2]
+    assert trtllm_priority(S) > trtllm_priority(M) > trtllm_priority(L)
+
+
+def test_misroute_rate_and_thresholds_from_error() -> None:
+    observed = list(range(1, 1001))
+    assert short_to_long_rate([100], 0.0, 99) == 1.0
+    assert short_to_long_rate([100], 0.5, 100) == pytest.approx(0.5)
+    t = thresholds_from_error(observed, 0.8, max_short_to_long=0.01)
+    shorts = [x for x in observed if x <= t.short_max_tokens]
+    assert t.short_max_tokens == 501
+    assert short_to_long_rate(shorts, 0.8, t.medium_max_tokens) <= 0.01
+    assert short_to_long_rate(shorts, 0.8, t.medium_max_tokens * 0.95) > 0.01
+    # Noisier predictions push the long lane further out.
+    noisy, sharp = thresholds_from_error(observed, 1.0), thresholds_from_error(observed, 0.5)
+    assert noisy.medium_max_tokens > sharp.medium_max_tokens
+    two_lanes = thresholds_from_error(observed, 0.8, max_short_to_long=0.01, max_short_to_medium=0.0)
+    assert two_lanes.short_max_tokens == two_lanes.medium_max_tokens
+
+
+def test_predict_wait_counts_lanes_ahead() -> None:
+    depth = {S: 10, M: 20, L: 5}
+    rates = {S: 5.0, M: 5.0, L: 1.0}
+    assert predict_wait_ms(S, depth, rates) == pytest.approx(2000.0)
+    assert predict_wait_ms(M, depth, rates) == pytest.approx(3000.0)
+    assert predict_wait_ms(L, {}, {}) == 0.0
+    assert math.isinf(predict_wait_ms(L, {L: 1}, {}))
+
+
+def test_admit_refuses_full_lane_and_unmeetable_deadline() -> None:
+    config = AdmissionConfig(max_depth={L: 5})
+    rates = {S: 5.0, M: 5.0, L: 1.0}
+    ok = admit(S, 10_000, {S: 10}, rates, config)
+    assert ok.admitted and ok.reason is None and ok.retry_after_ms == 0
+    full = admit(L, None, {L: 5}, rates, config)
+    assert (full.admitted, full.reason) == (False, RejectReason.LANE_FULL)
+    assert full.retry_after_ms == 100  # 1 excess request at 11 req/s = 91 ms, clamped up
+    late = admit(S, 1000, {S: 15}, rates, config)
+    assert (late.admitted, late.reason) == (False, RejectReason.DEADLINE)
+    assert late.predicted_wait_ms == pytest.approx(3000.0) and late.retry_after_ms == 2000
+    dead = admit(L, 1000, {L: 1}, {}, AdmissionConfig())
+    assert (dead.reason, dead.retry_after_ms) == (RejectReason.NO_CAPACITY, 60_000)

@@ -1,0 +1,161 @@
+"""Queue plane against a real redis-server: enqueue, strict priority, claim, lease, reaper,
+cancel and stream fencing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lanes.queue.messages import ChatMessage, Lane, RequestPayload, TokenEvent
+from lanes.queue.plane import QueuePlane, connect
+
+MSG = (ChatMessage("user", "hi"),)
+
+
+def payload(request_id: str, lane: Lane = Lane.SHORT) -> RequestPayload:
+    return RequestPayload(id=request_id, messages=MSG, max_tokens=8, lane=lane)
+
+
+async def pop(plane: QueuePlane, lanes: tuple[Lane, ...] = (Lane.SHORT, Lane.MEDIUM, Lane.LONG)):
+    conn = connect(plane.settings.redis_url)
+    try:
+        return await plane.pop(conn, lanes, timeout_s=0.2)
+    finally:
+        await conn.aclose()
+
+
+async def test_enqueue_claim_heartbeat_complete(plane: QueuePlane) -> None:
+    enq = await plane.enqueue(payload("a"), "edge-1")
+    assert enq.created and enq.enqueued_at_ms > 0
+    assert await pop(plane) == ("a", Lane.SHORT)
+    claim = await plane.claim("a", "w1")
+    assert claim is not None
+    assert (claim.attempt, claim.edge, claim.payload) == (1, "edge-1", payload("a"))
+    assert claim.claimed_at_ms >= claim.enqueued_at_ms
+    assert await plane.claim("a", "w2") is None, "a running request cannot be claimed twice"
+    assert await plane.heartbeat([("a", 1)]) == [("ok", "edge-1")]
+    assert await plane.heartbeat([("a", 7)]) == [("lost", "edge-1")], "a stale attempt is told it lost"
+    assert await plane.complete("a", 1, "done")
+    assert await plane.redis.hget(plane.keys.request("a"), "state") == b"done"
+    assert await plane.redis.zscore(plane.keys.watch, "a") is None
+
+
+async def test_strict_lane_priority(plane: QueuePlane) -> None:
+    for request_id, lane in [("l1", Lane.LONG), ("m1", Lane.MEDIUM), ("s1", Lane.SHORT), ("s2", Lane.SHORT)]:
+        await plane.enqueue(payload(request_id, lane), "e")
+        await asyncio.sleep(0.002)
+    order = [await pop(plane) for _ in range(4)]
+    assert order == [("s1", Lane.SHORT), ("s2", Lane.SHORT), ("m1", Lane.MEDIUM), ("l1", Lane.LONG)]
+    assert await pop(plane) is None
+
+
+async def test_pop_only_from_given_lanes(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("l", Lane.LONG), "e")
+    assert await pop(plane, (Lane.SHORT, Lane.MEDIUM)) is None
+    assert await pop(plane, (Lane.SHORT, Lane.MEDIUM, Lane.LONG)) == ("l", Lane.LONG)
+
+
+async def test_blocking_pop_wakes_on_enqueue(plane: QueuePlane) -> None:
+    conn = connect(plane.settings.redis_url)
+    waiter = asyncio.create_task(plane.pop(conn, (Lane.SHORT,), timeout_s=5))
+    await asyncio.sleep(0.1)
+    await plane.enqueue(payload("w"), "e")
+    assert await asyncio.wait_for(waiter, 2) == ("w", Lane.SHORT)
+    await conn.aclose()
+
+
+async def test_enqueue_is_idempotent(plane: QueuePlane) -> None:
+    assert (await plane.enqueue(payload("dup"), "e")).created
+    again = await plane.enqueue(payload("dup", Lane.LONG), "e2")
+    assert not again.created and again.existing_state == "queued"
+    assert await plane.redis.zcard(plane.keys.pending(Lane.SHORT)) == 1
+    assert await plane.redis.zcard(plane.keys.pending(Lane.LONG)) == 0
+
+
+async def test_cancel_queued_leaves_lane(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("c"), "e")
+    assert await plane.cancel("c") == ("queued", "")
+    assert await pop(plane) is None
+    assert await plane.claim("c", "w") is None
+    assert await plane.cancel("nope") == ("absent", "")
+
+
+async def test_cancel_running_tells_its_worker(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("r"), "e")
+    await pop(plane)
+    await plane.claim("r", "w9")
+    pubsub = plane.redis.pubsub()
+    await pubsub.subscribe(plane.keys.control_channel("w9"))
+    await pubsub.get_message(timeout=1)
+    assert await plane.cancel("r") == ("running", "w9")
+    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    assert msg is not None and b'"cancel"' in msg["data"] and b'"r"' in msg["data"]
+    assert await plane.heartbeat([("r", 1)]) == [("cancelled", "e")]
+    await pubsub.aclose()
+
+
+async def test_expired_lease_is_requeued_at_its_place(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("first"), "e")
+    await asyncio.sleep(0.005)
+    await plane.enqueue(payload("second"), "e")
+    assert await pop(plane) == ("first", Lane.SHORT)
+    await plane.claim("first", "dead-worker")
+    now = await plane.server_time_ms()
+    assert [r.action for r in await plane.reap(now)] == [], "lease still valid"
+    reaped = await plane.reap(now + plane.settings.lease_ms + 10)
+    assert {r.id: r.action for r in reaped} == {"first": "requeued", "second": "waiting"}
+    assert await pop(plane) == ("first", Lane.SHORT), "back ahead of the later request"
+    claim = await plane.claim("first", "w2")
+    assert claim is not None and claim.attempt == 2
+
+
+async def test_popped_but_unclaimed_is_restored(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("lost"), "e")
+    assert await pop(plane) == ("lost", Lane.SHORT)  # the popping worker dies here
+    now = await plane.server_time_ms()
+    reaped = await plane.reap(now + plane.settings.start_timeout_ms + 10)
+    assert [(r.id, r.action) for r in reaped] == [("lost", "restored")]
+    assert await pop(plane) == ("lost", Lane.SHORT)
+
+
+async def test_waiting_request_deadline_is_extended(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("slow"), "e")
+    now = await plane.server_time_ms()
+    reaped = await plane.reap(now + plane.settings.start_timeout_ms + 10)
+    assert [r.action for r in reaped] == ["waiting"]
+    assert await plane.redis.zscore(plane.keys.pending(Lane.SHORT), "slow") is not None
+
+
+async def test_too_many_attempts_fail(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("x"), "e")
+    for attempt in range(1, plane.settings.max_attempts + 1):
+        assert await pop(plane) == ("x", Lane.SHORT)
+        assert (await plane.claim("x", "w")).attempt == attempt
+        now = await plane.server_time_ms()
+        reaped = await plane.reap(now + plane.settings.lease_ms + 10)
+        expected = "failed" if attempt == plane.settings.max_attempts else "requeued"
+        assert [r.action for r in reaped] == [expected]
+    assert await plane.redis.hget(plane.keys.request("x"), "state") == b"failed"
+
+
+async def test_stream_append_is_fenced_and_ordered(plane: QueuePlane) -> None:
+    events = [TokenEvent("s", 1, seq, f"t{seq}", (seq,)) for seq in range(3)]
+    assert await plane.fence("s", 1) == 1
+    assert await plane.append({"s": events}) == {"s": 3}
+    assert [e.text for e in await plane.read_stream("s")] == ["t0", "t1", "t2"]
+    assert [e.seq for e in await plane.read_stream("s", after_seq=0)] == [1, 2]
+    assert await plane.append({"s": [TokenEvent("s", 1, 2, "again")]}) == {"s": -2}, "a seq is written once"
+    assert await plane.fence("s", 2) == 2
+    assert await plane.append({"s": [TokenEvent("s", 1, 3, "zombie")]}) == {"s": -1}, "old attempt fenced"
+    assert await plane.fence("s", 1) == 2, "the fence never goes down"
+    assert await plane.append({"s": [TokenEvent("s", 2, 3, "new")]}) == {"s": 1}
+
+
+@pytest.mark.parametrize("lane", list(Lane))
+async def test_lane_depths(plane: QueuePlane, lane: Lane) -> None:
+    await plane.enqueue(payload("d1", lane), "e")
+    now = await plane.server_time_ms()
+    pending, oldest = await plane.lane_depths(now + 50)
+    assert pending[lane.value] == 1 and sum(pending.values()) == 1
+    assert oldest[lane.value] >= 50

@@ -1,0 +1,91 @@
+"""The sim engine runs at the cost profile's pace (scaled) and honours the engine protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from lanes.queue.messages import ChatMessage, FinishReason
+from lanes.scheduler.costmodel import SpecDecoding, get_profile
+from lanes.workers.engines.base import Engine, EngineRequest, RequestRejected
+from lanes.workers.engines.sim import SimEngine
+
+PROFILE = get_profile("l70-h100")
+PROMPT = (ChatMessage("user", "x" * 4096),)  # ~1024 tokens
+
+
+def request(rid: str, max_tokens: int) -> EngineRequest:
+    return EngineRequest(id=rid, messages=PROMPT, max_tokens=max_tokens)
+
+
+async def collect(engine: SimEngine, req: EngineRequest) -> tuple[list, float]:
+    started = time.perf_counter()
+    deltas = [d async for d in engine.generate(req)]
+    return deltas, time.perf_counter() - started
+
+
+async def test_decode_pace_matches_profile() -> None:
+    engine = SimEngine(PROFILE, time_scale=2.0)
+    assert isinstance(engine, Engine)
+    await engine.start()
+    try:
+        deltas, elapsed_s = await collect(engine, request("a", 41))
+    finally:
+        await engine.close()
+    expected_s = (PROFILE.prefill_step_ms(1024) + 40 * PROFILE.decode_step_ms(1)) / 1000.0 / 2.0
+    assert elapsed_s == pytest.approx(expected_s, rel=0.15)
+    assert len(deltas) == 41 and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert "".join(d.text for d in deltas).split() == [f"tok{i}" for i in range(41)]
+    assert deltas[0].prompt_tokens == 1024
+    stats = engine.stats()
+    assert stats["steps"] == 40 and stats["batch_size_hist"] == {1: 40} and stats["running"] == 0
+
+
+async def test_batching_steps_all_running_together() -> None:
+    engine = SimEngine(PROFILE, time_scale=4.0, max_num_seqs=4)
+    await engine.start()
+    try:
+        results = await asyncio.gather(*(collect(engine, request(str(i), 30)) for i in range(6)))
+    finally:
+        await engine.close()
+    assert all(len(deltas) == 30 for deltas, _ in results)
+    hist = engine.stats()["batch_size_hist"]
+    assert max(hist) == 4  # never more than max_num_seqs at once
+    # 6 requests of 29 decode steps in batches of <= 4 take far fewer than 6 * 29 steps.
+    assert engine.stats()["steps"] < 3 * 29
+
+
+async def test_abort_ends_generation_with_cancelled() -> None:
+    engine = SimEngine(PROFILE, time_scale=10.0)
+    await engine.start()
+    try:
+        seen = []
+        async for delta in engine.generate(request("c", 10_000)):
+            seen.append(delta)
+            if len(seen) == 3:
+                await engine.abort("c")
+        assert seen[-1].finish_reason is FinishReason.CANCELLED
+        assert engine.stats()["running"] == 0
+    finally:
+        await engine.close()
+
+
+async def test_speculative_decoding_reports_acceptance() -> None:
+    spec = SpecDecoding(acceptance_rate=0.7, num_draft_tokens=4, draft_cost_ratio=0.0)
+    engine = SimEngine(PROFILE, time_scale=10.0, spec=spec, seed=1)
+    await engine.start()
+    try:
+        deltas, _ = await collect(engine, request("s", 301))
+    finally:
+        await engine.close()
+    assert sum(len(d.token_ids) for d in deltas) == 301
+    assert engine.stats()["steps"] < 300 / 1.8
+    assert engine.stats()["acceptance"] == pytest.approx(0.7 * (1 - 0.7**4) / (1 - 0.7) / 4, abs=0.12)
+
+
+async def test_rejects_nothing_left_to_generate() -> None:
+    engine = SimEngine(PROFILE)
+    with pytest.raises(RequestRejected):
+        await anext(engine.generate(EngineRequest(id="r", messages=PROMPT, max_tokens=2, resume_token_ids=(1, 2))))

@@ -1,0 +1,269 @@
+"""Pure translation from our settings and requests to vLLM / TensorRT-LLM arguments.
+
+Everything here is plain data in, plain data out: no vllm, tensorrt_llm or torch import, so
+the whole mapping is unit-tested on a CPU machine. The adapters (``vllm.py``, ``trtllm.py``)
+turn the data into real objects at start-up and drop arguments the installed version lacks
+(``filter_supported``), so one settings object works across engine releases.
+
+Exception tree::
+
+    ConfigError(ValueError)     a bad settings combination; ``code`` is machine-readable
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lanes.queue.messages import FinishReason
+from lanes.workers.engines.base import EngineRequest
+from lanes.workers.settings import WorkerSettings
+
+#: Requests the engine may hold beyond ``max_slots``: the worker feeds only free slots, so the
+#: engine queue stays short and the backlog stays in Redis where we can reorder it.
+ENGINE_QUEUE_MARGIN = 2
+#: Longest n-gram vLLM's prompt lookup matches (``prompt_lookup_max``).
+NGRAM_LOOKUP_MAX = 4
+#: Longest n-gram TRT-LLM's NGram drafter matches (``max_matching_ngram_size``).
+NGRAM_MATCH_MAX = 2
+
+_PACKAGES = {"vllm": ("vllm", "lanes[vllm]"), "trtllm": ("tensorrt_llm", "lanes[trtllm]")}
+_NEEDS_DRAFT = ("draft_model", "eagle", "eagle3")
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together; raised before any model is loaded."""
+
+    code = "bad_config"
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A config object as data: the class name in ``tensorrt_llm.llmapi`` and its kwargs.
+
+    ``fallbacks`` name older classes to try, in order, when ``class_name`` is missing.
+    """
+
+    class_name: str
+    kwargs: Mapping[str, Any]
+    fallbacks: tuple[str, ...] = ()
+    #: Build nothing (rather than fail) when the installed version has none of the classes.
+    optional: bool = False
+
+
+def _module_available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def spec_enabled(settings: WorkerSettings) -> bool:
+    return settings.spec_method != "none"
+
+
+def validate(
+    settings: WorkerSettings, *, is_installed: Callable[[str], bool] = _module_available
+) -> None:
+    """Raise ``ConfigError`` naming the fix for settings that cannot work.
+
+    ``is_installed`` answers whether a module can be imported (injected by tests).
+    """
+    method, engine = settings.spec_method, settings.engine
+    if engine in _PACKAGES:
+        module, extra = _PACKAGES[engine]
+        if not is_installed(module):
+            raise ConfigError(
+                f"engine={engine} needs the {module} package, which is not installed: "
+                f"pip install '{extra}' (on a machine with an NVIDIA GPU)"
+            )
+    if method in _NEEDS_DRAFT and not settings.draft_model:
+        raise ConfigError(f"spec_method={method} needs a draft model: set LANES_DRAFT_MODEL")
+    if method != "none" and settings.num_speculative_tokens < 1:
+        raise ConfigError("num_speculative_tokens must be >= 1 when speculation is on")
+    if engine == "hf" and method in ("eagle", "eagle3", "mtp"):
+        raise ConfigError(
+            f"the hf engine cannot run spec_method={method}; use draft_model or "
+            "prompt_lookup, or the vllm/trtllm engine"
+        )
+    if engine == "hf" and settings.quantization != "none":
+        raise ConfigError(
+            f"the hf engine does not load {settings.quantization} checkpoints here; "
+            "use engine=vllm or engine=trtllm"
+        )
+    if engine in ("vllm", "trtllm") and settings.max_num_batched_tokens < settings.max_slots:
+        raise ConfigError("max_num_batched_tokens must be >= max_slots (one token per sequence)")
+
+
+def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
+    """``speculative_config`` for ``AsyncEngineArgs`` (keys of ``vllm/config/speculative.py``)."""
+    method, k = settings.spec_method, settings.num_speculative_tokens
+    if method == "none":
+        return None
+    if method in ("ngram", "prompt_lookup"):
+        return {"method": "ngram", "num_speculative_tokens": k,
+                "prompt_lookup_max": NGRAM_LOOKUP_MAX, "prompt_lookup_min": 1}
+    config: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+    if settings.draft_model:  # mtp reads the target's own MTP layers unless given weights
+        config["model"] = settings.draft_model
+    return config
+
+
+def vllm_engine_kwargs(settings: WorkerSettings) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "max_num_seqs": settings.max_slots,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enable_chunked_prefill": True,
+        "scheduling_policy": "priority",
+        # Counts waiting + running; only in newer releases (dropped elsewhere at start-up).
+        "max_num_queued_reqs": settings.max_slots + ENGINE_QUEUE_MARGIN,
+        "kv_cache_dtype": "fp8" if settings.kv_cache_quantization else "auto",
+        "disable_log_stats": False,  # our stat logger reads running/waiting/kv/spec counters
+    }
+    if settings.max_model_len:
+        kwargs["max_model_len"] = settings.max_model_len
+    if settings.quantization != "none":
+        kwargs["quantization"] = settings.quantization
+    speculative = vllm_speculative_config(settings)
+    if speculative is not None:
+        kwargs["speculative_config"] = speculative
+    return kwargs
+
+
+def trtllm_speculative_config(settings: WorkerSettings) -> ClassSpec | None:
+    """The TRT-LLM ``speculative_config`` as data (classes of ``llmapi/llm_args.py``)."""
+    method, k, draft = settings.spec_method, settings.num_speculative_tokens, settings.draft_model
+    if method == "none":
+        return None
+    if method in ("ngram", "prompt_lookup"):
+        return ClassSpec("NGramDecodingConfig", {
+            "max_draft_len": k, "max_matching_ngram_size": NGRAM_MATCH_MAX,
+            "is_public_pool": False})  # a per-request pool: chats share little text
+    if method == "draft_model":
+        return ClassSpec("DraftTargetDecodingConfig",
+                         {"max_draft_len": k, "speculative_model": draft})
+    if method == "eagle":
+        return ClassSpec("EagleDecodingConfig", {"max_draft_len": k, "speculative_model": draft})
+    if method == "eagle3":
+        return ClassSpec("Eagle3DecodingConfig", {"max_draft_len": k, "speculative_model": draft},
+                         fallbacks=("EagleDecodingConfig",))
+    assert method == "mtp", method
+    return ClassSpec("MTPDecodingConfig", {"num_nextn_predict_layers": k})
+
+
+def trtllm_llm_kwargs(settings: WorkerSettings) -> dict[str, Any]:
+    """Keyword arguments for ``tensorrt_llm.LLM`` (PyTorch backend); ``ClassSpec`` values are
+    built into ``tensorrt_llm.llmapi`` objects by the adapter.
+
+    AWQ / FP8 weights come from a pre-quantized checkpoint whose method the PyTorch backend
+    detects, so ``quantization`` adds no argument; the KV cache stays unquantized unless asked.
+    """
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "max_batch_size": settings.max_slots,
+        "max_num_tokens": settings.max_num_batched_tokens,
+        "enable_chunked_prefill": True,
+        "kv_cache_config": ClassSpec("KvCacheConfig", {
+            "dtype": "fp8" if settings.kv_cache_quantization else "auto",
+            "enable_block_reuse": True}),
+        # Priority queueing exists only in newer releases; elsewhere FCFS (Redis orders anyway).
+        "scheduler_config": ClassSpec("SchedulerConfig", {"waiting_queue_policy": "priority"},
+                                      optional=True),
+    }
+    if settings.max_model_len:
+        kwargs["max_seq_len"] = settings.max_model_len
+    speculative = trtllm_speculative_config(settings)
+    if speculative is not None:
+        kwargs["speculative_config"] = speculative
+    return kwargs
+
+
+def remaining_tokens(request: EngineRequest) -> int:
+    """Tokens still to generate: a resumed request already streamed ``resume_token_ids``."""
+    return max(0, request.max_tokens - len(request.resume_token_ids))
+
+
+def vllm_sampling_kwargs(request: EngineRequest) -> dict[str, Any]:
+    """``SamplingParams`` kwargs except ``output_kind`` (an enum the adapter adds)."""
+    return {"max_tokens": remaining_tokens(request), "temperature": request.temperature,
+            "top_p": request.top_p, "seed": request.seed, "stop": list(request.stop) or None}
+
+
+def trtllm_sampling_kwargs(request: EngineRequest) -> dict[str, Any]:
+    """``tensorrt_llm.SamplingParams`` kwargs; greedy is ``top_k=1`` (no temperature 0)."""
+    kwargs: dict[str, Any] = {"max_tokens": remaining_tokens(request), "top_p": request.top_p,
+                              "stop": list(request.stop) or None, "seed": request.seed}
+    if request.temperature <= 0.0:
+        kwargs["top_k"] = 1
+    else:
+        kwargs["temperature"] = request.temperature
+    return kwargs
+
+
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": FinishReason.STOP,            # eos or stop string (vLLM, TRT-LLM)
+    "repetition": FinishReason.STOP,      # vLLM's repetition detector ended the text
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,      # vLLM
+    "cancelled": FinishReason.CANCELLED,  # TRT-LLM
+    "error": FinishReason.ERROR,
+    "timeout": FinishReason.ERROR,        # TRT-LLM per-request timeout
+}
+
+
+def map_finish_reason(raw: str | None) -> FinishReason | None:
+    """An engine's finish-reason string as ours; None while running, ERROR if unknown."""
+    if raw is None:
+        return None
+    return _FINISH_REASONS.get(str(raw).lower(), FinishReason.ERROR)
+
+
+def supported_names(target: Any) -> frozenset[str]:
+    """Field / parameter names a class or callable accepts (dataclass, pydantic, signature)."""
+    import dataclasses
+    import inspect
+
+    if dataclasses.is_dataclass(target):
+        return frozenset(f.name for f in dataclasses.fields(target))
+    model_fields = getattr(target, "model_fields", None)
+    if isinstance(model_fields, Mapping):
+        names = set(model_fields)
+        names.update(f.alias for f in model_fields.values() if getattr(f, "alias", None))
+        return frozenset(names)
+    return frozenset(inspect.signature(target).parameters)
+
+
+def filter_supported(
+    kwargs: Mapping[str, Any], names: Iterable[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """Split ``kwargs`` into (those ``names`` accepts, the names dropped)."""
+    allowed = set(names)
+    kept = {k: v for k, v in kwargs.items() if k in allowed}
+    return kept, sorted(set(kwargs) - allowed)
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculative-decoding counters, named like vLLM's ``spec_decode_*`` metrics."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += num_drafts
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+    def as_dict(self) -> dict[str, float]:
+        """Counters plus acceptance rate (accepted / drafted) and mean acceptance length
+        (tokens per verify step: 1 + accepted / drafts, vLLM's definition)."""
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        length = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_acceptance_rate": rate, "spec_mean_acceptance_length": length, **self.extra}

@@ -1,0 +1,180 @@
+"""transformers engine: continuous batching on CPU (or one GPU) for tests and the demo.
+
+Uses transformers' ``ContinuousBatchingManager`` with an explicitly small paged cache (its
+defaults size the cache from system RAM: ~7 GB even for a tiny model). Results arrive on
+the manager's thread and are routed to per-request asyncio queues with
+``register_result_handler`` (``call_soon_threadsafe``).
+
+Sampling: the manager's generation config is global, so it is built with ``do_sample=True``
+and per-request ``temperature``/``top_k``; a request with ``temperature == 0`` runs with
+``top_k=1``, which is exact greedy decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from lanes.queue.messages import FinishReason
+from lanes.workers.detokenize import IncrementalDetokenizer
+from lanes.workers.engines.base import EngineDead, EngineDelta, EngineRequest, RequestRejected
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_TOP_K = 40
+_ABORTED = object()
+
+
+class HFEngine:
+    """Engine protocol over transformers continuous batching."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_slots: int = 8,
+        device: str = "cpu",
+        max_model_len: int = 0,
+        kv_cache_tokens: int = 16384,
+        page_size: int = 64,
+        max_batch_tokens: int = 512,
+    ) -> None:
+        self.model_dir = model_dir
+        self.max_concurrency = max_slots
+        self._device = device
+        self._max_model_len = max_model_len
+        self._kv_cache_tokens = kv_cache_tokens
+        self._page_size = page_size
+        self._max_batch_tokens = max_batch_tokens
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._manager: Any = None
+        self.tokenizer: Any = None
+        self._eos_ids: set[int] = set()
+        self._counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "errors": 0}
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.float32, attn_implementation="paged|sdpa"
+        ).to(self._device)
+        model.eval()
+        eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos])
+        if not self._max_model_len:
+            self._max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
+        gen_config = GenerationConfig(
+            do_sample=True,
+            temperature=0.7,  # != 1.0 so the per-request temperature processor exists
+            top_k=_DEFAULT_TOP_K,
+            max_new_tokens=256,
+            eos_token_id=sorted(self._eos_ids),
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        cb_config = ContinuousBatchingConfig(
+            page_size=self._page_size,
+            num_blocks=max(8, self._kv_cache_tokens // self._page_size),
+            max_batch_tokens=self._max_batch_tokens,
+            max_requests_per_batch=self.max_concurrency,
+            per_request_processors=True,
+        )
+        self._manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+        self._manager.start()
+
+    def render_prompt(self, request: EngineRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        manager = self._manager
+        if manager is None or not manager.is_running():
+            raise EngineDead("continuous batching manager is not running")
+        prompt_ids = self.render_prompt(request)
+        if len(prompt_ids) >= self._max_model_len:
+            raise RequestRejected(
+                "prompt_too_long", f"prompt has {len(prompt_ids)} tokens; the model takes {self._max_model_len}"
+            )
+        resume = list(request.resume_token_ids)
+        max_new = min(request.max_tokens - len(resume), self._max_model_len - len(prompt_ids) - len(resume))
+        detok = IncrementalDetokenizer(self.tokenizer, resume)
+        if max_new <= 0:
+            yield EngineDelta((), detok.flush(), FinishReason.LENGTH, len(prompt_ids))
+            return
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request.id] = queue
+        manager.register_result_handler(request.id, queue.put_nowait)
+        greedy = request.temperature <= 1e-5
+        sampling = {"temperature": 1.0, "top_k": 1} if greedy else {"temperature": float(request.temperature)}
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += len(prompt_ids)
+        await asyncio.to_thread(
+            manager.add_request, prompt_ids + resume, request_id=request.id, max_new_tokens=max_new,
+            streaming=True, **sampling,
+        )
+        num_seen = 0  # generated_tokens counts only this run (resume ids are prompt to it)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if out is _ABORTED:
+                    finished = True
+                    yield EngineDelta((), detok.flush(), FinishReason.CANCELLED, len(prompt_ids))
+                    return
+                if out.error:
+                    self._counters["errors"] += 1
+                    raise RequestRejected("generation_failed", f"generation failed: {out.error}")
+                new_ids = list(out.generated_tokens[num_seen:])
+                num_seen = len(out.generated_tokens)
+                finished = out.is_finished()
+                reason = None
+                if finished:
+                    reason = FinishReason.STOP if new_ids and new_ids[-1] in self._eos_ids else FinishReason.LENGTH
+                if reason is FinishReason.STOP:
+                    new_ids_text = detok.push(new_ids[:-1]) + detok.flush()
+                else:
+                    new_ids_text = detok.push(new_ids) + (detok.flush() if finished else "")
+                self._counters["generated_tokens"] += len(new_ids)
+                if new_ids or finished:
+                    yield EngineDelta(tuple(new_ids), new_ids_text, reason, len(prompt_ids))
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request.id, None)
+            if not finished and self._manager is not None:
+                self._release(request.id)
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._queues.get(request_id)
+        if queue is None or self._manager is None:
+            return
+        self._counters["aborted"] += 1
+        self._release(request_id)
+        queue.put_nowait(_ABORTED)
+
+    def _release(self, request_id: str) -> None:
+        # A cancelled CB request never gets a final output, so its result handler would
+        # stay registered forever: drop it ourselves (no public API for this in 5.24).
+        self._manager.cancel_request(request_id)
+        router = self._manager.output_router
+        with router._lock:
+            router.result_handlers.pop(request_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        running = len(self._queues)
+        return {"engine": self.name, "running": running, "at_ms": int(time.time() * 1000), **self._counters}
+
+    async def close(self) -> None:
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            await asyncio.to_thread(manager.stop, block=True, timeout=10)

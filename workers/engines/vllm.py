@@ -1,0 +1,257 @@
+"""vLLM engine: ``AsyncLLM`` with priority scheduling, chunked prefill and speculative decoding.
+
+``vllm`` is imported only in ``start()``, so CPU installs never need it. The output mapping
+(``delta_from_output``, ``error_from_exception``) is pure and tested with objects shaped like
+``vllm.outputs.RequestOutput`` / ``CompletionOutput``.
+
+Each request's vLLM generator is drained by a small pump task into our own queue (``DeltaRelay``).
+That buys two things: ``abort()`` ends our stream at once with CANCELLED even on releases whose
+``AsyncLLM.abort`` emits no final output, and a consumer that falls behind gets one merged delta
+instead of a backlog (vLLM merges DELTA outputs the same way on its side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from lanes.queue.messages import FinishReason
+from lanes.scheduler.policy import vllm_priority
+from lanes.workers.engines.base import (
+    EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected,
+)
+from lanes.workers.engines.engine_config import (
+    SpecCounters, filter_supported, map_finish_reason, remaining_tokens, supported_names,
+    validate, vllm_engine_kwargs, vllm_sampling_kwargs,
+)
+from lanes.workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+_PROMPT_TOO_LONG_HINTS = ("maximum model length", "max_model_len", "too long", "longer than")
+
+
+def delta_from_output(output: Any, prompt_tokens: int) -> EngineDelta | None:
+    """Map one DELTA-mode ``RequestOutput`` to our delta (None when it carries nothing).
+
+    ``output.outputs[0]`` holds only the new ``token_ids`` / ``text``; ``finish_reason`` is set
+    on the last one (``stop|length|abort|error|repetition``).
+    """
+    completion = output.outputs[0] if output.outputs else None
+    token_ids = tuple(completion.token_ids) if completion is not None else ()
+    text = completion.text if completion is not None else ""
+    finish = map_finish_reason(completion.finish_reason) if completion is not None else None
+    if output.finished and finish is None:
+        finish = FinishReason.STOP  # finished without a reason: vLLM's stream end sentinel
+    if not token_ids and not text and finish is None:
+        return None
+    return EngineDelta(token_ids, text, finish, prompt_tokens)
+
+
+def error_from_exception(exc: BaseException) -> EngineError:
+    """Map a vLLM exception to our tree by class name (so no vllm import is needed).
+
+    ``EngineDeadError`` → EngineDead; ``QueueOverflowError`` (engine queue cap) → rejected as
+    ``overloaded``; validation errors (``VLLMValidationError``, ``VLLMClientError``,
+    ``ValueError``) → ``prompt_too_long`` or ``invalid_request``; anything else → EngineError.
+    """
+    if isinstance(exc, EngineError):
+        return exc
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    message = str(exc) or type(exc).__name__
+    if "EngineDeadError" in names:
+        return EngineDead(message)
+    if "QueueOverflowError" in names or "MaxPendingTokensError" in names:
+        return RequestRejected("overloaded", message)
+    if names & {"VLLMValidationError", "VLLMClientError", "ValueError", "TypeError"}:
+        lowered = message.lower()
+        if any(hint in lowered for hint in _PROMPT_TOO_LONG_HINTS):
+            return RequestRejected("prompt_too_long", message)
+        return RequestRejected("invalid_request", message)
+    error = EngineError(message)
+    error.__cause__ = exc
+    return error
+
+
+def merge_deltas(deltas: Sequence[EngineDelta]) -> EngineDelta:
+    """Concatenate consecutive deltas of one request (the last one's finish wins)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    return EngineDelta(
+        tuple(t for d in deltas for t in d.token_ids), "".join(d.text for d in deltas),
+        deltas[-1].finish_reason, deltas[-1].prompt_tokens,
+    )
+
+
+class DeltaRelay:
+    """Drains an async source of deltas in a task; ``cancel()`` ends the stream with CANCELLED."""
+
+    def __init__(self, source: AsyncIterator[EngineDelta], prompt_tokens: int) -> None:
+        self._queue: asyncio.Queue[EngineDelta | BaseException] = asyncio.Queue()
+        self._prompt_tokens = prompt_tokens
+        self._task = asyncio.create_task(self._pump(source))
+
+    async def _pump(self, source: AsyncIterator[EngineDelta]) -> None:
+        try:
+            async for delta in source:
+                self._queue.put_nowait(delta)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, not swallowed
+            self._queue.put_nowait(exc)
+
+    def cancel(self) -> None:
+        """Stop the source (vLLM aborts on cancellation) and end the stream now."""
+        self._task.cancel()
+        self._queue.put_nowait(EngineDelta((), "", FinishReason.CANCELLED, self._prompt_tokens))
+
+    async def __aiter__(self) -> AsyncIterator[EngineDelta]:
+        while True:
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            deltas: list[EngineDelta] = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if deltas:
+                        yield merge_deltas(deltas)
+                    raise item
+                deltas.append(item)
+                if item.finish_reason is not None:
+                    yield merge_deltas(deltas)
+                    return
+            yield merge_deltas(deltas)
+
+    async def aclose(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+class VllmEngine:
+    """The Engine protocol on ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    name = "vllm"
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        validate(settings)
+        self.settings = settings
+        self.max_concurrency = settings.max_slots
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._relays: dict[str, DeltaRelay] = {}
+        self._scheduler_stats: Any = None
+        self._spec = SpecCounters()
+
+    async def start(self) -> None:
+        from vllm import SamplingParams, TokensPrompt  # noqa: F401 - fail early if missing
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs, dropped = filter_supported(vllm_engine_kwargs(self.settings),
+                                           supported_names(AsyncEngineArgs))
+        if dropped:
+            log.warning("this vLLM release lacks engine args %s; running without them", dropped)
+        try:
+            self._engine = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger_factory()])
+        except Exception as exc:  # bad model path, unsupported config...
+            raise EngineError(f"vLLM failed to start: {exc}") from exc
+        tokenizer = self._engine.get_tokenizer()
+        self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
+
+    def _stat_logger_factory(self) -> Any:
+        """A ``StatLoggerFactory`` whose logger keeps the latest scheduler stats for ``stats()``."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _Recorder(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                self.engine_index = engine_index
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
+                       **kwargs: Any) -> None:
+                if scheduler_stats is None:
+                    return
+                engine._scheduler_stats = scheduler_stats
+                spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+                if spec is not None:
+                    engine._spec.observe(spec.num_drafts, spec.num_draft_tokens,
+                                         spec.num_accepted_tokens)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Recorder
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if self._engine is None:
+            raise EngineDead("vLLM engine is not started")
+        prompt_ids = self._prompt_ids(request)
+        if remaining_tokens(request) == 0:  # a resumed request that had already finished
+            yield EngineDelta((), "", FinishReason.LENGTH, len(prompt_ids))
+            return
+        relay = DeltaRelay(self._source(request, prompt_ids), len(prompt_ids))
+        self._relays[request.id] = relay
+        try:
+            async for delta in relay:
+                yield delta
+        finally:
+            self._relays.pop(request.id, None)
+            await relay.aclose()  # on consumer cancel: vLLM's generate() aborts internally
+
+    async def _source(self, request: EngineRequest,
+                      prompt_ids: list[int]) -> AsyncIterator[EngineDelta]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA,
+                                **vllm_sampling_kwargs(request))
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids + list(request.resume_token_ids))
+        try:
+            async for output in self._engine.generate(
+                prompt, params, request.id, priority=vllm_priority(request.lane),
+                trace_headers=request.trace_headers or None,
+            ):
+                delta = delta_from_output(output, len(prompt_ids))
+                if delta is not None:
+                    yield delta
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise error_from_exception(exc) from exc
+
+    async def abort(self, request_id: str) -> None:
+        relay = self._relays.get(request_id)
+        if relay is not None:
+            relay.cancel()
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        s = self._scheduler_stats
+        out: dict[str, Any] = {"engine": self.name, "active_requests": len(self._relays)}
+        if s is not None:
+            out.update(num_running=s.num_running_reqs, num_waiting=s.num_waiting_reqs,
+                       kv_cache_usage=getattr(s, "kv_cache_usage",
+                                              getattr(s, "gpu_cache_usage", 0.0)))
+        if self.settings.spec_method != "none":
+            out.update(self._spec.as_dict())
+        return out
+
+    async def close(self) -> None:
+        for relay in list(self._relays.values()):
+            relay.cancel()
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None

@@ -1,0 +1,46 @@
+"""Build the engine a worker's settings ask for; heavy packages are imported only here."""
+
+from __future__ import annotations
+
+from lanes.workers.engines.base import Engine
+from lanes.workers.engines.engine_config import validate
+from lanes.workers.settings import WorkerSettings
+
+
+def resolve_models(settings: WorkerSettings) -> WorkerSettings:
+    """Fill in the shipped demo model (and its draft) when no model is given."""
+    from lanes.workers.models.paths import resolve_draft, resolve_model
+
+    model = resolve_model(settings.model)
+    draft = settings.draft_model
+    if settings.spec_method == "draft_model":
+        draft = resolve_draft(settings.draft_model, settings.model)
+    return settings.model_copy(update={"model": model, "draft_model": draft})
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    """Validate the settings (clear ``ConfigError`` on bad combinations) and build the engine."""
+    validate(settings)
+    if settings.engine == "sim":
+        from lanes.scheduler.costmodel import get_profile
+        from lanes.workers.engines.sim import SimEngine
+
+        return SimEngine(get_profile(settings.sim_profile), max_num_seqs=settings.max_slots,
+                         max_num_batched_tokens=settings.max_num_batched_tokens, time_scale=settings.sim_time_scale)
+    settings = resolve_models(settings)
+    if settings.engine == "vllm":
+        from lanes.workers.engines.vllm import VllmEngine
+
+        return VllmEngine(settings)
+    if settings.engine == "trtllm":
+        from lanes.workers.engines.trtllm import TrtllmEngine
+
+        return TrtllmEngine(settings)
+    if settings.spec_method != "none":
+        from lanes.workers.engines.hf_spec import HFSpeculativeEngine
+
+        return HFSpeculativeEngine.from_settings(settings)
+    from lanes.workers.engines.hf import HFEngine
+
+    device = settings.device if settings.device != "cuda" else f"cuda:{settings.gpu_index}"
+    return HFEngine(settings.model, max_slots=settings.max_slots, device=device, max_model_len=settings.max_model_len)

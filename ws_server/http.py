@@ -1,0 +1,44 @@
+"""Plain HTTP on the edge's port: health, Prometheus metrics, lane depths and the dashboard."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+if TYPE_CHECKING:
+    from lanes.ws_server.edge import Edge
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
+                       ("Cache-Control", "no-store")])
+    return Response(status.value, status.phrase, headers, body)
+
+
+async def http_response(edge: Edge, conn: ServerConnection, request: Request) -> Response:
+    path = request.path.split("?", 1)[0]
+    if path == "/healthz":
+        try:
+            await edge.plane.redis.ping()
+        except RedisError:
+            return _response(HTTPStatus.SERVICE_UNAVAILABLE, b"redis unreachable\n", "text/plain")
+        return _response(HTTPStatus.OK, b"ok\n", "text/plain")
+    if path == "/metrics":
+        return _response(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
+    if path == "/v1/depths":
+        try:
+            snapshot = await edge.plane.redis.get(edge.plane.keys.depths)
+        except RedisError:
+            return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
+        return _response(HTTPStatus.OK, snapshot or b"{}", "application/json")
+    if path in ("/", "/dashboard"):
+        page = resources.files("lanes.ws_server").joinpath("static/dashboard.html").read_bytes()
+        return _response(HTTPStatus.OK, page, "text/html; charset=utf-8")
+    return _response(HTTPStatus.NOT_FOUND, b"not found; the chat WebSocket is at /v1/chat\n", "text/plain")

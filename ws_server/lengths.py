@@ -1,0 +1,39 @@
+"""The edge's use of the length predictor: load once, predict off the event loop when heavy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from lanes.queue.messages import ChatMessage
+
+log = logging.getLogger(__name__)
+
+#: A prediction slower than this (measured at start-up) runs in a thread, not on the loop.
+_INLINE_LIMIT_S = 0.001
+
+
+class Predictor(Protocol):
+    def predict(self, messages: Sequence[ChatMessage], max_tokens: int) -> int: ...
+
+
+class LengthEstimator:
+    def __init__(self, predictor: Predictor | None = None) -> None:
+        if predictor is None:
+            from lanes.scheduler.predictor import load_default
+
+            predictor = load_default()
+        self.predictor = predictor
+        started = time.perf_counter()
+        for _ in range(3):
+            predictor.predict((ChatMessage("user", "Explain what a class definition does."),), 256)
+        self.inline = (time.perf_counter() - started) / 3 < _INLINE_LIMIT_S
+        log.info("length predictor %s runs %s", type(predictor).__name__, "inline" if self.inline else "in a thread")
+
+    async def predict(self, messages: Sequence[ChatMessage], max_tokens: int) -> int:
+        if self.inline:
+            return self.predictor.predict(messages, max_tokens)
+        return await asyncio.to_thread(self.predictor.predict, messages, max_tokens)

@@ -1,0 +1,197 @@
+"""WebSocket protocol v1, sans-I/O: client frames in, typed frames or a ``ProtocolError`` out.
+
+Errors (each carries a machine-readable ``code`` that the ``error`` frame repeats)::
+
+    ProtocolError
+    ├── binary_frame        a binary frame; the protocol is JSON text
+    ├── frame_too_large     over ``max_frame_bytes``
+    ├── invalid_json        not parseable JSON (or not UTF-8)
+    ├── invalid_frame       JSON but not an object
+    ├── unknown_type        ``type`` missing or not one we know
+    ├── missing_field       a required field is absent
+    ├── invalid_field       wrong type or out of range (the message names the field)
+    ├── too_many_messages   more chat messages than ``max_messages``
+    ├── prompt_too_long     the messages' total characters exceed ``max_prompt_chars``
+    └── max_tokens_too_large  ``max_tokens`` above ``max_tokens_limit``
+
+Refusals decided elsewhere use the same frame: ``duplicate_id``, ``unknown_id``,
+``too_many_in_flight``, ``overloaded`` (with ``retry_after_ms``), ``internal``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from lanes.queue.messages import ChatMessage, FinishReason, Usage
+
+ROLES = frozenset({"system", "user", "assistant"})
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_frame_bytes: int = 256 * 1024
+    max_messages: int = 64
+    max_prompt_chars: int = 64 * 1024
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ChatFrame:
+    id: str | None
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    #: How long the client will wait for the first token before the answer is useless (ms).
+    deadline_ms: int | None
+
+
+@dataclass(frozen=True)
+class CancelFrame:
+    id: str
+
+
+@dataclass(frozen=True)
+class ResumeFrame:
+    id: str
+    #: Last seq the client received (-1 for none).
+    last_seq: int
+
+
+ClientFrame = ChatFrame | CancelFrame | ResumeFrame
+
+
+def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
+    """Parse and validate one client frame; raises ``ProtocolError``."""
+    if isinstance(data, bytes):
+        raise ProtocolError("binary_frame", "binary frames are not supported; send JSON text frames")
+    if len(data) > limits.max_frame_bytes:  # chars <= bytes; the transport caps bytes too
+        raise ProtocolError("frame_too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
+    try:
+        obj = msgspec.json.decode(data.encode("utf-8", "surrogatepass"))
+    except (msgspec.DecodeError, UnicodeError) as exc:
+        raise ProtocolError("invalid_json", f"frame is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_frame", "frame must be a JSON object")
+    request_id = _optional_id(obj)
+    kind = obj.get("type")
+    if kind == "chat":
+        return _parse_chat(obj, request_id, limits)
+    if kind == "cancel":
+        return CancelFrame(_required_id(obj, request_id))
+    if kind == "resume":
+        return ResumeFrame(_required_id(obj, request_id), _int(obj, "last_seq", request_id, -1, 2**31, None))
+    raise ProtocolError("unknown_type", f"unknown frame type {kind!r}; expected chat, cancel or resume", request_id)
+
+
+def _optional_id(obj: dict[str, Any]) -> str | None:
+    value = obj.get("id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ProtocolError("invalid_field", "id must be 1-128 characters of [A-Za-z0-9_.:-]")
+    return value
+
+
+def _required_id(obj: dict[str, Any], request_id: str | None) -> str:
+    if request_id is None:
+        raise ProtocolError("missing_field", "field 'id' is required")
+    return request_id
+
+
+def _int(obj: dict[str, Any], name: str, rid: str | None, lo: int, hi: int, default: int | None) -> int:
+    value = obj.get(name, default)
+    if value is None:
+        raise ProtocolError("missing_field", f"field '{name}' is required", rid)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ProtocolError("invalid_field", f"field '{name}' must be an integer in [{lo}, {hi}]", rid)
+    return value
+
+
+def _float(obj: dict[str, Any], name: str, rid: str | None, lo: float, hi: float, default: float) -> float:
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ProtocolError("invalid_field", f"field '{name}' must be a number in [{lo}, {hi}]", rid)
+    return float(value)
+
+
+def _parse_chat(obj: dict[str, Any], rid: str | None, limits: Limits) -> ChatFrame:
+    raw = obj.get("messages")
+    if raw is None:
+        raise ProtocolError("missing_field", "field 'messages' is required", rid)
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolError("invalid_field", "field 'messages' must be a non-empty list", rid)
+    if len(raw) > limits.max_messages:
+        raise ProtocolError("too_many_messages", f"at most {limits.max_messages} messages per request", rid)
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ProtocolError(
+                "invalid_field", f"messages[{i}] must be {{'role': system|user|assistant, 'content': string}}", rid
+            )
+        messages.append(ChatMessage(m["role"], m["content"]))
+    if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
+        raise ProtocolError("prompt_too_long", f"messages exceed {limits.max_prompt_chars} characters", rid)
+    max_tokens = obj.get("max_tokens", limits.default_max_tokens)
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens_limit:
+        raise ProtocolError("max_tokens_too_large", f"max_tokens must be at most {limits.max_tokens_limit}", rid)
+    seed = obj.get("seed")
+    deadline = obj.get("deadline_ms")
+    return ChatFrame(
+        id=rid,
+        messages=tuple(messages),
+        max_tokens=_int(obj, "max_tokens", rid, 1, limits.max_tokens_limit, limits.default_max_tokens),
+        temperature=_float(obj, "temperature", rid, 0.0, 2.0, 0.7),
+        top_p=_float(obj, "top_p", rid, 1e-6, 1.0, 1.0),
+        seed=None if seed is None else _int(obj, "seed", rid, 0, 2**63 - 1, None),
+        deadline_ms=None if deadline is None else _int(obj, "deadline_ms", rid, 1, 3_600_000, None),
+    )
+
+
+# -- server frames -------------------------------------------------------------------
+
+
+class Timing(msgspec.Struct):
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+_enc = msgspec.json.Encoder()
+
+
+def accepted_frame(request_id: str, lane: str, predicted_tokens: int) -> bytes:
+    return _enc.encode({"type": "accepted", "id": request_id, "lane": lane, "predicted_tokens": predicted_tokens})
+
+
+def delta_frame(request_id: str, seq: int, text: str) -> bytes:
+    return _enc.encode({"type": "delta", "id": request_id, "seq": seq, "text": text})
+
+
+def done_frame(request_id: str, reason: FinishReason, usage: Usage, timing: Timing) -> bytes:
+    return _enc.encode(
+        {"type": "done", "id": request_id, "finish_reason": reason.value, "usage": usage, "timing": timing}
+    )
+
+
+def error_frame(code: str, message: str, request_id: str | None = None, **extra: Any) -> bytes:
+    frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if request_id is not None:
+        frame["id"] = request_id
+    frame.update(extra)
+    return _enc.encode(frame)

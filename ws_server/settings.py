@@ -1,0 +1,25 @@
+"""The edge process's settings (env prefix ``LANES_``)."""
+
+from __future__ import annotations
+
+from lanes.queue.settings import RedisSettings
+
+
+class EdgeSettings(RedisSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    edge_id: str = ""
+    max_frame_bytes: int = 256 * 1024
+    max_messages: int = 64
+    max_prompt_chars: int = 64 * 1024
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+    #: Requests one connection may have in flight.
+    max_in_flight_per_connection: int = 64
+    #: Frames buffered for one client before it counts as too slow and is closed.
+    max_client_queue_frames: int = 4096
+    #: After a cancel of a running request, how long to wait for the worker's final frame.
+    cancel_grace_s: float = 2.0
+    #: Lane thresholds in predicted output tokens.
+    short_max_tokens: int = 128
+    medium_max_tokens: int = 512
