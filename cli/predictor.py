@@ -61,6 +61,11 @@ def _alpaca_observations(path: Path) -> list[Observation]:
     return [Observation(r["instruction"], t, r.get("dataset", "")) for r, t in zip(records, tokens)]
 
 
+def _geometric_mean(a_tokens: int, b_tokens: int) -> int:
+    """round(exp(mean(log1p))) - 1 of two lengths: the ``mean`` training label."""
+    return round(math.expm1((math.log1p(a_tokens) + math.log1p(b_tokens)) / 2))
+
+
 def load_observations(data: Path, target: str = "llama3") -> list[Observation]:
     """Read ``data`` in any format described in this module's docstring."""
     if data.is_dir():
@@ -73,7 +78,7 @@ def load_observations(data: Path, target: str = "llama3") -> list[Observation]:
         if target != "mean":
             raise typer.BadParameter(f"--target must be llama3, mistral or mean, not {target!r}")
         return [
-            Observation(a.prompt, round(math.expm1((math.log1p(a.output_tokens) + math.log1p(b.output_tokens)) / 2)), a.source)
+            Observation(a.prompt, _geometric_mean(a.output_tokens, b.output_tokens), a.source)
             for a, b in zip(llama, mistral)
         ]
     records = json.loads(data.read_text())
@@ -124,7 +129,7 @@ def train_command(
         info: dict[str, object] = {"data": data.name, "target": target, "num_examples": len(observations)}
         if cv and data.is_dir():
             report = cross_validation_report(data, kind, target, layers)
-            info.update({k: v for k, v in report.items() if k.startswith(("cv5", "loso")) and not isinstance(v, dict)})
+            info.update({k: v for k, v in report.items() if isinstance(v, float)})
         train(observations, kind, info, EncoderConfig(num_layers=layers)).save(out / path.name)
         typer.echo(f"wrote {out / path.name} ({(out / path.name).stat().st_size / 1e6:.2f} MB)")
 

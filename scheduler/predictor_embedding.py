@@ -22,7 +22,7 @@ class EncoderConfig:
     """Which part of MiniLM to run. Stored with the weights; changing it needs a retrain."""
 
     #: BERT layers run (1..6); each costs about 2-3 ms at 24 tokens on one (slow, shared) core,
-    #: and each adds rank signal (5-fold CV tau 0.42 / 0.45 / 0.48 / 0.50 for 1..4 layers).
+    #: and each adds rank signal (5-fold CV tau 0.42 / 0.45 / 0.49 for 1 / 2 / 4 layers).
     num_layers: int = 1
     #: Word pieces read, [CLS] and [SEP] included; the rest of the prompt is cut.
     max_tokens: int = 24

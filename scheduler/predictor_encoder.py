@@ -102,7 +102,8 @@ class MiniLMEncoder:
         self._tokenizer.enable_truncation(max_tokens)
         w = load_file(str(model_dir / "model.safetensors"))
         self._word = w["embeddings.word_embeddings.weight"]
-        self._pos_type = w["embeddings.position_embeddings.weight"][:max_tokens] + w["embeddings.token_type_embeddings.weight"][0]
+        positions = w["embeddings.position_embeddings.weight"][:max_tokens]
+        self._pos_type = positions + w["embeddings.token_type_embeddings.weight"][0]
         self._ln0 = (w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
         self._layers = [self._load_layer(w, f"encoder.layer.{i}.") for i in range(num_layers)]
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from lanes.queue.messages import ChatMessage, Lane
-from lanes.scheduler.policy import LaneThresholds, choose_lane
+from lanes.scheduler.policy import LANE_ORDER, LaneThresholds, choose_lane
 from lanes.scheduler.predictor import LengthPredictor
 
 
@@ -65,14 +65,16 @@ def misroute_rates(
     thresholds: LaneThresholds,
 ) -> dict[str, float]:
     """Short->long and long->short misroute rates plus the predicted share of each lane."""
-    true_lanes = np.array([choose_lane(round(t), thresholds) for t in true_tokens])
-    pred_lanes = np.array([choose_lane(round(p), thresholds) for p in predicted_tokens])
+    true_lanes = np.array([LANE_ORDER.index(choose_lane(round(t), thresholds)) for t in true_tokens])
+    pred_lanes = np.array([LANE_ORDER.index(choose_lane(round(p), thresholds)) for p in predicted_tokens])
 
     def rate(true: Lane, pred: Lane) -> float:
-        mask = true_lanes == true
-        return float((pred_lanes[mask] == pred).mean()) if mask.any() else float("nan")
+        mask = true_lanes == LANE_ORDER.index(true)
+        return float((pred_lanes[mask] == LANE_ORDER.index(pred)).mean()) if mask.any() else float("nan")
 
-    shares = {f"predicted_share_{lane.value}": float((pred_lanes == lane).mean()) for lane in Lane}
+    shares = {
+        f"predicted_share_{lane.value}": float((pred_lanes == i).mean()) for i, lane in enumerate(LANE_ORDER)
+    }
     return {
         "misroute_short_to_long": rate(Lane.SHORT, Lane.LONG),
         "misroute_long_to_short": rate(Lane.LONG, Lane.SHORT),

@@ -72,8 +72,9 @@ class _Rows:
 
 def _design(prompts: Sequence[str], config: FeatureConfig, idf: np.ndarray) -> _Rows:
     feats = [sparse_features(p, config, idf) for p in prompts]
-    row_ids = np.concatenate([np.full(len(s), i, np.int64) for i, (s, _) in enumerate(feats)] or [np.zeros(0, np.int64)])
-    slots = np.concatenate([s for s, _ in feats] or [np.zeros(0, np.int64)])
+    empty = [np.zeros(0, np.int64)]
+    row_ids = np.concatenate([np.full(len(s), i, np.int64) for i, (s, _) in enumerate(feats)] or empty)
+    slots = np.concatenate([s for s, _ in feats] or empty)
     values = np.concatenate([v for _, v in feats] or [np.zeros(0)])
     return _Rows(len(prompts), row_ids, slots, values)
 

@@ -1,0 +1,141 @@
+"""End to end: real redis-server, real edge/worker/scheduler processes, real WebSockets,
+real (tiny) transformers model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e_support import Client, System
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
+    sys_ = System(redis_url, f"e{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
+    try:
+        sys_.start("scheduler", ["scheduler"])
+        url = sys_.start_edge()
+        sys_.start_worker("worker", str(tiny_model.target), "--max-slots", "4")
+        sys_.wait_workers(1)
+        yield sys_, url
+    finally:
+        sys_.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy output of the tiny model called directly (no lanes code): the ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model.target, dtype=torch.float32)
+
+    def greedy(content: str, max_tokens: int) -> tuple[int, list[int], str]:
+        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id) + 1]
+        return len(ids), out, tok.decode(out, skip_special_tokens=True)
+
+    return greedy
+
+
+async def test_two_concurrent_chats_on_one_connection(system: tuple[System, str], reference) -> None:
+    _, url = system
+    client = await Client.connect(url)
+    await client.chat("one", "What does a class definition do?", max_tokens=24)
+    await client.chat("two", "Explain the with statement.", max_tokens=12)
+    done_one, done_two = await client.wait("one"), await client.wait("two")
+    for rid, done, content, max_tokens in [("one", done_one, "What does a class definition do?", 24),
+                                           ("two", done_two, "Explain the with statement.", 12)]:
+        frames = client.frames[rid]
+        assert frames[0]["type"] == "accepted" and frames[0]["lane"] in ("short", "medium", "long")
+        assert done["type"] == "done", done
+        seqs = [f["seq"] for f in client.deltas(rid)]
+        assert seqs == list(range(len(seqs))) and seqs, "contiguous seq from 0"
+        prompt_tokens, ids, text = reference(content, max_tokens)
+        assert done["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids)}
+        assert client.text(rid) == text, "exactly the model's greedy answer: nothing lost or repeated"
+        assert done["finish_reason"] == ("stop" if len(ids) < max_tokens else "length")
+        assert set(done["timing"]) == {"queue_ms", "ttft_ms", "total_ms"}
+        assert 0 <= done["timing"]["ttft_ms"] <= done["timing"]["total_ms"]
+    await client.close()
+
+
+async def test_malformed_frames_get_errors_and_the_connection_stays_usable(system: tuple[System, str]) -> None:
+    _, url = system
+    client = await Client.connect(url)
+    await client.send("{definitely not json")
+    await client.send(json.dumps({"type": "chat", "id": "bad", "messages": "hi"}))
+    await client.send(json.dumps({"type": "teleport"}))
+    await client.send(json.dumps({"type": "cancel", "id": "never-sent"}))
+    await client.ws.send(b"\x00\x01binary")
+    await client.chat("ok", "Still there?", max_tokens=4)
+    assert (await client.wait("ok"))["type"] == "done"
+    codes = [f["code"] for f in client.frames[None] if f["type"] == "error"]
+    assert codes == ["invalid_json", "unknown_type", "binary_frame"]
+    assert client.frames["bad"][0]["code"] == "invalid_field" and "messages" in client.frames["bad"][0]["message"]
+    assert client.frames["never-sent"][0]["code"] == "unknown_id"
+    await client.close()
+
+
+async def test_duplicate_id_is_refused(system: tuple[System, str]) -> None:
+    _, url = system
+    client = await Client.connect(url)
+    rid = f"dup-{uuid.uuid4().hex[:6]}"
+    await client.chat(rid, "first", max_tokens=64)
+    await client.chat(rid, "second", max_tokens=64)
+    done = await client.wait_done(rid)
+    types = [f["type"] for f in client.frames[rid]]
+    assert "error" in types and [f for f in client.frames[rid] if f["type"] == "error"][0]["code"] == "duplicate_id"
+    assert done["type"] == "done" and types.count("accepted") == 1
+    await client.close()
+
+
+async def test_cancel_running_request(system: tuple[System, str]) -> None:
+    _, url = system
+    client = await Client.connect(url)
+    await client.chat("long", "Tell me everything.", max_tokens=2000)
+    while len(client.deltas("long")) < 3:
+        await asyncio.sleep(0.01)
+    await client.send({"type": "cancel", "id": "long"})
+    done = await client.wait("long", timeout_s=10)
+    assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+    assert done["usage"]["completion_tokens"] < 2000
+    seqs = [f["seq"] for f in client.deltas("long")]
+    assert seqs == list(range(len(seqs)))
+    await client.close()
+
+
+async def test_http_endpoints(system: tuple[System, str]) -> None:
+    sys_, _ = system
+    base = f"http://127.0.0.1:{sys_.edge_ports['edge']}"
+
+    def get(path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(base + path, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+
+    assert get("/healthz") == (200, "ok\n")
+    status, body = await asyncio.to_thread(get, "/metrics")
+    assert status == 200 and "lanes_requests_total" in body
+    assert "queue depth" in (await asyncio.to_thread(get, "/dashboard"))[1]
+    await asyncio.sleep(1.0)  # the scheduler snapshots every 0.5 s
+    depths = json.loads((await asyncio.to_thread(get, "/v1/depths"))[1])
+    assert set(depths["pending"]) == {"short", "medium", "long"} and depths["workers"] == 1
+
+
+def test_logs_hold_no_prompt_text(system: tuple[System, str]) -> None:
+    sys_, _ = system
+    for log in Path(sys_.log_dir).glob("*.log"):
+        assert "class definition" not in log.read_text(), f"{log.name} leaked a prompt"
