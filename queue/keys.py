@@ -45,9 +45,9 @@ class Keys:
         return f"{self.prefix}:{{q}}:watch"
 
     @property
-    def running(self) -> str:
-        """HASH lane -> number of running requests (for depth snapshots)."""
-        return f"{self.prefix}:{{q}}:running"
+    def claims(self) -> str:
+        """HASH lane -> claims so far (the scheduler derives service rates from it)."""
+        return f"{self.prefix}:{{q}}:claims"
 
     @property
     def depths(self) -> str:
@@ -86,5 +86,10 @@ class Keys:
 
     @property
     def observations(self) -> str:
-        """LIST of recent (prompt, output length) observations for predictor refresh."""
+        """LIST of recent finished requests (prompt, true output tokens), capped, for predictor refresh."""
         return f"{self.prefix}:obs"
+
+    @property
+    def predictor(self) -> str:
+        """HASH version, weights (npz bytes, no pickle): the refreshed length predictor."""
+        return f"{self.prefix}:predictor"

@@ -108,6 +108,15 @@ class DepthSnapshot(msgspec.Struct, frozen=True):
     running: dict[str, int]
     oldest_wait_ms: dict[str, int]
     workers: int = 0
+    #: Claims per second per lane (EWMA): how fast each lane drains.
+    service_rps: dict[str, float] = {}
+
+
+class Observation(msgspec.Struct, frozen=True, array_like=True):
+    """A finished request's true output length, for the predictor's refresh."""
+
+    prompt: str
+    output_tokens: int
 
 
 json_encoder = msgspec.json.Encoder()

@@ -140,7 +140,7 @@ class QueuePlane:
     async def claim(self, request_id: str, worker_id: str) -> Claim | None:
         k = self.keys
         got = await self._claim(
-            keys=[k.request(request_id), k.watch],
+            keys=[k.request(request_id), k.watch, k.claims],
             args=[request_id, worker_id, self.settings.lease_ms, REQUEST_TTL_S],
         )
         if not got:

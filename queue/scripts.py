@@ -25,11 +25,13 @@ redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])
 return {1, now}
 """
 
-#: KEYS: req, watch. ARGV: id, worker, lease_ms, ttl_s.
+#: KEYS: req, watch, claims. ARGV: id, worker, lease_ms, ttl_s.
 #: Returns {attempt, payload, enq_ms, now, edge} or false when the request is not queued.
+#: ``claims`` counts claims per lane: the scheduler turns it into service rates.
 CLAIM = _NOW + """
 if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return false end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HINCRBY', KEYS[3], redis.call('HGET', KEYS[1], 'lane'), 1)
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claim_ms', now)
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from lanes.queue.messages import DepthSnapshot, Finish, FinishReason, TokenBatch, TokenEvent, Usage, encode
 from lanes.queue.plane import QueuePlane
+from lanes.scheduler.refresh import refresh_predictor
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
 
@@ -26,12 +27,39 @@ class Scheduler:
     def __init__(self, settings: SchedulerSettings, plane: QueuePlane) -> None:
         self.settings = settings
         self.plane = plane
+        self.rates = ServiceRates()
 
     async def serve(self) -> None:
         log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
                  self.settings.reap_interval_s, self.settings.depth_interval_s)
-        await asyncio.gather(self._every(self.settings.reap_interval_s, self.reap_once),
-                             self._every(self.settings.depth_interval_s, self.snapshot_once))
+        loops = [self._every(self.settings.reap_interval_s, self.reap_once),
+                 self._every(self.settings.depth_interval_s, self.snapshot_once)]
+        if self.settings.predictor_refresh_minutes > 0:
+            loops.append(self._arq_cron())
+        await asyncio.gather(*loops)
+
+    async def _arq_cron(self) -> None:
+        """arq runs the periodic jobs (off the request path): unique per tick across schedulers."""
+        from arq.connections import RedisSettings as ArqRedisSettings
+        from arq.cron import cron
+        from arq.worker import Worker as ArqWorker
+
+        every = self.settings.predictor_refresh_minutes
+        worker = ArqWorker(
+            functions=[],
+            cron_jobs=[cron(refresh_predictor, minute=set(range(0, 60, every)), unique=True, timeout=300)],
+            redis_settings=ArqRedisSettings.from_dsn(self.settings.redis_url),
+            queue_name=f"{self.settings.key_prefix}:arq",
+            ctx={"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
+                 "max_observations": self.settings.predictor_max_observations},
+            handle_signals=False, keep_result=0, poll_delay=1.0,
+            # JSON, never pickle: a Redis writer must not get code execution here.
+            job_serializer=lambda obj: json.dumps(obj).encode(), job_deserializer=json.loads,
+        )
+        try:
+            await worker.async_run()
+        finally:
+            await worker.close()
 
     async def _every(self, interval_s: float, step: object) -> None:
         while True:
@@ -73,12 +101,13 @@ class Scheduler:
         workers = [w.decode() for w in await self.plane.redis.zrange(k.workers, 0, -1)]
         running = {lane: 0 for lane in pending}
         infos = await self.plane.redis.mget([k.worker_info(w) for w in workers]) if workers else []
+        claims = {key.decode(): int(v) for key, v in (await self.plane.redis.hgetall(k.claims)).items()}
         for raw in infos:
             if raw:
                 for lane, n in json.loads(raw).get("running", {}).items():
                     running[lane] = running.get(lane, 0) + int(n)
         snapshot = DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
-                                 workers=len(workers))
+                                 workers=len(workers), service_rps=self.rates.update(claims, now_ms))
         data = encode(snapshot)
         async with self.plane.redis.pipeline(transaction=False) as pipe:
             pipe.set(k.depths, data, px=10_000)
@@ -88,3 +117,22 @@ class Scheduler:
             metrics.LANE_DEPTH.labels(lane).set(n)
             metrics.LANE_OLDEST.labels(lane).set(oldest[lane] / 1000)
         return snapshot
+
+
+class ServiceRates:
+    """Claims per second per lane, smoothed (EWMA over ``half_life_s``), from claim counters."""
+
+    def __init__(self, half_life_s: float = 5.0) -> None:
+        self.half_life_s = half_life_s
+        self._last: tuple[int, dict[str, int]] | None = None
+        self.rps: dict[str, float] = {}
+
+    def update(self, claims: dict[str, int], now_ms: int) -> dict[str, float]:
+        if self._last is not None and now_ms > self._last[0]:
+            dt_s = (now_ms - self._last[0]) / 1000
+            alpha = 1 - 0.5 ** (dt_s / self.half_life_s)
+            for lane, count in claims.items():
+                instant = max(0, count - self._last[1].get(lane, 0)) / dt_s
+                self.rps[lane] = round(self.rps.get(lane, instant) * (1 - alpha) + instant * alpha, 3)
+        self._last = (now_ms, dict(claims))
+        return dict(self.rps)

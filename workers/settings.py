@@ -25,8 +25,22 @@ class WorkerSettings(RedisSettings):
     max_num_batched_tokens: int = 2048
     #: Total concurrent requests (the engine's ``max_num_seqs``).
     max_slots: int = 8
-    max_long_slots: int = 4
-    max_medium_long_slots: int = 6
+    #: Slot reservation: long-lane requests may hold at most this many slots, medium + long
+    #: at most ``max_medium_long_slots``; the rest stay free for shorter lanes.
+    max_long_slots: int = 6
+    max_medium_long_slots: int = 7
+    #: Anti-starvation: once a lane's oldest request waited ``starve_after_ms``, it may take
+    #: up to this many slots ahead of shorter lanes (unless those waited ``protect_after_ms``).
+    min_long_slots: int = 2
+    min_medium_slots: int = 0
+    starve_after_ms: float = 20_000.0
+    protect_after_ms: float = 5_000.0
+    #: Let long requests use reserved slots while the shorter lanes are empty (more
+    #: throughput, but a short request arriving then waits for a slot).
+    borrow_when_idle: bool = False
+    #: Report each finished request's true length for the predictor's refresh (the prompt
+    #: text goes to Redis, capped list; off keeps prompts out of it).
+    report_observations: bool = True
     device: str = "cpu"
     gpu_index: int = 0
     dtype: str = "auto"

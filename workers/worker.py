@@ -21,10 +21,11 @@ import msgspec
 from redis.exceptions import RedisError
 
 from lanes.queue.messages import (
-    Control, Finish, FinishReason, Lane, RequestState, TokenBatch, TokenEvent, Usage, decode,
+    Control, DepthSnapshot, Finish, FinishReason, Lane, Observation, RequestState, TokenBatch, TokenEvent, Usage,
+    decode, encode,
 )
 from lanes.queue.plane import Claim, QueuePlane, connect
-from lanes.scheduler.policy import SlotConfig, eligible_lanes
+from lanes.scheduler.policy import SlotConfig, lanes_to_pop
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, inject_context, tracer
 from lanes.workers.engines.base import Engine, EngineDead, EngineRequest, RequestRejected
@@ -34,6 +35,7 @@ from lanes.workers.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 _ABORT_GRACE_S = 1.0
+_MAX_OBSERVATIONS = 5000
 
 
 @dataclass
@@ -56,7 +58,12 @@ class Worker:
         self.slots = SlotConfig(
             max_slots=min(settings.max_slots, engine.max_concurrency),
             max_long=settings.max_long_slots, max_medium_long=settings.max_medium_long_slots,
+            min_medium=settings.min_medium_slots, min_long=settings.min_long_slots,
+            starve_after_ms=settings.starve_after_ms, protect_after_ms=settings.protect_after_ms,
+            borrow_when_idle=settings.borrow_when_idle,
         )
+        #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
+        self.oldest_wait_ms: dict[Lane, float] = {}
         self.runs: dict[str, Run] = {}
         self.publisher = Publisher(plane, self.worker_id, self._on_stale)
         self._slot_freed = asyncio.Event()
@@ -107,12 +114,15 @@ class Worker:
     def running_by_lane(self) -> dict[Lane, int]:
         return dict(Counter(run.lane for run in self.runs.values()))
 
+    def lanes_now(self) -> tuple[Lane, ...]:
+        return lanes_to_pop(self.running_by_lane(), self.oldest_wait_ms, self.slots)
+
     async def _claim_loop(self, burst: bool) -> None:
         blocker = connect(self.settings.redis_url, single_connection_client=True)
         try:
             self._blocker_id = int(await blocker.client_id())
             while not self._stopping:
-                lanes = eligible_lanes(self.running_by_lane(), self.slots)
+                lanes = self.lanes_now()
                 if not lanes:
                     self._slot_freed.clear()
                     await self._slot_freed.wait()
@@ -146,7 +156,7 @@ class Worker:
     def _slot_released(self) -> None:
         self._slot_freed.set()
         blocked = self._blocked_on
-        if blocked is not None and blocked != eligible_lanes(self.running_by_lane(), self.slots):
+        if blocked is not None and blocked != self.lanes_now():
             # The blocking pop waits on too few lanes now: wake it to re-block on the new set.
             asyncio.get_running_loop().create_task(self._unblock())
 
@@ -180,6 +190,8 @@ class Worker:
                 )
                 finish = await self._stream(run, request, queue_ms, len(resume_ids))
                 final_state = RequestState.CANCELLED if finish.reason is FinishReason.CANCELLED else RequestState.DONE
+                if finish.reason is FinishReason.STOP and self.settings.report_observations:
+                    await self._observe(payload.messages, finish.usage.completion_tokens)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
                 await run.flushed.wait()
@@ -232,6 +244,17 @@ class Worker:
         self._submit(run, "", (), finish)
         return finish
 
+    async def _observe(self, messages: tuple, output_tokens: int) -> None:
+        """Record a finished request's true length (only STOP: a LENGTH finish is censored)."""
+        from lanes.scheduler.predictor import prompt_text
+
+        key = self.plane.keys.observations
+        with contextlib.suppress(RedisError):
+            async with self.plane.redis.pipeline(transaction=False) as pipe:
+                pipe.lpush(key, encode(Observation(prompt_text(messages), output_tokens)))
+                pipe.ltrim(key, 0, _MAX_OBSERVATIONS - 1)
+                await pipe.execute()
+
     def _submit(self, run: Run, text: str, token_ids: tuple[int, ...], finish: Finish | None) -> None:
         self.publisher.submit(run, TokenEvent(run.id, run.attempt, run.seq, text, token_ids, finish))
         run.seq += 1
@@ -253,6 +276,10 @@ class Worker:
         loop.create_task(self.engine.abort(request_id))
         # Backstop: an engine that does not end the request soon gets its task cancelled.
         loop.call_later(_ABORT_GRACE_S, lambda: run.task and not run.task.done() and run.task.cancel())
+
+    def _observe_depths(self, snapshot: DepthSnapshot) -> None:
+        self.oldest_wait_ms = {Lane(lane): float(snapshot.oldest_wait_ms.get(lane, 0))
+                               for lane, n in snapshot.pending.items() if n > 0}
 
     def _on_stale(self, request_id: str) -> None:
         """A newer attempt owns this request (our lease expired): stop without completing."""
@@ -294,18 +321,23 @@ class Worker:
             await pipe.execute()
 
     async def _control_loop(self) -> None:
+        """Cancels on our control channel; depth snapshots (for anti-starvation) beside them."""
         channel = self.plane.keys.control_channel(self.worker_id)
+        depth_channel = self.plane.keys.depth_channel
         while True:
             pubsub = self.plane.redis.pubsub()
             try:
-                await pubsub.subscribe(channel)
+                await pubsub.subscribe(channel, depth_channel)
                 async for message in pubsub.listen():
                     if message["type"] != "message":
                         continue
                     try:
-                        self.cancel(decode(message["data"], Control).id)
+                        if message["channel"].decode() == depth_channel:
+                            self._observe_depths(decode(message["data"], DepthSnapshot))
+                        else:
+                            self.cancel(decode(message["data"], Control).id)
                     except msgspec.DecodeError:
-                        log.warning("ignoring malformed control message")
+                        log.warning("ignoring malformed message on %s", message["channel"])
             except RedisError as exc:
                 log.warning("control channel lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.2)

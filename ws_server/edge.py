@@ -20,9 +20,11 @@ from websockets.http11 import Request, Response
 from lanes.queue.messages import RequestPayload, TokenBatch
 from lanes.queue.plane import QueuePlane
 from lanes.scheduler.policy import LaneThresholds, choose_lane
+from lanes.scheduler.refresh import load_published
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import protocol
+from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.http import http_response
 from lanes.ws_server.lengths import LengthEstimator
 from lanes.ws_server.session import Route, Session
@@ -46,6 +48,7 @@ class Edge:
         )
         self.thresholds = LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens)
         self.lengths = lengths or LengthEstimator()
+        self.admission = EdgeAdmission(settings)
         self.routes: dict[str, Route] = {}
         self._ready = asyncio.Event()
         self.port = settings.port
@@ -53,17 +56,24 @@ class Edge:
     # -- Redis side ---------------------------------------------------------------------
 
     async def read_tokens(self) -> None:
-        """Forward token batches from our channel to sessions; never awaits a socket."""
+        """Forward token batches from our channel to sessions; never awaits a socket.
+
+        The same subscription carries the scheduler's depth snapshots (for admission).
+        """
+        depth_channel = self.plane.keys.depth_channel.encode()
         while True:
             pubsub = self.plane.redis.pubsub()
             try:
-                await pubsub.subscribe(self.plane.keys.edge_channel(self.edge_id))
+                await pubsub.subscribe(self.plane.keys.edge_channel(self.edge_id), self.plane.keys.depth_channel)
                 # A (re)subscription may have missed messages: fill every active route from its stream.
                 for route in list(self.routes.values()):
                     await self.fill_gap(route, route.next_seq - 1)
                 self._ready.set()
                 async for message in pubsub.listen():
                     if message["type"] != "message":
+                        continue
+                    if message["channel"] == depth_channel:
+                        self.admission.observe(message["data"])
                         continue
                     try:
                         batch = _batch_decoder.decode(message["data"])
@@ -135,6 +145,15 @@ class Edge:
             )
         predicted = await self.lengths.predict(frame.messages, frame.max_tokens)
         lane = choose_lane(predicted, self.thresholds)
+        decision = self.admission.decide(lane, frame.deadline_ms)
+        if not decision.admitted:
+            metrics.REQUESTS.labels(lane.value, "overloaded").inc()
+            metrics.ERRORS.labels("overloaded").inc()
+            reason = decision.reason.value if decision.reason else "overloaded"
+            session.send(protocol.error_frame(
+                "overloaded", f"lane {lane.value} cannot start this request in time ({reason}); retry later",
+                request_id, retry_after_ms=decision.retry_after_ms, reason=reason))
+            return
         with tracer().start_as_current_span("lanes.enqueue", attributes={
             "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
         }):
@@ -157,6 +176,7 @@ class Edge:
                 "duplicate_id", f"request {request_id} already exists ({enqueued.existing_state}); use resume",
                 request_id,
             )
+        self.admission.enqueued(lane)
         metrics.IN_FLIGHT.inc()
         session.send(protocol.accepted_frame(request_id, lane.value, predicted))
 
@@ -208,8 +228,23 @@ class Edge:
             return None
         return await http_response(self, conn, request)
 
+    async def reload_predictor(self, interval_s: float = 30.0) -> None:
+        """Pick up predictor versions the scheduler's refresh job publishes."""
+        version = 0
+        while True:
+            try:
+                published = await load_published(self.plane, version)
+                if published is not None:
+                    version, predictor = published
+                    self.lengths.predictor = predictor
+                    log.info("length predictor version %d loaded", version)
+            except (RedisError, ValueError) as exc:
+                log.warning("predictor reload failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         reader = asyncio.create_task(self.read_tokens())
+        reloader = asyncio.create_task(self.reload_predictor())
         await self._ready.wait()
         async with serve(
             self.handle, self.settings.host, self.settings.port,
@@ -224,6 +259,7 @@ class Edge:
                 await asyncio.Future()
             finally:
                 reader.cancel()
+                reloader.cancel()
 
 
 def _frame_id(data: str | bytes) -> str | None:

@@ -20,6 +20,15 @@ class EdgeSettings(RedisSettings):
     max_client_queue_frames: int = 4096
     #: After a cancel of a running request, how long to wait for the worker's final frame.
     cancel_grace_s: float = 2.0
-    #: Lane thresholds in predicted output tokens.
-    short_max_tokens: int = 128
-    medium_max_tokens: int = 512
+    #: Lane thresholds in the predictor's units (tokens). The shipped lexical predictor's
+    #: outputs bunch around the mean (5-95 % within 177-443), so 200/420 give ~10 % short,
+    #: ~8 % long with 0.6 % of truly short requests misrouted long (benchmarks/RESULTS.md).
+    short_max_tokens: int = 200
+    medium_max_tokens: int = 420
+    #: Admission: most requests a lane may hold before new ones are refused (``overloaded``).
+    max_depth_short: int = 2000
+    max_depth_medium: int = 2000
+    max_depth_long: int = 1000
+    #: Refuse a request whose predicted queueing exceeds this (ms; 0 = only the client's
+    #: own ``deadline_ms``).
+    default_deadline_ms: int = 0

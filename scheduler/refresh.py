@@ -1,0 +1,80 @@
+"""The predictor keeps learning: an arq cron job in the scheduler process refits the length
+predictor on the newest observed lengths and publishes the weights through Redis; edges
+pick the new version up (``EdgePredictorReloader``).
+
+Each refit starts from the shipped weights plus the current window (bounded: the newest
+``max_observations``), so repeated refits never double-count an observation. Weights travel
+as ``.npz`` bytes (JSON header + numeric arrays, loaded with ``allow_pickle=False``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from lanes.queue.messages import Observation
+from lanes.queue.plane import QueuePlane
+
+log = logging.getLogger(__name__)
+
+_obs_decoder = msgspec.json.Decoder(Observation)
+
+
+def refit_bytes(observations: list[Observation]) -> bytes:
+    """Pure apart from a temp file: shipped model + observations -> new weights (npz bytes)."""
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.predictor_train import Observation as TrainObservation
+    from lanes.scheduler.predictor_train import refit
+
+    model = refit(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "weights.npz"
+        model.save(path)
+        return path.read_bytes()
+
+
+async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
+    """arq cron job: refit on the newest observations and publish a new version."""
+    plane: QueuePlane = ctx["plane"]
+    min_observations: int = ctx.get("min_observations", 50)
+    max_observations: int = ctx.get("max_observations", 5000)
+    k = plane.keys
+    raw = await plane.redis.lrange(k.observations, 0, max_observations - 1)
+    observations = []
+    for item in raw:
+        try:
+            observations.append(_obs_decoder.decode(item))
+        except msgspec.DecodeError:
+            log.warning("skipping a malformed observation")
+    if len(observations) < min_observations:
+        return {"observations": len(observations), "version": 0}
+    weights = await asyncio.to_thread(refit_bytes, observations)
+    version = await plane.redis.hincrby(k.predictor, "version", 1)
+    await plane.redis.hset(k.predictor, mapping={"weights": weights, "observations": len(observations)})
+    log.info("predictor refreshed from %d observations: version %d", len(observations), version)
+    return {"observations": len(observations), "version": int(version)}
+
+
+async def load_published(plane: QueuePlane, known_version: int) -> tuple[int, Any] | None:
+    """The published predictor if newer than ``known_version``: ``(version, LengthPredictor)``."""
+    from lanes.scheduler.predictor import from_weights
+
+    version = await plane.redis.hget(plane.keys.predictor, "version")
+    if version is None or int(version) <= known_version:
+        return None
+    weights = await plane.redis.hget(plane.keys.predictor, "weights")
+    if not weights:
+        return None
+
+    def load() -> Any:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "weights.npz"
+            path.write_bytes(weights)
+            return from_weights(path)
+
+    return int(version), await asyncio.to_thread(load)
