@@ -45,21 +45,23 @@ class Scheduler:
         from arq.worker import Worker as ArqWorker
 
         every = self.settings.predictor_refresh_minutes
-        worker = ArqWorker(
-            functions=[],
-            cron_jobs=[cron(refresh_predictor, minute=set(range(0, 60, every)), unique=True, timeout=300)],
-            redis_settings=ArqRedisSettings.from_dsn(self.settings.redis_url),
-            queue_name=f"{self.settings.key_prefix}:arq",
-            ctx={"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
-                 "max_observations": self.settings.predictor_max_observations},
-            handle_signals=False, keep_result=0, poll_delay=1.0,
-            # JSON, never pickle: a Redis writer must not get code execution here.
-            job_serializer=lambda obj: json.dumps(obj).encode(), job_deserializer=json.loads,
-        )
-        try:
-            await worker.async_run()
-        finally:
-            await worker.close()
+        while True:
+            worker = ArqWorker(
+                functions=[],
+                cron_jobs=[cron(refresh_predictor, minute=set(range(0, 60, every)), unique=True, timeout=300)],
+                redis_settings=ArqRedisSettings.from_dsn(self.settings.redis_url),
+                queue_name=f"{self.settings.key_prefix}:arq",
+                ctx={"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
+                     "max_observations": self.settings.predictor_max_observations},
+                handle_signals=False, keep_result=0, poll_delay=1.0,
+                # JSON, never pickle: a Redis writer must not get code execution here.
+                job_serializer=lambda obj: json.dumps(obj).encode(), job_deserializer=json.loads,
+            )
+            try:
+                await worker.async_run()
+            except (RedisError, OSError) as exc:
+                log.warning("arq cron lost Redis (%s); restarting it in 1 s", exc)
+                await asyncio.sleep(1.0)
 
     async def _every(self, interval_s: float, step: object) -> None:
         while True:

@@ -35,6 +35,8 @@ from lanes.workers.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 _ABORT_GRACE_S = 1.0
+_MIN_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
 _MAX_OBSERVATIONS = 5000
 
 
@@ -119,8 +121,9 @@ class Worker:
 
     async def _claim_loop(self, burst: bool) -> None:
         blocker = connect(self.settings.redis_url, single_connection_client=True)
+        backoff_s = _MIN_BACKOFF_S
         try:
-            self._blocker_id = int(await blocker.client_id())
+            self._blocker_id = await self._reconnect_blocker(blocker)
             while not self._stopping:
                 lanes = self.lanes_now()
                 if not lanes:
@@ -130,18 +133,34 @@ class Worker:
                 self._blocked_on = lanes
                 try:
                     popped = await self.plane.pop(blocker, lanes, timeout_s=0.5 if burst else 2.0)
+                    if popped is None:
+                        if burst and not self.runs and await self._lanes_empty():
+                            return
+                        continue
+                    request_id, lane = popped
+                    claim = await self.plane.claim(request_id, self.worker_id)
+                except RedisError as exc:
+                    # Redis restarting or unreachable: back off, keep running requests going.
+                    log.warning("claim loop: %s; retrying in %.1f s", exc, backoff_s)
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(backoff_s * 2, _MAX_BACKOFF_S)
+                    self._blocker_id = await self._reconnect_blocker(blocker)
+                    continue
                 finally:
                     self._blocked_on = None
-                if popped is None:
-                    if burst and not self.runs and await self._lanes_empty():
-                        return
-                    continue
-                request_id, lane = popped
-                claim = await self.plane.claim(request_id, self.worker_id)
+                backoff_s = _MIN_BACKOFF_S
                 if claim is not None:
                     self._start(claim, lane)
         finally:
             await blocker.aclose()
+
+    @staticmethod
+    async def _reconnect_blocker(blocker: object) -> int | None:
+        """The blocking connection's client id (for CLIENT UNBLOCK), or None if Redis is down."""
+        try:
+            return int(await blocker.client_id())  # type: ignore[attr-defined]
+        except RedisError:
+            return None
 
     async def _lanes_empty(self) -> bool:
         pending, _ = await self.plane.lane_depths(0)
@@ -161,6 +180,8 @@ class Worker:
             asyncio.get_running_loop().create_task(self._unblock())
 
     async def _unblock(self) -> None:
+        if self._blocker_id is None:
+            return
         with contextlib.suppress(RedisError):
             await self.plane.redis.client_unblock(self._blocker_id)
 

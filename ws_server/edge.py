@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import msgspec
@@ -228,6 +229,29 @@ class Edge:
             return None
         return await http_response(self, conn, request)
 
+    async def check_routes(self, interval_s: float = 2.0, quiet_s: float = 3.0) -> None:
+        """End routes whose request vanished from Redis with ``request_lost`` (never hang)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            quiet = [r for r in self.routes.values() if not r.done and now - r.last_heard_at > quiet_s]
+            if not quiet:
+                continue
+            try:
+                async with self.plane.redis.pipeline(transaction=False) as pipe:
+                    for route in quiet:
+                        pipe.exists(self.plane.keys.request(route.id))
+                    exists = await pipe.execute()
+            except RedisError:
+                continue  # Redis down: check again once it is back
+            for route, found in zip(quiet, exists):
+                if found:
+                    route.last_heard_at = now
+                else:
+                    log.warning("request %s vanished from Redis", route.id)
+                    self._forget(route)
+                    route.lost()
+
     async def reload_predictor(self, interval_s: float = 30.0) -> None:
         """Pick up predictor versions the scheduler's refresh job publishes."""
         version = 0
@@ -245,6 +269,7 @@ class Edge:
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         reader = asyncio.create_task(self.read_tokens())
         reloader = asyncio.create_task(self.reload_predictor())
+        checker = asyncio.create_task(self.check_routes())
         await self._ready.wait()
         async with serve(
             self.handle, self.settings.host, self.settings.port,
@@ -258,8 +283,8 @@ class Edge:
             try:
                 await asyncio.Future()
             finally:
-                reader.cancel()
-                reloader.cancel()
+                for task in (reader, reloader, checker):
+                    task.cancel()
 
 
 def _frame_id(data: str | bytes) -> str | None:

@@ -65,8 +65,11 @@ class Route:
     #: Called with the seq after which the stream must be read to fill a gap.
     fill_gap: Callable[[Route, int], Awaitable[None]] | None = None
     filling: bool = False
+    #: When this route last heard of its request (for the lost-request check).
+    last_heard_at: float = field(default_factory=time.monotonic)
 
     def deliver(self, event: TokenEvent) -> None:
+        self.last_heard_at = time.monotonic()
         if self.done or event.seq < self.next_seq:
             return  # duplicate (retry, replay or gap fill overlap)
         if event.seq > self.next_seq:
@@ -113,6 +116,11 @@ class Route:
             total_ms=round((now - self.received_at) * 1000, 3),
         )
         self.session.send(protocol.done_frame(self.id, finish.reason, finish.usage, timing))
+
+    def lost(self) -> None:
+        """The request vanished from Redis (restarted without persistence, or flushed)."""
+        self.finish(Finish(FinishReason.ERROR, Usage(0, self.num_tokens), error_code="request_lost",
+                           error_message="the request's state was lost (queue restarted); resubmit it"))
 
     def cancelled_locally(self) -> None:
         """End a request that never reached a worker (or whose worker never answered)."""

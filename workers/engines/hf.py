@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_TOP_K = 40
 _ABORTED = object()
+#: How often a waiting request checks that the batching thread is still alive (s).
+_LIVENESS_CHECK_S = 2.0
 
 
 class HFEngine:
@@ -126,7 +128,12 @@ class HFEngine:
         finished = False
         try:
             while True:
-                out = await queue.get()
+                try:
+                    out = await asyncio.wait_for(queue.get(), _LIVENESS_CHECK_S)
+                except asyncio.TimeoutError:
+                    if self._manager is None or not self._manager.is_running():
+                        raise EngineDead("continuous batching thread stopped") from None
+                    continue
                 if out is _ABORTED:
                     finished = True
                     yield EngineDelta((), detok.flush(), FinishReason.CANCELLED, len(prompt_ids))

@@ -260,7 +260,7 @@ have a model that loads offline in about a second and prints English-looking tex
 
 **It writes doc-flavoured English, not meaningful answers.** Its sentences look grammatical and
 mention Python terms, but they do not say anything true or relevant, and it was never trained on
-chat turns: the ChatML-like chat template works, but the reply is the same kind of doc prose.
+chat turns: the ChatML-like chat template works, but replies are doc prose or code-like fragments.
 Use it to exercise the serving path, never to judge output quality.
 
 - `target/`: the full model (bf16 safetensors, tokenizer, chat template, generation config with
