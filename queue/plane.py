@@ -78,6 +78,7 @@ class QueuePlane:
         self._append = client.register_script(scripts.APPEND)
         self._fence = client.register_script(scripts.FENCE)
         self._repoint = client.register_script(scripts.REPOINT)
+        self._release = client.register_script(scripts.RELEASE)
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> QueuePlane:
@@ -194,6 +195,15 @@ class QueuePlane:
         if done:
             await self.redis.expire(k.stream(request_id), FINISHED_TTL_S)
         return bool(done)
+
+    async def release(self, request_id: str, attempt: int) -> str:
+        """Hand a held request back to its lane now (original place); see ``scripts.RELEASE``."""
+        k = self.keys
+        action = await self._release(
+            keys=[k.request(request_id), k.watch, *k.pending_all()],
+            args=[request_id, attempt, self.settings.start_timeout_ms, FINISHED_TTL_S],
+        )
+        return action.decode()
 
     # -- scheduler --------------------------------------------------------------------
 

@@ -152,3 +152,23 @@ if not st then return false end
 redis.call('HSET', KEYS[1], 'edge', ARGV[1])
 return st
 """
+
+#: KEYS: req, watch, pending:short, pending:medium, pending:long.
+#: ARGV: id, attempt, start_timeout_ms, finished_ttl_s.
+#: A worker hands back a request it holds but will not finish (shutdown, engine death): it
+#: goes back to its lane at its original place at once. Returns 'requeued', 'dropped'
+#: (it was cancelled meanwhile) or 'not_owner'.
+RELEASE = _NOW + """
+local h = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'lane', 'enq_ms')
+if h[2] ~= ARGV[2] or (h[1] ~= 'running' and h[1] ~= 'cancelled') then return 'not_owner' end
+if h[1] == 'cancelled' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  return 'dropped'
+end
+local lanes = {short = KEYS[3], medium = KEYS[4], long = KEYS[5]}
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '')
+redis.call('ZADD', lanes[h[3]] or KEYS[4], h[4], ARGV[1])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+return 'requeued'
+"""

@@ -159,3 +159,17 @@ async def test_lane_depths(plane: QueuePlane, lane: Lane) -> None:
     pending, oldest = await plane.lane_depths(now + 50)
     assert pending[lane.value] == 1 and sum(pending.values()) == 1
     assert oldest[lane.value] >= 50
+
+
+async def test_release_puts_a_held_request_back_at_its_place(plane: QueuePlane) -> None:
+    await plane.enqueue(payload("held"), "e")
+    await asyncio.sleep(0.005)
+    await plane.enqueue(payload("later"), "e")
+    await pop(plane)
+    await plane.claim("held", "w")
+    assert await plane.release("held", 7) == "not_owner"
+    assert await plane.release("held", 1) == "requeued"
+    assert await pop(plane) == ("held", Lane.SHORT), "ahead of the later request"
+    assert (await plane.claim("held", "w2")).attempt == 2
+    await plane.cancel("held")
+    assert await plane.release("held", 2) == "dropped"

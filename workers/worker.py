@@ -72,6 +72,8 @@ class Worker:
         self._blocked_on: tuple[Lane, ...] | None = None
         self._blocker_id: int | None = None
         self._stopping = False
+        #: Fails with EngineDead when a run finds the engine gone: ``serve`` then stops.
+        self._fatal: asyncio.Future[None] = asyncio.get_event_loop().create_future()
         self.num_finished: Counter[str] = Counter()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -87,7 +89,7 @@ class Worker:
         ]
         claim = asyncio.create_task(self._claim_loop(burst), name="claim")
         try:
-            done, _ = await asyncio.wait([claim, *loops], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([claim, self._fatal, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # re-raise EngineDead and friends
         finally:
@@ -100,16 +102,19 @@ class Worker:
             await self.engine.close()
 
     async def _release_all(self) -> None:
-        """Hand every held request back: expire its lease now so the reaper requeues it."""
+        """Stop every run; each hands its lease back (``_release``) so the reaper requeues it."""
         runs = list(self.runs.values())
         for run in runs:
             if run.task is not None:
                 run.task.cancel()
         await asyncio.gather(*(r.task for r in runs if r.task), return_exceptions=True)
         if runs:
-            with contextlib.suppress(RedisError):
-                await self.plane.redis.zadd(self.plane.keys.watch, {r.id: 0 for r in runs}, xx=True)
             log.info("released %d leases", len(runs))
+
+    async def _release(self, run: Run) -> None:
+        """Put a request we will not finish back in its lane now (else its lease expires)."""
+        with contextlib.suppress(RedisError):
+            await self.plane.release(run.id, run.attempt)
 
     # -- claiming -----------------------------------------------------------------------
 
@@ -193,7 +198,9 @@ class Worker:
         queue_ms = float(claim.claimed_at_ms - claim.enqueued_at_ms)
         attrs = {"lanes.request_id": run.id, "lanes.lane": run.lane.value, "lanes.attempt": run.attempt,
                  "lanes.worker": self.worker_id, "lanes.queue_ms": queue_ms}
-        final_state = RequestState.DONE
+        # Set once the request's end is in the stream; only then is it completed. A request
+        # interrupted by engine death or shutdown is left to its lease (handed back at exit).
+        final_state: RequestState | None = None
         try:
             with tracer().start_as_current_span("lanes.generate", context=parent, attributes=attrs) as span:
                 await self.plane.fence(run.id, run.attempt)
@@ -201,6 +208,7 @@ class Worker:
                 if prior and prior[-1].finish is not None:
                     # An earlier attempt finished but died before completing: re-send the end.
                     await self.plane.publish({run.edge: TokenBatch(self.worker_id, (prior[-1],))})
+                    final_state = RequestState.DONE
                     return
                 run.seq = len(prior)
                 resume_ids = tuple(i for e in prior for i in e.token_ids)
@@ -210,20 +218,30 @@ class Worker:
                     lane=run.lane, resume_token_ids=resume_ids, trace_headers=inject_context(),
                 )
                 finish = await self._stream(run, request, queue_ms, len(resume_ids))
-                final_state = RequestState.CANCELLED if finish.reason is FinishReason.CANCELLED else RequestState.DONE
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
                     await self._observe(payload.messages, finish.usage.completion_tokens)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
                 await run.flushed.wait()
+                final_state = RequestState.CANCELLED if finish.reason is FinishReason.CANCELLED else RequestState.DONE
+        except EngineDead as exc:
+            if not self._fatal.done():
+                self._fatal.set_exception(exc)
         finally:
-            if not run.stale:
-                with contextlib.suppress(RedisError):
-                    await self.plane.complete(run.id, run.attempt, final_state.value)
             self.runs.pop(run.id, None)
             metrics.RUNNING.labels(run.lane.value).dec()
-            self.num_finished[final_state.value] += 1
+            self.num_finished[final_state.value if final_state else "interrupted"] += 1
+            # Shielded: shutdown may be cancelling this task, and the request must end up
+            # either completed or back in its lane.
+            if final_state is not None and not run.stale:
+                await asyncio.shield(self._complete(run, final_state))
+            elif not run.stale:
+                await asyncio.shield(self._release(run))
             self._slot_released()
+
+    async def _complete(self, run: Run, state: RequestState) -> None:
+        with contextlib.suppress(RedisError):
+            await self.plane.complete(run.id, run.attempt, state.value)
 
     async def _stream(self, run: Run, request: EngineRequest, queue_ms: float, num_prior: int) -> Finish:
         """Run the engine and submit each delta; returns the final event's Finish."""

@@ -68,7 +68,7 @@ class HFEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=torch.float32, attn_implementation="paged|sdpa"
+            self.model_dir, dtype=torch.float32, attn_implementation="sdpa"
         ).to(self._device)
         model.eval()
         eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
@@ -140,6 +140,8 @@ class HFEngine:
                     return
                 if out.error:
                     self._counters["errors"] += 1
+                    if self._manager is None or not self._manager.is_running():
+                        raise EngineDead(f"continuous batching stopped: {out.error}")
                     raise RequestRejected("generation_failed", f"generation failed: {out.error}")
                 new_ids = list(out.generated_tokens[num_seen:])
                 num_seen = len(out.generated_tokens)

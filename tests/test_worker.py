@@ -1,0 +1,59 @@
+"""The worker in-process against a real redis-server and the real tiny model: it drains the
+lanes, and when its engine dies it stops claiming, hands its leases back and raises."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lanes.queue.messages import ChatMessage, Lane, RequestPayload
+from lanes.queue.plane import QueuePlane
+from lanes.workers.engines.base import EngineDead
+from lanes.workers.engines.hf import HFEngine
+from lanes.workers.settings import WorkerSettings
+from lanes.workers.worker import Worker
+
+
+def worker_for(plane: QueuePlane, model_dir: str, **overrides: object) -> Worker:
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              lease_ms=plane.settings.lease_ms, heartbeat_s=0.2, max_slots=4, **overrides)
+    return Worker(settings, plane, HFEngine(model_dir, max_slots=4))
+
+
+async def enqueue(plane: QueuePlane, request_id: str, max_tokens: int, lane: Lane = Lane.SHORT) -> None:
+    payload = RequestPayload(id=request_id, messages=(ChatMessage("user", f"hi {request_id}"),),
+                             max_tokens=max_tokens, temperature=0.0, lane=lane)
+    assert (await plane.enqueue(payload, "edge-x")).created
+
+
+async def test_burst_worker_drains_every_lane(plane: QueuePlane, tiny_model) -> None:
+    for i, lane in enumerate([Lane.LONG, Lane.MEDIUM, Lane.SHORT, Lane.SHORT, Lane.LONG]):
+        await enqueue(plane, f"r{i}", 6, lane)
+    worker = worker_for(plane, str(tiny_model.target))
+    await asyncio.wait_for(worker.serve(burst=True), 120)
+    for i in range(5):
+        assert await plane.redis.hget(plane.keys.request(f"r{i}"), "state") == b"done"
+        events = await plane.read_stream(f"r{i}")
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens <= 6
+    assert worker.num_finished["done"] == 5
+
+
+async def test_engine_death_releases_leases_and_raises(plane: QueuePlane, tiny_model) -> None:
+    await enqueue(plane, "first", 2000)
+    worker = worker_for(plane, str(tiny_model.target))
+    serving = asyncio.create_task(worker.serve())
+    while not await plane.read_stream("first"):
+        await asyncio.sleep(0.02)
+    engine = worker.engine
+    assert isinstance(engine, HFEngine)
+    await asyncio.to_thread(engine._manager.stop, block=True, timeout=10)  # the engine dies under the worker
+    await enqueue(plane, "next", 50)
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(serving, 30)
+    # Whatever the worker held went straight back to its lane (no lease wait).
+    assert await plane.redis.hget(plane.keys.request("next"), "state") == b"queued"
+    assert await plane.redis.zscore(plane.keys.pending(Lane.SHORT), "next") is not None
+    first_state = await plane.redis.hget(plane.keys.request("first"), "state")
+    assert first_state in (b"done", b"queued"), "an interrupted request is never lost"
