@@ -142,7 +142,8 @@ class HFEngine:
                     self._counters["errors"] += 1
                     if self._manager is None or not self._manager.is_running():
                         raise EngineDead(f"continuous batching stopped: {out.error}")
-                    raise RequestRejected("generation_failed", f"generation failed: {out.error}")
+                    code = "oom" if "out of memory" in str(out.error).lower() else "generation_failed"
+                    raise RequestRejected(code, f"generation failed: {out.error}")
                 new_ids = list(out.generated_tokens[num_seen:])
                 num_seen = len(out.generated_tokens)
                 finished = out.is_finished()
@@ -180,8 +181,16 @@ class HFEngine:
             router.result_handlers.pop(request_id, None)
 
     def stats(self) -> dict[str, Any]:
-        running = len(self._queues)
-        return {"engine": self.name, "running": running, "at_ms": int(time.time() * 1000), **self._counters}
+        return {"engine": self.name, "running": len(self._queues), "kv_cache_usage": self._kv_usage(),
+                "at_ms": int(time.time() * 1000), **self._counters}
+
+    def _kv_usage(self) -> float | None:
+        """Share of the paged KV cache in use (transformers exposes it only on internals)."""
+        try:
+            cache = self._manager.batch_processor.cache
+            return round(1.0 - float(cache.compute_free_capacity(relative=True)), 4)
+        except (AttributeError, TypeError, ValueError):
+            return None
 
     async def close(self) -> None:
         if self._manager is not None:
