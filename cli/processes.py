@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -64,6 +65,10 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     from lanes.workers.settings import WorkerSettings
     from lanes.workers.worker import Worker
 
+    # torch runs on the batching thread, not the main one; with libgomp's default active
+    # wait its idle OpenMP threads spin and starve prefill on small machines (p99 TTFT 910 ms
+    # -> 32 ms with PASSIVE: benchmarks/RESULTS.md). Must be set before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     settings = WorkerSettings(**overrides)
     plane = _setup(settings, "worker")
     engine = build_engine(settings)  # ConfigError (a ValueError) here: clear message, exit 2

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lanes.queue import scripts
@@ -171,14 +172,26 @@ class QueuePlane:
         Returns per request the number appended, or -1 (stale attempt) / -2 (seq taken).
         """
         k = self.keys
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for request_id, events in events_by_request.items():
-                args: list[object] = [events[0].attempt, STREAM_MAXLEN, REQUEST_TTL_S]
-                for event in events:
-                    args += [event.seq, encode(event)]
-                await self._append(keys=[k.stream(request_id), k.fence(request_id)], args=args, client=pipe)
-            results = await pipe.execute()
+        calls = []
+        for request_id, events in events_by_request.items():
+            args: list[object] = [events[0].attempt, STREAM_MAXLEN, REQUEST_TTL_S]
+            for event in events:
+                args += [event.seq, encode(event)]
+            calls.append((k.stream(request_id), k.fence(request_id), *args))
+        try:
+            results = await self._append_pipeline(calls)
+        except NoScriptError:  # Redis restarted and lost its script cache
+            await self.redis.script_load(scripts.APPEND)
+            results = await self._append_pipeline(calls)
         return dict(zip(events_by_request, (int(r) for r in results)))
+
+    async def _append_pipeline(self, calls: list[tuple[object, ...]]) -> list[object]:
+        # Plain EVALSHA: a registered Script in a pipeline costs an extra SCRIPT EXISTS round
+        # trip per flush (redis-py checks every script before each pipeline).
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.evalsha(self._append.sha, 2, *call)
+            return await pipe.execute()
 
     async def publish(self, batches: dict[str, TokenBatch]) -> None:
         """One PUBLISH per edge, pipelined."""

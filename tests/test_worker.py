@@ -54,6 +54,12 @@ async def test_engine_death_releases_leases_and_raises(plane: QueuePlane, tiny_m
         await asyncio.wait_for(serving, 30)
     # Whatever the worker held went straight back to its lane (no lease wait).
     assert await plane.redis.hget(plane.keys.request("next"), "state") == b"queued"
+    if await plane.redis.zscore(plane.keys.pending(Lane.SHORT), "next") is None:
+        # The worker's last blocking pop, cancelled at exit, took it again: the reaper's
+        # start deadline covers exactly that window.
+        now = await plane.server_time_ms()
+        reaped = {r.id: r.action for r in await plane.reap(now + plane.settings.start_timeout_ms + 10)}
+        assert reaped.get("next") == "restored", reaped
     assert await plane.redis.zscore(plane.keys.pending(Lane.SHORT), "next") is not None
     first_state = await plane.redis.hget(plane.keys.request("first"), "state")
     assert first_state in (b"done", b"queued"), "an interrupted request is never lost"

@@ -94,11 +94,14 @@ class Worker:
                 task.result()  # re-raise EngineDead and friends
         finally:
             self._stopping = True
+            # Close the blocking pop first: a BZPOPMIN still parked in Redis would pop a
+            # request we hand back below and drop it with the closing connection.
             claim.cancel()
+            await asyncio.gather(claim, return_exceptions=True)
             await self._release_all()
             for task in loops:
                 task.cancel()
-            await asyncio.gather(claim, *loops, return_exceptions=True)
+            await asyncio.gather(*loops, return_exceptions=True)
             await self.engine.close()
 
     async def _release_all(self) -> None:
