@@ -1,0 +1,32 @@
+"""The command line as a user meets it: bad worker configurations fail at start, clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def lanes(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lanes.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                                            "LANES_REDIS_URL": "redis://127.0.0.1:1/0"})
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--engine", "vllm"], "pip install 'lanes[vllm]'"),
+    (["--engine", "trtllm"], "pip install 'lanes[trtllm]'"),
+    (["--spec-method", "draft_model", "--model", "/nonexistent"], "needs a draft model"),
+])
+def test_bad_worker_config_exits_2_with_a_message(args: list[str], message: str) -> None:
+    out = lanes("worker", *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+
+
+def test_help_lists_every_process_type() -> None:
+    out = lanes("--help")
+    assert out.returncode == 0
+    for command in ("up", "edge", "worker", "scheduler", "chat", "model", "predictor", "bench"):
+        assert command in out.stdout
