@@ -22,17 +22,23 @@ def policy(
     trace: Annotated[Path, typer.Option(help="Azure LLM inference trace CSV (read in place).")],
     profile: Annotated[str, typer.Option(help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
     load: Annotated[float, typer.Option(help="Offered load as a fraction of FCFS capacity.")] = 0.88,
-    policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-oracle, "
-                                             "lanes-naive, oracle-2q, oracle-sjf).")] = "fcfs,lanes",
+    policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-score, "
+                                             "lanes-oracle, lanes-naive, oracle-2q, oracle-sjf).")] = "fcfs,lanes",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by policy.")] = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.")] = None,
     plot_loads: Annotated[str, typer.Option(help="Loads swept for --plot.")] = DEFAULT_PLOT_LOADS,
     seed: Annotated[int, typer.Option(help="Seed of the simulated predictor's noise.")] = 0,
     workers: Annotated[int, typer.Option(help="Simulated worker instances.")] = 1,
     tau: Annotated[float, typer.Option(help="Kendall tau of the simulated predictor.")] = 0.52,
+    order_weight: Annotated[float, typer.Option(help="lanes-score: weight of predicted service time "
+                                                     "in the in-lane score (0 = FCFS in a lane).")] = 1.0,
+    head_age: Annotated[bool, typer.Option("--head-age/--oldest-age", help="lanes-score: lane ages for "
+                                           "anti-starvation from the head's score (as Redis reports "
+                                           "them) or from the oldest request.")] = True,
 ) -> None:
     """Simulate scheduling policies over a trace with a GPU cost model."""
     from lanes.scheduler.costmodel import get_profile
+    from lanes.scheduler.policy import LaneOrder
     from lanes.scheduler.simpolicies import POLICY_NAMES, LanesTuning
     from lanes.scheduler.simrun import compare, fcfs_capacity_rps
     from lanes.scheduler.simulator import EngineConfig
@@ -44,7 +50,8 @@ def policy(
         raise typer.BadParameter(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}")
     cost = get_profile(profile)
     requests = load_azure_csv(trace)
-    tuning = LanesTuning(target_tau=tau)
+    tuning = LanesTuning(target_tau=tau, lane_order=LaneOrder(weight=order_weight),
+                         age_from_score=head_age)
     capacity_rps = fcfs_capacity_rps(requests, EngineConfig(cost), workers)
     kwargs: dict[str, Any] = dict(seed=seed, num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
     results = compare(requests, cost, load, names, **kwargs)

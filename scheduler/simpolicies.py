@@ -13,10 +13,17 @@ import numpy as np
 
 from lanes.queue.messages import Lane
 from lanes.scheduler.noise import kendall_tau, noisy_predictions, sigma_for_tau
-from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, thresholds_from_error
+from lanes.scheduler.policy import (
+    LaneOrder,
+    LaneThresholds,
+    SlotConfig,
+    choose_lane,
+    lane_score_ms,
+    thresholds_from_error,
+)
 from lanes.scheduler.trace import Trace
 
-POLICY_NAMES = ("fcfs", "lanes", "lanes-oracle", "lanes-naive", "oracle-2q", "oracle-sjf")
+POLICY_NAMES = ("fcfs", "lanes", "lanes-score", "lanes-oracle", "lanes-naive", "oracle-2q", "oracle-sjf")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,11 @@ class LanesTuning:
     protect_after_ms: float = 5_000.0
     #: Predictor latency charged to each request's queueing time.
     predictor_ms: float = 2.0
+    #: ``lanes-score`` only: order within a lane by ``policy.lane_score_ms`` with this order.
+    lane_order: LaneOrder = LaneOrder(weight=1.0)
+    #: ``lanes-score`` only: lane ages from the head's score, as ``QueuePlane.lane_depths``
+    #: reads a score-ordered ZSET; False measures them from the oldest request instead.
+    age_from_score: bool = True
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,8 @@ class SimPolicy:
     lane_of: list[Lane]
     slot_config: SlotConfig
     queue_key: np.ndarray | None = None
+    #: Lane ages from the head's key (as Redis reports a score-ordered lane), see ``simulate``.
+    age_from_key: bool = False
     predictor_ms: float = 0.0
     #: What the policy saw: predictor tau, thresholds, misroute rate.
     info: dict[str, float] = field(default_factory=dict)
@@ -69,8 +83,14 @@ def _lanes_policy(name: str, trace: Trace, max_num_seqs: int, seed: int, tuning:
                         min_long=round(tuning.min_long_share * max_num_seqs),
                         starve_after_ms=tuning.starve_after_ms, protect_after_ms=tuning.protect_after_ms,
                         borrow_when_idle=True)
-    return SimPolicy(name, lane_of, slots, predictor_ms=tuning.predictor_ms,
-                     info=_lane_info(true, predicted, lane_of, thresholds))
+    queue_key = None
+    if name == "lanes-score":  # the edge scores each request once, at enqueue
+        enqueue_ms = trace.arrival_s * 1000.0 + tuning.predictor_ms
+        scores_ms = [lane_score_ms(t, p, tuning.lane_order) for t, p in zip(enqueue_ms, predicted, strict=True)]
+        queue_key = np.array(scores_ms) / 1000.0
+    return SimPolicy(name, lane_of, slots, queue_key=queue_key,
+                     age_from_key=queue_key is not None and tuning.age_from_score,
+                     predictor_ms=tuning.predictor_ms, info=_lane_info(true, predicted, lane_of, thresholds))
 
 
 def _lane_info(true: np.ndarray, predicted: np.ndarray, lane_of: list[Lane],
@@ -102,9 +122,9 @@ def make_policy(name: str, trace: Trace, max_num_seqs: int, seed: int = 0,
         split = np.percentile(true, 50)
         lane_of = [Lane.SHORT if t <= split else Lane.LONG for t in true]
         return SimPolicy(name, lane_of, _open_slots(max_num_seqs))
-    if name in ("lanes", "lanes-naive"):
+    if name in ("lanes", "lanes-score", "lanes-naive"):
         sigma = sigma_for_tau(true, tuning.target_tau, seed)
-        return _lanes_policy(name, trace, max_num_seqs, seed, tuning, sigma, reserve=name == "lanes")
+        return _lanes_policy(name, trace, max_num_seqs, seed, tuning, sigma, reserve=name != "lanes-naive")
     if name == "lanes-oracle":
         return _lanes_policy(name, trace, max_num_seqs, seed, tuning, 0.0, reserve=True)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")

@@ -13,7 +13,7 @@ from lanes.scheduler.trace import Trace
 
 def run_policy(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers: int) -> SimResult:
     return simulate(trace, policy.lane_of, policy.slot_config, engine, queue_key=policy.queue_key,
-                    num_workers=num_workers, predictor_ms=policy.predictor_ms)
+                    age_from_key=policy.age_from_key, num_workers=num_workers, predictor_ms=policy.predictor_ms)
 
 
 def fcfs_capacity_rps(trace: Trace, engine: EngineConfig, num_workers: int = 1) -> float:

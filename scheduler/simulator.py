@@ -59,10 +59,14 @@ class SimResult:
 
 
 class _Lanes:
-    """The shared backlog: per lane a heap by queue key, plus arrival order for ages."""
+    """The shared backlog: per lane a heap by queue key, plus arrival order for ages.
 
-    def __init__(self, keys: Sequence[float], enqueue_s: Sequence[float]) -> None:
-        self._keys, self._enqueue_s = keys, enqueue_s
+    With ``age_from_key`` a lane's age is ``now - head key`` (clamped at 0), which is what
+    ``QueuePlane.lane_depths`` reports when the lane ZSETs are scored by ``lane_score_ms``.
+    """
+
+    def __init__(self, keys: Sequence[float], enqueue_s: Sequence[float], age_from_key: bool = False) -> None:
+        self._keys, self._enqueue_s, self._age_from_key = keys, enqueue_s, age_from_key
         self._heaps: dict[Lane, list[tuple[float, int]]] = {lane: [] for lane in LANE_ORDER}
         self._fifo: dict[Lane, deque[int]] = {lane: deque() for lane in LANE_ORDER}
         self._popped: set[int] = set()
@@ -74,6 +78,8 @@ class _Lanes:
         self.num_waiting += 1
 
     def oldest_wait_ms(self, now_s: float) -> dict[Lane, float]:
+        if self._age_from_key:
+            return {lane: max(0.0, now_s - heap[0][0]) * 1000.0 for lane, heap in self._heaps.items() if heap}
         ages: dict[Lane, float] = {}
         for lane, fifo in self._fifo.items():
             while fifo and fifo[0] in self._popped:
@@ -109,17 +115,20 @@ def simulate(
     engine: EngineConfig,
     *,
     queue_key: Sequence[float] | None = None,
+    age_from_key: bool = False,
     num_workers: int = 1,
     predictor_ms: float = 0.0,
 ) -> SimResult:
     """Run the trace to completion. ``queue_key`` orders requests within a lane (default:
-    enqueue time, i.e. FCFS as a Redis ZSET scored by time); ``predictor_ms`` is charged to
+    enqueue time, i.e. FCFS as a Redis ZSET scored by time); with ``age_from_key`` (keys in
+    seconds) lane ages for ``lanes_to_pop`` are measured from the head's key, as Redis
+    reports them, instead of from the oldest request; ``predictor_ms`` is charged to
     each request's queueing time before it is enqueued."""
     n = len(trace)
     arrival = trace.arrival_s.tolist()
     enqueue = [a + predictor_ms / 1000.0 for a in arrival]
     prompt, output = trace.prompt_tokens.tolist(), trace.output_tokens.tolist()
-    lanes = _Lanes(enqueue if queue_key is None else list(queue_key), enqueue)
+    lanes = _Lanes(enqueue if queue_key is None else list(queue_key), enqueue, age_from_key)
     start, first, finish = [math.nan] * n, [math.nan] * n, [math.nan] * n
     tokens_per_step = engine.spec.tokens_per_step() if engine.spec else 1.0
     workers = [_Worker() for _ in range(num_workers)]

@@ -8,9 +8,9 @@ import pytest
 from lanes.queue.messages import Lane
 from lanes.scheduler.costmodel import SpecDecoding, get_profile
 from lanes.scheduler.noise import kendall_tau, noisy_predictions, sigma_for_tau
-from lanes.scheduler.policy import SlotConfig
+from lanes.scheduler.policy import LaneOrder, SlotConfig, lane_score_ms
 from lanes.scheduler.simmetrics import summarize
-from lanes.scheduler.simpolicies import make_policy
+from lanes.scheduler.simpolicies import LanesTuning, make_policy
 from lanes.scheduler.simrun import fcfs_capacity_rps, run_policy
 from lanes.scheduler.simulator import EngineConfig, simulate
 from lanes.scheduler.trace import synthetic
@@ -114,3 +114,32 @@ def test_noise_model_hits_target_tau() -> None:
     true = np.random.default_rng(0).lognormal(4.8, 0.9, 4000).astype(int) + 1
     sigma = sigma_for_tau(true, 0.55)
     assert kendall_tau(true, noisy_predictions(true, sigma, seed=3)) == pytest.approx(0.55, abs=0.03)
+
+
+def test_score_key_lets_a_shorter_later_request_go_first_in_its_lane() -> None:
+    # One slot, busy with request 0; 1 (long) and 2 (short, 10 ms later) wait in the same lane.
+    trace = synthetic([0.0, 0.01, 0.02], [512] * 3, [50, 300, 10])
+    engine = EngineConfig(PROFILE, max_num_seqs=1)
+    order = LaneOrder(weight=1.0)
+    keys = [lane_score_ms(t * 1000.0, n, order) / 1000.0 for t, n in zip([0.0, 0.01, 0.02], [50, 300, 10])]
+    fifo = simulate(trace, [Lane.LONG] * 3, OPEN, engine)
+    scored = simulate(trace, [Lane.LONG] * 3, OPEN, engine, queue_key=keys, age_from_key=True)
+    assert fifo.start_s[1] < fifo.start_s[2]
+    assert scored.start_s[2] < scored.start_s[1]
+    assert scored.finish_s.max() == pytest.approx(fifo.finish_s.max())  # same work, one slot
+
+
+def test_lanes_score_with_weight_zero_matches_lanes() -> None:
+    rng = np.random.default_rng(2)
+    n = 400
+    trace = synthetic(list(np.cumsum(rng.exponential(0.2, n))), list(rng.integers(100, 2000, n)),
+                      list(rng.lognormal(4.8, 0.8, n).astype(int) + 1))
+    engine = EngineConfig(PROFILE, max_num_seqs=8)
+    fcfs_order = LanesTuning(lane_order=LaneOrder(weight=0.0))
+    plain = run_policy(trace, make_policy("lanes", trace, 8, seed=0), engine, num_workers=1)
+    scored = run_policy(trace, make_policy("lanes-score", trace, 8, seed=0, tuning=fcfs_order), engine, num_workers=1)
+    np.testing.assert_allclose(scored.start_s, plain.start_s)
+    weighted = make_policy("lanes-score", trace, 8, seed=0)
+    assert weighted.queue_key is not None and weighted.age_from_key
+    assert not make_policy("lanes-score", trace, 8, tuning=LanesTuning(age_from_score=False)).age_from_key
+    assert np.isfinite(run_policy(trace, weighted, engine, num_workers=1).finish_s).all()
