@@ -6,12 +6,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lanes.cli import bench, model, predictor
+from lanes.cli import bench, keys, model, predictor
 
 app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes", no_args_is_help=True)
 app.add_typer(model.app, name="model", help="Build or train the small offline models.")
 app.add_typer(predictor.app, name="predictor", help="Train and evaluate the length predictor.")
 app.add_typer(bench.app, name="bench", help="Benchmarks and the policy simulator.")
+app.add_typer(keys.app, name="keys", help="API keys: create (shown once, stored hashed), list, revoke.")
 
 
 def _given(**flags: Any) -> dict[str, Any]:
@@ -97,6 +98,20 @@ def chat(
     from lanes.cli.chat import run_chat
 
     raise typer.Exit(run_chat(url, prompt, max_tokens, temperature))
+
+
+@app.command()
+def chaos(
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object instead of the table")] = False,
+    workers: Annotated[int, typer.Option(help="sim worker processes")] = 3,
+    slots: Annotated[int, typer.Option(help="slots per worker")] = 8,
+    time_scale: Annotated[float, typer.Option(help="sim engine speed-up over the GPU cost model")] = 3.0,
+) -> None:
+    """Break a local system five ways under load (worker/edge kill -9, cancels, Redis restart,
+    overload) and report sent / completed / rejected / lost / duplicate and missing tokens."""
+    from lanes.cli.chaos import run_chaos
+
+    raise typer.Exit(run_chaos(as_json=as_json, workers=workers, slots=slots, time_scale=time_scale))
 
 
 def main() -> None:

@@ -71,7 +71,11 @@ class EmbeddedRedis:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode())
-                    if b"PONG" in s.recv(64) + (s.recv(64) if self.password else b""):
+                    # With a password the +OK and +PONG may come in one read or two: read until PONG.
+                    reply = b""
+                    while b"PONG" not in reply and (chunk := s.recv(64)):
+                        reply += chunk
+                    if b"PONG" in reply:
                         return self
             except OSError:
                 pass

@@ -93,3 +93,12 @@ class Keys:
     def predictor(self) -> str:
         """HASH version, weights (npz bytes, no pickle): the refreshed length predictor."""
         return f"{self.prefix}:predictor"
+
+    def api_key(self, key_hash: str) -> str:
+        """STRING (JSON ``KeyRecord``): one API key's name and limits, by its SHA-256 hex; never the key."""
+        return f"{self.prefix}:keys:{key_hash}"
+
+    @property
+    def api_key_pattern(self) -> str:
+        """SCAN pattern over every stored API key."""
+        return f"{self.prefix}:keys:*"

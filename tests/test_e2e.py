@@ -135,7 +135,11 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
     assert set(depths["pending"]) == {"short", "medium", "long"} and depths["workers"] == 1
 
 
-def test_logs_hold_no_prompt_text(system: tuple[System, str]) -> None:
+def test_logs_hold_no_prompt_text(system: tuple[System, str], reference) -> None:
     sys_, _ = system
+    _, _, answer = reference("What does a class definition do?", 24)  # streamed by the first test above
+    assert len(answer.strip()) >= 8
     for log in Path(sys_.log_dir).glob("*.log"):
-        assert "class definition" not in log.read_text(), f"{log.name} leaked a prompt"
+        text = log.read_text()
+        assert "class definition" not in text, f"{log.name} leaked a prompt"
+        assert answer not in text and answer.strip()[:16] not in text, f"{log.name} leaked an answer"

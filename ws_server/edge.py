@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 
 import msgspec
 import websockets
@@ -26,8 +27,10 @@ from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import protocol
 from lanes.ws_server.admission import EdgeAdmission
+from lanes.ws_server.auth import ANONYMOUS, Gate, Identity
 from lanes.ws_server.http import http_response
 from lanes.ws_server.lengths import LengthEstimator
+from lanes.ws_server.ratelimit import KeyLimiter, Refusal
 from lanes.ws_server.session import Route, Session
 from lanes.ws_server.settings import EdgeSettings
 
@@ -51,6 +54,12 @@ class Edge:
         self.lengths = lengths or LengthEstimator()
         self.admission = EdgeAdmission(settings)
         self.routes: dict[str, Route] = {}
+        self.gate = Gate(settings, plane.redis, plane.keys, CHAT_PATH)
+        self.limiter = KeyLimiter()
+        #: Who each handshake authenticated as (weak: a handshake that fails later leaves nothing).
+        self.identities: weakref.WeakKeyDictionary[ServerConnection, Identity] = weakref.WeakKeyDictionary()
+        #: Sessions per API key id: the key's in-flight count is the sum of their routes.
+        self.key_sessions: dict[str, weakref.WeakSet[Session]] = {}
         self._ready = asyncio.Event()
         self.port = settings.port
 
@@ -144,6 +153,12 @@ class Edge:
                 "too_many_in_flight", f"at most {self.settings.max_in_flight_per_connection} requests in flight",
                 request_id,
             )
+        refusal = self._key_refusal(session)
+        if refusal is not None:
+            metrics.ERRORS.labels(refusal.code.value).inc()
+            extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
+            session.send(protocol.error_frame(refusal.code.value, refusal.message, request_id, **extra))
+            return
         predicted = await self.lengths.predict(frame.messages, frame.max_tokens)
         lane = choose_lane(predicted, self.thresholds)
         decision = self.admission.decide(lane, frame.deadline_ms)
@@ -181,6 +196,16 @@ class Edge:
         metrics.IN_FLIGHT.inc()
         session.send(protocol.accepted_frame(request_id, lane.value, predicted))
 
+    def _key_refusal(self, session: Session) -> Refusal | None:
+        """The API key's rate limit and in-flight cap, over all its connections to this edge."""
+        identity = self.identities.get(session.ws, ANONYMOUS)  # type: ignore[arg-type]
+        if identity is ANONYMOUS:
+            return None
+        sessions = self.key_sessions.setdefault(identity.key_id, weakref.WeakSet())
+        sessions.add(session)
+        num_in_flight = sum(len(s.routes) for s in sessions)
+        return self.limiter.check(identity.key_id, identity.limits, num_in_flight, time.monotonic())
+
     async def on_cancel(self, session: Session, request_id: str) -> None:
         route = session.routes.get(request_id)
         if route is None:
@@ -203,6 +228,15 @@ class Edge:
             raise protocol.ProtocolError("unknown_id", f"request {frame.id} is unknown or expired", frame.id)
         metrics.IN_FLIGHT.inc()
         await self.fill_gap(route, frame.last_seq)
+        # The worker re-points at its next heartbeat; until then it publishes to the old edge,
+        # and an answer that ends in that window would never reach us: read the stream again.
+        asyncio.get_running_loop().call_later(2 * self.settings.heartbeat_s + 0.1, self._refill, route)
+
+    def _refill(self, route: Route) -> None:
+        """Deliver from the stream whatever this route missed (it may have gone elsewhere)."""
+        if not route.done and not route.filling:
+            route.filling = True
+            asyncio.get_running_loop().create_task(self.fill_gap(route, route.next_seq - 1))
 
     async def on_disconnect(self, session: Session) -> None:
         """A client that left stops its requests: queued ones leave the lane, running ones abort."""
@@ -225,12 +259,17 @@ class Edge:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
-        if request.path == CHAT_PATH or request.path.startswith(CHAT_PATH + "?"):
+        verdict = await self.gate.check(request)  # origin allowlist, API key (ws_server/auth.py)
+        if isinstance(verdict, Response):
+            return verdict
+        if request.path.split("?", 1)[0] == CHAT_PATH:
+            self.identities[conn] = verdict
             return None
         return await http_response(self, conn, request)
 
     async def check_routes(self, interval_s: float = 2.0, quiet_s: float = 3.0) -> None:
-        """End routes whose request vanished from Redis with ``request_lost`` (never hang)."""
+        """End routes whose request vanished from Redis with ``request_lost``; fill quiet ones
+        from their stream (never hang)."""
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
@@ -247,6 +286,7 @@ class Edge:
             for route, found in zip(quiet, exists):
                 if found:
                     route.last_heard_at = now
+                    self._refill(route)  # its tokens may have been published to another edge
                 else:
                     log.warning("request %s vanished from Redis", route.id)
                     self._forget(route)
@@ -278,6 +318,8 @@ class Edge:
         ) as server:
             self.port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
             log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port, CHAT_PATH)
+            log.info("API keys %s", "required" if self.gate.enabled else "OFF (LANES_AUTH_REQUIRED=false): anyone "
+                     "who reaches this port can chat")
             if ready is not None:
                 ready.set()
             try:

@@ -32,3 +32,20 @@ class EdgeSettings(RedisSettings):
     #: Refuse a request whose predicted queueing exceeds this (ms; 0 = only the client's
     #: own ``deadline_ms``).
     default_deadline_ms: int = 0
+    #: Require an API key at the WebSocket handshake (``Authorization: Bearer <key>``).
+    #: Off only for the local demo; a non-empty ``api_key_hashes`` turns it on too.
+    auth_required: bool = False
+    #: Comma list of SHA-256 hex digests of accepted keys (``lanes keys create --static``),
+    #: accepted besides the keys stored in Redis (``lanes:keys:<hash>``).
+    api_key_hashes: str = ""
+    #: With auth on, ``/metrics`` and ``/v1/depths`` need a key too; false leaves them open
+    #: (a Prometheus scraper on a private network). ``/healthz`` and the dashboard page stay open.
+    protect_metrics: bool = True
+    #: Comma list of browser origins allowed to open the chat socket
+    #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
+    allowed_origins: str = ""
+    #: Per-key limits for keys that set none (and for ``api_key_hashes``); 0 = no limit.
+    #: Enforced per edge process (see ``ratelimit.py``).
+    key_rate_per_s: float = 10.0
+    key_burst: int = 20
+    key_max_in_flight: int = 32

@@ -1,0 +1,275 @@
+"""API keys, Origin allowlist and per-key limits, through real WebSocket handshakes to a real
+edge (in this process) on a real redis-server; keys made by the real ``lanes keys`` CLI.
+
+No worker runs here, so accepted requests stay queued: that is what keeps them in flight
+for the in-flight cap tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+import websockets
+from typer.testing import CliRunner
+from websockets.datastructures import Headers
+from websockets.exceptions import InvalidStatus
+
+from e2e_support import Client
+from lanes.cli.main import app
+from lanes.queue.plane import QueuePlane
+from lanes.ws_server.auth import bearer_token, generate_key, hash_key, origin_allowed, parse_csv
+from lanes.ws_server.edge import Edge
+from lanes.ws_server.settings import EdgeSettings
+
+StartEdge = Callable[..., Awaitable[str]]
+
+
+# -- pure parts ----------------------------------------------------------------------
+
+
+def test_keys_are_random_prefixed_and_hashed_with_sha256() -> None:
+    keys = {generate_key() for _ in range(1000)}
+    assert len(keys) == 1000 and all(k.startswith("lanes_") and len(k) == 49 for k in keys)
+    assert hash_key("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # FIPS 180-2 vector
+
+
+def test_bearer_parsing() -> None:
+    assert bearer_token(Headers([("Authorization", "Bearer k1")])) == "k1"
+    assert bearer_token(Headers([("authorization", "bearer   k1 ")])) == "k1"
+    for bad in ("k1", "Basic k1", "Bearer", "Bearer a b", "Bearer " + "x" * 300):
+        assert bearer_token(Headers([("Authorization", bad)])) is None, bad
+    assert bearer_token(Headers([("Authorization", "Bearer a"), ("Authorization", "Bearer b")])) is None
+    assert bearer_token(Headers()) is None
+
+
+def test_origin_matching() -> None:
+    allowed = parse_csv("https://App.example.com/, http://localhost:3000", lower=True)
+    assert origin_allowed("https://app.example.com", allowed)
+    assert origin_allowed("http://localhost:3000", allowed)
+    assert not origin_allowed("https://app.example.com.evil.net", allowed)
+    assert not origin_allowed("null", allowed)
+    assert origin_allowed(None, allowed), "non-browser clients send no Origin"
+    assert origin_allowed("https://anything", frozenset()), "empty allowlist allows all"
+
+
+# -- fixtures ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(redis_url: str, key_prefix: str) -> Callable[..., Any]:
+    """Run ``lanes ...`` in-process against the test Redis and key prefix."""
+    runner = CliRunner()
+
+    def run(*args: str, expect: int = 0) -> Any:
+        result = runner.invoke(app, list(args), env={"LANES_REDIS_URL": redis_url, "LANES_KEY_PREFIX": key_prefix})
+        assert result.exit_code == expect, (result.stdout, result.stderr, result.exception)
+        return result
+
+    return run
+
+
+@pytest.fixture
+def create_key(cli: Callable[..., Any]) -> Callable[..., str]:
+    def create(name: str, *options: str) -> str:
+        return cli("keys", "create", name, *options).stdout.strip()
+
+    return create
+
+
+@pytest.fixture
+async def start_edge(redis_url: str, key_prefix: str) -> AsyncIterator[StartEdge]:
+    """Start an in-process edge with settings overrides; returns its ``ws://`` base URL."""
+    running: list[tuple[asyncio.Task[None], QueuePlane]] = []
+
+    async def start(**overrides: Any) -> str:
+        settings = EdgeSettings(redis_url=redis_url, key_prefix=key_prefix, port=0, **overrides)
+        plane = QueuePlane.from_settings(settings)
+        edge = Edge(settings, plane)
+        ready = asyncio.Event()
+        running.append((asyncio.create_task(edge.serve(ready)), plane))
+        await asyncio.wait_for(ready.wait(), 30)
+        return f"ws://127.0.0.1:{edge.port}"
+
+    yield start
+    for task, plane in running:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await plane.close()
+
+
+async def connect(base: str, key: str | None = None, *, origin: str | None = None, query: str = "") -> Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    ws = await websockets.connect(f"{base}/v1/chat{query}", additional_headers=headers, origin=origin)  # type: ignore[arg-type]
+    return Client(ws)
+
+
+async def handshake_status(base: str, key: str | None = None, **kwargs: Any) -> int:
+    """101 if the handshake succeeds, else the HTTP status the edge refused it with."""
+    try:
+        client = await connect(base, key, **kwargs)
+    except InvalidStatus as exc:
+        return exc.response.status_code
+    await client.close()
+    return 101
+
+
+async def first_answer(client: Client, request_id: str, timeout_s: float = 10) -> dict[str, Any]:
+    """The first accepted/error frame of a request."""
+    async def wait() -> dict[str, Any]:
+        while not client.frames[request_id]:
+            await asyncio.sleep(0.005)
+        return client.frames[request_id][0]
+
+    return await asyncio.wait_for(wait(), timeout_s)
+
+
+def http_get(base: str, path: str, key: str | None = None) -> int:
+    request = urllib.request.Request(base.replace("ws://", "http://") + path)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+# -- the CLI -------------------------------------------------------------------------
+
+
+def test_keys_cli_prints_the_key_once_and_stores_only_its_hash(
+        cli: Callable[..., Any], create_key: Callable[..., str], redis_url: str, key_prefix: str) -> None:
+    key = create_key("team-a", "--rate-per-s", "5", "--burst", "7", "--max-in-flight", "3")
+    assert key.startswith("lanes_") and len(key) == 49
+    client = redis.Redis.from_url(redis_url)
+    try:
+        names = list(client.scan_iter(match=f"{key_prefix}:*"))
+        assert names == [f"{key_prefix}:keys:{hash_key(key)}".encode()]
+        record = json.loads(client.get(names[0]))
+        assert record["name"] == "team-a" and record["created_at_s"] > 0
+        assert (record["rate_per_s"], record["burst"], record["max_in_flight"]) == (5.0, 7, 3)
+        secret_part = key[len("lanes_") + 4:]  # what the hint does not show
+        assert all(secret_part.encode() not in name + client.get(name) for name in names), "key stored in clear"
+        listing = cli("keys", "list").stdout
+        assert "team-a" in listing and hash_key(key)[:12] in listing and secret_part not in listing
+        cli("keys", "create", "team-a", expect=1)  # names are unique
+        assert "revoked 1 key" in cli("keys", "revoke", "team-a").stdout
+        assert list(client.scan_iter(match=f"{key_prefix}:*")) == []
+        cli("keys", "revoke", "team-a", expect=1)
+    finally:
+        client.close()
+
+
+# -- handshakes ----------------------------------------------------------------------
+
+
+async def test_auth_is_off_by_default(start_edge: StartEdge) -> None:
+    base = await start_edge()
+    client = await connect(base)
+    await client.chat("open-1", "hello")
+    assert (await first_answer(client, "open-1"))["type"] == "accepted"
+    await client.close()
+
+
+async def test_handshake_needs_a_valid_bearer_key(
+        start_edge: StartEdge, create_key: Callable[..., str], cli: Callable[..., Any]) -> None:
+    key = create_key("svc")
+    base = await start_edge(auth_required=True)
+    assert await handshake_status(base) == 401
+    assert await handshake_status(base, generate_key()) == 401, "unknown key"
+    assert await handshake_status(base, key[:-1]) == 401, "truncated key"
+    assert await handshake_status(base, query=f"?api_key={key}") == 401, "keys in query strings are refused"
+    with pytest.raises(InvalidStatus) as refused:
+        await connect(base)
+    assert refused.value.response.headers["WWW-Authenticate"].startswith("Bearer")
+    client = await connect(base, key)
+    await client.chat("authed-1", "hello")
+    assert (await first_answer(client, "authed-1"))["type"] == "accepted"
+    cli("keys", "revoke", "svc")
+    assert await handshake_status(base, key) == 401, "a revoked key is refused at the next handshake"
+    await client.close()
+
+
+async def test_static_hashes_from_settings_turn_auth_on(start_edge: StartEdge) -> None:
+    key = generate_key()
+    base = await start_edge(api_key_hashes=f" {hash_key(key).upper()} ,")  # auth_required left False
+    assert await handshake_status(base) == 401, "hashes configured: never fail open"
+    assert await handshake_status(base, key) == 101
+
+
+async def test_http_paths_healthz_open_metrics_protected(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    key = create_key("prom")
+    base = await start_edge(auth_required=True)
+    statuses = await asyncio.to_thread(lambda: {
+        "healthz": http_get(base, "/healthz"), "dashboard": http_get(base, "/dashboard"),
+        "metrics": http_get(base, "/metrics"), "depths": http_get(base, "/v1/depths"),
+        "metrics+key": http_get(base, "/metrics", key), "depths+key": http_get(base, "/v1/depths", key),
+        "metrics+bad": http_get(base, "/metrics", generate_key()),
+    })
+    assert statuses == {"healthz": 200, "dashboard": 200, "metrics": 401, "depths": 401,
+                        "metrics+key": 200, "depths+key": 200, "metrics+bad": 401}
+    open_metrics = await start_edge(auth_required=True, protect_metrics=False)
+    assert await asyncio.to_thread(http_get, open_metrics, "/metrics") == 200
+
+
+async def test_origin_allowlist(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    base = await start_edge(allowed_origins="https://app.example.com, http://localhost:3000")
+    assert await handshake_status(base, origin="https://evil.example.net") == 403
+    assert await handshake_status(base, origin="https://app.example.com") == 101
+    assert await handshake_status(base, origin="http://localhost:3000") == 101
+    assert await handshake_status(base) == 101, "no Origin: not a browser"
+    key = create_key("web")
+    authed = await start_edge(auth_required=True, allowed_origins="https://app.example.com")
+    assert await handshake_status(authed, key, origin="https://evil.example.net") == 403, "a valid key does not help"
+    assert await handshake_status(authed, origin="https://app.example.com") == 401, "an allowed origin needs a key"
+
+
+# -- per-key limits ------------------------------------------------------------------
+
+
+async def test_rate_limited_frame_carries_retry_after(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    key = create_key("bursty", "--rate-per-s", "1", "--burst", "2", "--max-in-flight", "0")
+    base = await start_edge(auth_required=True)
+    client = await connect(base, key)
+    for i in range(3):
+        await client.chat(f"rl-{i}", "hello")
+    answers = [await first_answer(client, f"rl-{i}") for i in range(3)]
+    assert [a["type"] for a in answers] == ["accepted", "accepted", "error"]
+    assert answers[2]["code"] == "rate_limited" and 0 < answers[2]["retry_after_ms"] <= 1000
+    await asyncio.sleep(answers[2]["retry_after_ms"] / 1000 + 0.05)
+    await client.chat("rl-after-wait", "hello")
+    assert (await first_answer(client, "rl-after-wait"))["type"] == "accepted"
+    await client.close()
+
+
+async def test_in_flight_cap_spans_the_keys_connections(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    capped = create_key("capped", "--rate-per-s", "0", "--max-in-flight", "2")
+    other = create_key("other", "--rate-per-s", "0", "--max-in-flight", "2")
+    base = await start_edge(auth_required=True)
+    a, b, c = await connect(base, capped), await connect(base, capped), await connect(base, other)
+    await a.chat("cap-a1", "hello")
+    assert (await first_answer(a, "cap-a1"))["type"] == "accepted"
+    await b.chat("cap-b1", "hello")
+    assert (await first_answer(b, "cap-b1"))["type"] == "accepted"
+    await b.chat("cap-b2", "hello")
+    refused = await first_answer(b, "cap-b2")
+    assert refused["type"] == "error" and refused["code"] == "too_many_in_flight" and "retry_after_ms" not in refused
+    await c.chat("cap-c1", "hello")
+    assert (await first_answer(c, "cap-c1"))["type"] == "accepted", "another key has its own cap"
+    await a.send({"type": "cancel", "id": "cap-a1"})
+    assert (await a.wait("cap-a1"))["finish_reason"] == "cancelled"
+    await b.chat("cap-b3", "hello")
+    assert (await first_answer(b, "cap-b3"))["type"] == "accepted", "a finished request frees its slot"
+    await a.close()
+    await asyncio.sleep(0.2)  # the edge cancels a closed connection's requests (none left on a)
+    await b.chat("cap-b4", "hello")
+    assert (await first_answer(b, "cap-b4"))["code"] == "too_many_in_flight"
+    for client in (b, c):
+        await client.close()

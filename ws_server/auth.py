@@ -1,0 +1,197 @@
+"""API keys, checked once per WebSocket handshake, and the browser Origin allowlist.
+
+Keys are 256-bit random strings (``lanes_`` + 43 url-safe characters), so we store only
+their SHA-256: with that much entropy no dictionary or brute force can invert the hash, and a
+slow KDF (scrypt, argon2) would only add tens of ms and a CPU-exhaustion lever to every
+handshake while buying nothing. A lookup is one ``GET lanes:keys:<sha256 hex>``; the
+attacker cannot steer which bytes of a SHA-256 a probe matches, so it leaks nothing useful
+through timing either.
+
+The key travels only in ``Authorization: Bearer <key>``. A ``?api_key=`` query parameter is
+refused on purpose: URLs land in proxy and access logs, browser history and ``Referer``
+headers. (Browsers cannot set headers on ``new WebSocket``; a browser should not hold an API
+key anyway: its backend connects, or a reverse proxy injects the header.)
+
+Handshake refusals (HTTP status, ``lanes_errors_total{code}``)::
+
+    401 unauthorized     no key, malformed ``Authorization``, unknown or revoked key
+    403 forbidden_origin a browser ``Origin`` not in ``LANES_ALLOWED_ORIGINS``
+    503 auth_unavailable Redis (the key store) did not answer
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from lanes.queue.keys import Keys
+from lanes.telemetry import metrics
+from lanes.ws_server.ratelimit import UNLIMITED, KeyLimits
+from lanes.ws_server.settings import EdgeSettings
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "lanes_"
+#: Longer bearer tokens are refused before hashing (ours are 49 characters).
+MAX_KEY_CHARS = 256
+#: Paths that never need a key: load-balancer probes and the (data-free) dashboard page.
+OPEN_PATHS = frozenset({"/healthz", "/", "/dashboard"})
+#: Paths that need a key when auth is on, unless ``protect_metrics`` is false.
+METRICS_PATHS = frozenset({"/metrics", "/v1/depths"})
+
+
+def generate_key() -> str:
+    """A new API key with 256 bits of entropy; the prefix lets secret scanners spot leaks."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 hex digest: what ``lanes:keys:<hash>`` and ``LANES_API_KEY_HASHES`` hold."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def parse_csv(text: str, *, lower: bool = False) -> frozenset[str]:
+    """A comma list from a setting, blanks dropped (``"a, b,"`` -> {a, b})."""
+    items = (item.strip().rstrip("/") if lower else item.strip() for item in text.split(","))
+    return frozenset(item.lower() if lower else item for item in items if item)
+
+
+def bearer_token(headers: Headers) -> str | None:
+    """The key from exactly one ``Authorization: Bearer <key>`` header, else None."""
+    values = headers.get_all("Authorization")
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or " " in token or len(token) > MAX_KEY_CHARS:
+        return None
+    return token
+
+
+def origin_allowed(origin: str | None, allowed: frozenset[str]) -> bool:
+    """Browsers always send ``Origin`` on a WebSocket handshake; other clients usually don't.
+
+    An empty allowlist allows everything; a missing Origin (not a browser) is allowed, since
+    Origin defends against cross-site WebSocket hijacking, which needs a browser.
+    """
+    if not allowed or origin is None:
+        return True
+    return origin.strip().rstrip("/").lower() in allowed
+
+
+class KeyRecord(msgspec.Struct, frozen=True):
+    """What ``lanes:keys:<hash>`` holds (JSON). A None limit means the edge's default."""
+
+    name: str
+    created_at_s: float
+    rate_per_s: float | None = None
+    burst: int | None = None
+    max_in_flight: int | None = None
+    #: The first characters of the key (``lanes_Ab3x``) so people can tell keys apart.
+    hint: str = ""
+
+
+def encode_record(record: KeyRecord) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def decode_record(raw: bytes) -> KeyRecord:
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) on a malformed record."""
+    return msgspec.json.decode(raw, type=KeyRecord)
+
+
+def new_record(name: str, key: str, rate_per_s: float | None, burst: int | None,
+               max_in_flight: int | None, now_s: float | None = None) -> KeyRecord:
+    return KeyRecord(name=name, created_at_s=time.time() if now_s is None else now_s, rate_per_s=rate_per_s,
+                     burst=burst, max_in_flight=max_in_flight, hint=key[: len(KEY_PREFIX) + 4])
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a connection authenticated as."""
+
+    #: Rate-limit and in-flight accounting id (a prefix of the key's hash; never the key).
+    key_id: str
+    #: Human name from ``lanes keys create NAME`` (for logs and metrics).
+    name: str
+    limits: KeyLimits
+
+
+#: Every connection when auth is off: no per-key limits (the per-connection cap still holds).
+ANONYMOUS = Identity(key_id="", name="anonymous", limits=UNLIMITED)
+
+
+def limits_for(record: KeyRecord | None, settings: EdgeSettings) -> KeyLimits:
+    """The record's own limits, falling back to the edge's ``key_*`` defaults."""
+    rate = record.rate_per_s if record and record.rate_per_s is not None else settings.key_rate_per_s
+    burst = record.burst if record and record.burst is not None else settings.key_burst
+    cap = record.max_in_flight if record and record.max_in_flight is not None else settings.key_max_in_flight
+    return KeyLimits(rate_per_s=float(rate), burst=int(burst), max_in_flight=int(cap))
+
+
+def _refusal(status: HTTPStatus, code: str, text: str) -> Response:
+    metrics.ERRORS.labels(code).inc()
+    body = f"{text}\n".encode()
+    headers = Headers([("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
+                       ("Cache-Control", "no-store")])
+    if status is HTTPStatus.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = 'Bearer realm="lanes"'
+    return Response(status.value, status.phrase, headers, body)
+
+
+class Gate:
+    """Decides each HTTP request / handshake on the edge's port: an ``Identity`` or a refusal."""
+
+    def __init__(self, settings: EdgeSettings, client: aioredis.Redis, keys: Keys, chat_path: str) -> None:
+        self.settings = settings
+        self.redis = client
+        self.keys = keys
+        self.chat_path = chat_path
+        self.static_hashes = parse_csv(settings.api_key_hashes, lower=True)
+        self.allowed_origins = parse_csv(settings.allowed_origins, lower=True)
+        #: Setting hashes without ``auth_required`` still turns auth on: never fail open.
+        self.enabled = settings.auth_required or bool(self.static_hashes)
+
+    async def check(self, request: Request) -> Identity | Response:
+        path = request.path.split("?", 1)[0]
+        if path == self.chat_path and not origin_allowed(request.headers.get("Origin"), self.allowed_origins):
+            return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
+        needs_key = path == self.chat_path or (path in METRICS_PATHS and self.settings.protect_metrics)
+        if not self.enabled or not needs_key:
+            return ANONYMOUS
+        key = bearer_token(request.headers)
+        if key is None:
+            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized",
+                            "missing API key: send 'Authorization: Bearer <key>'")
+        try:
+            identity = await self.lookup(hash_key(key))
+        except RedisError as exc:
+            log.warning("API key lookup failed: %s", exc)
+            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "auth_unavailable", "key store unavailable; retry")
+        if identity is None:
+            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized", "invalid or revoked API key")
+        return identity
+
+    async def lookup(self, key_hash: str) -> Identity | None:
+        """The identity of a key hash: settings' static list first, then Redis."""
+        if key_hash in self.static_hashes:
+            return Identity(key_hash[:16], f"static:{key_hash[:8]}", limits_for(None, self.settings))
+        raw = await self.redis.get(self.keys.api_key(key_hash))
+        if raw is None:
+            return None
+        try:
+            record = decode_record(raw)
+        except msgspec.DecodeError:
+            log.warning("malformed API key record %s…; refusing it", key_hash[:8])
+            return None
+        return Identity(key_hash[:16], record.name, limits_for(record, self.settings))
