@@ -49,7 +49,7 @@ class Scheduler:
             worker = ArqWorker(
                 functions=[],
                 cron_jobs=[cron(refresh_predictor, minute=set(range(0, 60, every)), unique=True, timeout=300)],
-                redis_settings=ArqRedisSettings.from_dsn(self.settings.redis_url),
+                redis_settings=_arq_redis_settings(ArqRedisSettings, self.settings.redis_url),
                 queue_name=f"{self.settings.key_prefix}:arq",
                 ctx={"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
                      "max_observations": self.settings.predictor_max_observations},
@@ -138,3 +138,19 @@ class ServiceRates:
                 self.rps[lane] = round(self.rps.get(lane, instant) * (1 - alpha) + instant * alpha, 3)
         self._last = (now_ms, dict(claims))
         return dict(self.rps)
+
+
+def _arq_redis_settings(cls: type, url: str) -> object:
+    """arq's ``from_dsn`` drops the URL's ``ssl_*`` options (a private CA, hostname checks):
+    carry them over so the cron jobs reach a TLS Redis like every other connection."""
+    from dataclasses import fields, replace
+    from urllib.parse import parse_qs, urlparse
+
+    settings = cls.from_dsn(url)
+    known = {f.name for f in fields(cls)}
+    extra: dict[str, object] = {}
+    for name, values in parse_qs(urlparse(url).query).items():
+        if name.startswith("ssl_") and name in known:
+            value = values[-1]
+            extra[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return replace(settings, **extra) if extra else settings
