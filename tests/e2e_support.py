@@ -102,6 +102,8 @@ class Client:
         self.ws = ws
         self.frames: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
         self.finished: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        #: Arrival time (``time.monotonic()``) of each frame, parallel to ``frames``.
+        self.arrivals: dict[str | None, list[float]] = defaultdict(list)
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -113,6 +115,7 @@ class Client:
             async for raw in self.ws:
                 frame = json.loads(raw)
                 self.frames[frame.get("id")].append(frame)
+                self.arrivals[frame.get("id")].append(time.monotonic())
                 if frame["type"] in ("done", "error") and frame.get("id"):
                     self.finished[frame["id"]].set()
         except websockets.ConnectionClosed:

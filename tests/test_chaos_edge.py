@@ -1,0 +1,114 @@
+"""Promise 3, "nothing lost": an edge killed with SIGKILL while it streams answers.
+
+Real processes (scheduler, two edges, one hf worker on the tiny model). The client loses its
+socket, reconnects to the other edge and sends ``resume`` with the last seq it got; it then
+receives the rest of each answer (replayed from the token stream, then live after the worker
+re-points at its next heartbeat) with no duplicate and no gap, and a ``done`` frame with
+usage and timing (measured from the resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from conftest import scaled
+from e2e_support import Client, System
+
+pytestmark = pytest.mark.e2e
+
+#: Different lengths, so some answers end while no edge listens, some right after the
+#: resume (the re-pointing window) and some long after it.
+MAX_TOKENS = [24, 48, 96, 160, 240, 400, 600, 800]
+
+
+@pytest.fixture(scope="module")
+def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str, str]]:
+    sys_ = System(redis_url, f"ce{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
+    try:
+        sys_.start("scheduler", ["scheduler"])
+        url_a = sys_.start_edge("edge_a")
+        url_b = sys_.start_edge("edge_b")
+        # A slow heartbeat widens the window in which the worker still sends to the dead
+        # edge after the resume re-pointed the request: answers ending inside it must still end.
+        sys_.start("worker", ["worker", "--model", str(tiny_model.target), "--max-slots", str(len(MAX_TOKENS))],
+                   LANES_WORKER_ID=f"{sys_.prefix}-worker", LANES_HEARTBEAT_S="5.0", LANES_LEASE_MS="15000")
+        sys_.wait_workers(1)
+        yield sys_, url_a, url_b
+    finally:
+        sys_.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy output of the tiny model called directly (no lanes code): the ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model.target, dtype=torch.float32)
+
+    def greedy(content: str, max_tokens: int) -> str:
+        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id) + 1]
+        return tok.decode(out, skip_special_tokens=True)
+
+    return greedy
+
+
+async def kill_and_resume(sys_: System, edge: str, url_to: str, sig: int, reference) -> None:
+    """Stream answers through ``edge``, stop it with ``sig``, resume them all at ``url_to``."""
+    ids = [f"r{n}-{uuid.uuid4().hex[:4]}" for n in MAX_TOKENS]
+    prompts = {rid: f"Resume me: what does section {i} say?" for i, rid in enumerate(ids)}
+    max_tokens = dict(zip(ids, MAX_TOKENS))
+    expected = {rid: reference(prompts[rid], max_tokens[rid]) for rid in ids}
+
+    first = await Client.connect(f"ws://127.0.0.1:{sys_.edge_ports[edge]}/v1/chat")
+    for rid in ids:
+        await first.chat(rid, prompts[rid], max_tokens=max_tokens[rid])
+    deadline = time.monotonic() + scaled(60)
+    while not all(first.deltas(rid) for rid in ids):
+        assert time.monotonic() < deadline, "requests did not start streaming"
+        await asyncio.sleep(0.01)
+    sys_.kill(edge, sig)
+    await asyncio.wait_for(first._reader, scaled(10))  # the socket is gone
+    await asyncio.sleep(0.3)  # some answers go on (and some end) while no edge listens
+
+    second = await Client.connect(url_to)
+    resumed_at = time.monotonic()
+    for rid in ids:
+        await second.send({"type": "resume", "id": rid, "last_seq": len(first.deltas(rid)) - 1})
+    for rid in ids:
+        done = await second.wait(rid, timeout_s=scaled(60))
+        assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), done
+        seqs = [f["seq"] for f in first.deltas(rid) + second.deltas(rid)]
+        assert seqs == list(range(len(seqs))), f"{rid}: no duplicate, no gap across the reconnect"
+        assert first.text(rid) + second.text(rid) == expected[rid], f"{rid}: text differs from greedy"
+        assert done["usage"]["completion_tokens"] >= len(seqs) - 1
+        assert set(done["timing"]) == {"queue_ms", "ttft_ms", "total_ms"}
+        assert 0 <= done["timing"]["total_ms"] <= (time.monotonic() - resumed_at) * 1000 + 50, "from the resume"
+    ended = ", ".join(f"{second.arrivals[rid][-1] - resumed_at:.2f}" for rid in ids)
+    print(f"\nsignal {sig}: done frames after the resume at (s): {ended}")
+    await second.close()
+
+
+async def test_edge_killed_client_resumes_on_another_edge(system: tuple[System, str, str], reference) -> None:
+    sys_, _, url_b = system
+    await kill_and_resume(sys_, "edge_a", url_b, signal.SIGKILL, reference)
+
+
+async def test_edge_stopped_gracefully_does_not_cancel_its_requests(system: tuple[System, str, str],
+                                                                     reference) -> None:
+    """A rolling restart (SIGTERM) closes the sockets, but the clients will resume elsewhere."""
+    sys_, _, url_b = system
+    sys_.start_edge("edge_c")
+    await kill_and_resume(sys_, "edge_c", url_b, signal.SIGTERM, reference)
