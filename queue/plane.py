@@ -112,13 +112,16 @@ class QueuePlane:
 
     # -- edge -------------------------------------------------------------------------
 
-    async def enqueue(self, payload: RequestPayload, edge_id: str) -> Enqueued:
-        """Put a request in its lane; a no-op (``created=False``) if the id exists."""
+    async def enqueue(self, payload: RequestPayload, edge_id: str, owner: str = "") -> Enqueued:
+        """Put a request in its lane; a no-op (``created=False``) if the id exists.
+
+        ``owner`` (the API key's id, "" without auth) is the only one allowed to resume it.
+        """
         k = self.keys
         created, value = await self._enqueue(
             keys=[k.request(payload.id), k.pending(payload.lane), k.watch],
             args=[payload.id, encode(payload), payload.lane.value, edge_id,
-                  self.settings.start_timeout_ms, REQUEST_TTL_S],
+                  self.settings.start_timeout_ms, REQUEST_TTL_S, owner],
         )
         if created:
             return Enqueued(True, enqueued_at_ms=int(value))
@@ -135,9 +138,10 @@ class QueuePlane:
             await self.redis.publish(k.control_channel(worker), b'{"op":"cancel","id":"%s"}' % request_id.encode())
         return state, worker
 
-    async def repoint(self, request_id: str, edge_id: str) -> str | None:
-        """Send a request's future tokens to ``edge_id``; returns its state or None if gone."""
-        state = await self._repoint(keys=[self.keys.request(request_id)], args=[edge_id])
+    async def repoint(self, request_id: str, edge_id: str, owner: str = "") -> str | None:
+        """Send a request's future tokens to ``edge_id``; returns its state, None if gone,
+        or "forbidden" when ``owner`` did not submit it."""
+        state = await self._repoint(keys=[self.keys.request(request_id)], args=[edge_id, owner])
         return state.decode() if state else None
 
     async def read_stream(self, request_id: str, after_seq: int = -1) -> list[TokenEvent]:
@@ -215,12 +219,13 @@ class QueuePlane:
                 pipe.evalsha(self._append.sha, 2, *call)
             return await pipe.execute()
 
-    async def publish(self, batches: dict[str, TokenBatch]) -> None:
-        """One PUBLISH per edge, pipelined."""
+    async def publish(self, batches: dict[str, TokenBatch]) -> dict[str, int]:
+        """One PUBLISH per edge, pipelined; returns how many subscribers each edge channel had."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for edge, batch in batches.items():
                 pipe.publish(self.keys.edge_channel(edge), encode(batch))
-            await pipe.execute()
+            receivers = await pipe.execute()
+        return dict(zip(batches, (int(n) for n in receivers)))
 
     async def complete(self, request_id: str, attempt: int, final_state: str) -> bool:
         k = self.keys

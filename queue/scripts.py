@@ -11,14 +11,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-#: KEYS: req, pending:<lane>, watch. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s.
+#: KEYS: req, pending:<lane>, watch. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner.
 #: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op).
 ENQUEUE = _NOW + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('HGET', KEYS[1], 'state') or ''}
 end
 redis.call('HSET', KEYS[1], 'p', ARGV[2], 'lane', ARGV[3], 'edge', ARGV[4], 'state', 'queued',
-           'attempt', 0, 'enq_ms', now, 'worker', '')
+           'attempt', 0, 'enq_ms', now, 'worker', '', 'owner', ARGV[7] or '')
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])
@@ -144,13 +144,15 @@ if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2
 return math.max(cur, tonumber(ARGV[1]))
 """
 
-#: KEYS: req. ARGV: edge. Re-points a request's token delivery to another edge (resume).
-#: Returns the state, or false if the request is gone.
+#: KEYS: req. ARGV: edge, owner. Re-points a request's token delivery to another edge
+#: (resume), only for the API key that submitted it. Returns the state, false if the
+#: request is gone, 'forbidden' for another key.
 REPOINT = """
-local st = redis.call('HGET', KEYS[1], 'state')
-if not st then return false end
+local h = redis.call('HMGET', KEYS[1], 'state', 'owner')
+if not h[1] then return false end
+if (h[2] or '') ~= ARGV[2] then return 'forbidden' end
 redis.call('HSET', KEYS[1], 'edge', ARGV[1])
-return st
+return h[1]
 """
 
 #: KEYS: req, watch, pending:short, pending:medium, pending:long.

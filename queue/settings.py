@@ -15,7 +15,7 @@ class RedisSettings(BaseSettings):
     #: Prefix of every key and channel (lets several deployments share one Redis).
     key_prefix: str = "lanes"
     #: A running request's lease; a worker renews it every ``heartbeat_s``.
-    lease_ms: int = 2500
+    lease_ms: int = 2000
     heartbeat_s: float = 0.5
     #: How long a queued request may sit unwatched before the reaper re-checks it.
     start_timeout_ms: int = 3000

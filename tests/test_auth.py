@@ -273,3 +273,21 @@ async def test_in_flight_cap_spans_the_keys_connections(start_edge: StartEdge, c
     assert (await first_answer(b, "cap-b4"))["code"] == "too_many_in_flight"
     for client in (b, c):
         await client.close()
+
+
+async def test_only_the_submitting_key_can_resume(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    owner, stranger = create_key("owner"), create_key("stranger")
+    base = await start_edge(auth_required=True)
+    a = await connect(base, owner)
+    await a.chat("mine", "hello")  # no worker runs here: it stays queued
+    assert (await first_answer(a, "mine"))["type"] == "accepted"
+    b = await connect(base, stranger)
+    await b.send({"type": "resume", "id": "mine", "last_seq": -1})
+    refused = await first_answer(b, "mine")
+    assert refused["type"] == "error" and refused["code"] == "unknown_id", "not probeable by another key"
+    c = await connect(base, owner)
+    await c.send({"type": "resume", "id": "mine", "last_seq": -1})
+    await asyncio.sleep(0.3)
+    assert not [f for f in c.frames["mine"] if f["type"] == "error"], "the owner may resume it"
+    for client in (a, b, c):
+        await client.close()

@@ -63,3 +63,27 @@ async def test_engine_death_releases_leases_and_raises(plane: QueuePlane, tiny_m
     assert await plane.redis.zscore(plane.keys.pending(Lane.SHORT), "next") is not None
     first_state = await plane.redis.hget(plane.keys.request("first"), "state")
     assert first_state in (b"done", b"queued"), "an interrupted request is never lost"
+
+
+async def test_request_nobody_listens_to_is_cancelled(plane: QueuePlane) -> None:
+    """Its edge died and the client never resumed: the worker stops spending the engine on it."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.workers.engines.sim import SimEngine
+
+    await enqueue(plane, "orphan", 2000)  # ~60 s of decoding on the l70-h100 profile
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", heartbeat_s=0.2, orphan_grace_s=0.5)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=4))
+    serving = asyncio.create_task(worker.serve())
+    try:
+        for _ in range(100):
+            if await plane.redis.hget(plane.keys.request("orphan"), "state") == b"cancelled":
+                break
+            await asyncio.sleep(0.05)
+        assert await plane.redis.hget(plane.keys.request("orphan"), "state") == b"cancelled"
+        events = await plane.read_stream("orphan")
+        assert events[-1].finish is not None and events[-1].finish.reason.value == "cancelled"
+        assert events[-1].finish.usage.completion_tokens < 200
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,13 +34,18 @@ class Outgoing:
     flushed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set when the stream refused our writes (a newer attempt owns the request).
     stale: bool = False
+    #: Since when (monotonic s) nobody has been subscribed to this run's edge channel.
+    orphan_since: float | None = None
 
 
 class Publisher:
-    def __init__(self, plane: QueuePlane, worker_id: str, on_stale: Callable[[str], None]) -> None:
+    def __init__(self, plane: QueuePlane, worker_id: str, on_stale: Callable[[str], None],
+                 on_orphan: Callable[[str], None] = lambda _id: None, orphan_grace_s: float = 15.0) -> None:
         self.plane = plane
         self.worker_id = worker_id
         self._on_stale = on_stale
+        self._on_orphan = on_orphan
+        self.orphan_grace_s = orphan_grace_s
         self._outbox: list[tuple[Outgoing, TokenEvent]] = []
         self._wake = asyncio.Event()
 
@@ -83,8 +89,24 @@ class Publisher:
                 continue
             by_edge[run.edge].extend(by_request[request_id])
         if by_edge:
-            await self.plane.publish({edge: TokenBatch(self.worker_id, tuple(evs)) for edge, evs in by_edge.items()})
+            receivers = await self.plane.publish(
+                {edge: TokenBatch(self.worker_id, tuple(evs)) for edge, evs in by_edge.items()})
+            self._track_orphans(runs, receivers)
         metrics.BATCH_SIZE.observe(len(by_request))
         for request_id in by_request:
             if by_request[request_id][-1].finish is not None:
                 runs[request_id].flushed.set()
+
+    def _track_orphans(self, runs: dict[str, Outgoing], receivers: dict[str, int]) -> None:
+        """A run whose edge channel has had no subscriber for ``orphan_grace_s`` serves nobody
+        (its edge died and its client never resumed elsewhere): stop spending the GPU on it."""
+        now = time.monotonic()
+        for run in runs.values():
+            if receivers.get(run.edge, 1) > 0:
+                run.orphan_since = None
+            elif run.orphan_since is None:
+                run.orphan_since = now
+            elif now - run.orphan_since > self.orphan_grace_s:
+                log.info("request %s has had no listener for %.0f s; cancelling", run.id, now - run.orphan_since)
+                run.orphan_since = None
+                self._on_orphan(run.id)

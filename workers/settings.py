@@ -41,6 +41,9 @@ class WorkerSettings(RedisSettings):
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True
+    #: Cancel a running request whose edge channel has had no subscriber this long (its edge
+    #: died and the client did not resume elsewhere), to free the slot and KV cache.
+    orphan_grace_s: float = 15.0
     device: str = "cpu"
     gpu_index: int = 0
     dtype: str = "auto"

@@ -67,7 +67,8 @@ class Worker:
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
         self.oldest_wait_ms: dict[Lane, float] = {}
         self.runs: dict[str, Run] = {}
-        self.publisher = Publisher(plane, self.worker_id, self._on_stale)
+        self.publisher = Publisher(plane, self.worker_id, self._on_stale, on_orphan=self.cancel,
+                                   orphan_grace_s=settings.orphan_grace_s)
         self._slot_freed = asyncio.Event()
         self._blocked_on: tuple[Lane, ...] | None = None
         self._blocker_id: int | None = None

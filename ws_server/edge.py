@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 import weakref
@@ -53,6 +54,7 @@ class Edge:
         self.thresholds = LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens)
         self.lengths = lengths or LengthEstimator()
         self.admission = EdgeAdmission(settings)
+        self.shutting_down = False
         self.routes: dict[str, Route] = {}
         self.gate = Gate(settings, plane.redis, plane.keys, CHAT_PATH)
         self.limiter = KeyLimiter()
@@ -112,7 +114,8 @@ class Edge:
     # -- socket side --------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
-        session = Session(ws, self.settings.max_client_queue_frames)
+        session = Session(ws, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s)
+        _limit_send_buffer(ws, self.settings.client_send_buffer_bytes)
         writer = asyncio.create_task(session.writer())
         metrics.CONNECTIONS.inc()
         try:
@@ -123,7 +126,8 @@ class Edge:
         finally:
             metrics.CONNECTIONS.dec()
             session.closed = True
-            await self.on_disconnect(session)
+            if not self.shutting_down:
+                await self.on_disconnect(session)
             session.queue.put_nowait(None) if not session.queue.full() else None
             writer.cancel()
 
@@ -182,7 +186,7 @@ class Edge:
             session.routes[request_id] = route
             self.routes[request_id] = route
             try:
-                enqueued = await self.plane.enqueue(payload, self.edge_id)
+                enqueued = await self.plane.enqueue(payload, self.edge_id, owner=self._owner(session))
             except BaseException:
                 self._forget(route)
                 raise
@@ -222,8 +226,9 @@ class Edge:
         route = Route(frame.id, session, lane="resumed", next_seq=frame.last_seq + 1, fill_gap=self.fill_gap)
         session.routes[frame.id] = route
         self.routes[frame.id] = route
-        state = await self.plane.repoint(frame.id, self.edge_id)
-        if state is None:
+        state = await self.plane.repoint(frame.id, self.edge_id, owner=self._owner(session))
+        if state is None or state == "forbidden":
+            # The same answer for both: another key's request ids must not be probeable.
             self._forget(route)
             raise protocol.ProtocolError("unknown_id", f"request {frame.id} is unknown or expired", frame.id)
         metrics.IN_FLIGHT.inc()
@@ -231,6 +236,10 @@ class Edge:
         # The worker re-points at its next heartbeat; until then it publishes to the old edge,
         # and an answer that ends in that window would never reach us: read the stream again.
         asyncio.get_running_loop().call_later(2 * self.settings.heartbeat_s + 0.1, self._refill, route)
+
+    def _owner(self, session: Session) -> str:
+        """The API key a session authenticated with ("" when auth is off)."""
+        return self.identities.get(session.ws, ANONYMOUS).key_id  # type: ignore[arg-type]
 
     def _refill(self, route: Route) -> None:
         """Deliver from the stream whatever this route missed (it may have gone elsewhere)."""
@@ -315,6 +324,7 @@ class Edge:
             self.handle, self.settings.host, self.settings.port,
             max_size=self.limits.max_frame_bytes * 4,  # beyond this, close 1009; below, an error frame
             process_request=self.process_request, ping_interval=20, ping_timeout=20,
+            close_timeout=2,  # at shutdown, do not wait 10 s per client for the close handshake
         ) as server:
             self.port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
             log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port, CHAT_PATH)
@@ -325,6 +335,9 @@ class Edge:
             try:
                 await asyncio.Future()
             finally:
+                # Closing connections now is a restart, not a client leaving: keep their
+                # requests running so the clients can resume on another edge (close 1001).
+                self.shutting_down = True
                 for task in (reader, reloader, checker):
                     task.cancel()
 
@@ -336,3 +349,11 @@ def _frame_id(data: str | bytes) -> str | None:
     except msgspec.DecodeError:
         return None
 
+
+def _limit_send_buffer(ws: ServerConnection, num_bytes: int) -> None:
+    """Cap the kernel's send buffer for one client: with Linux autotuning (up to 4 MiB) a client
+    that stops reading would park that much in the kernel before the edge's bounded queue
+    filled and the 4008 close could happen."""
+    sock = ws.transport.get_extra_info("socket")
+    if num_bytes > 0 and sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
