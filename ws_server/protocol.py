@@ -5,7 +5,7 @@ Errors (each carries a machine-readable ``code`` that the ``error`` frame repeat
     ProtocolError
     ├── binary_frame        a binary frame; the protocol is JSON text
     ├── frame_too_large     over ``max_frame_bytes``
-    ├── invalid_json        not parseable JSON (or not UTF-8)
+    ├── invalid_json        not parseable JSON (or not UTF-8, or nested deeper than ``max_nesting``)
     ├── invalid_frame       JSON but not an object
     ├── unknown_type        ``type`` missing or not one we know
     ├── missing_field       a required field is absent
@@ -29,7 +29,10 @@ import msgspec
 from lanes.queue.messages import ChatMessage, FinishReason, Usage
 
 ROLES = frozenset({"system", "user", "assistant"})
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+#: Used with ``fullmatch``: ``$`` would let a trailing newline into Redis keys and logs.
+_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+#: Client text quoted back in an error message is cut to this many characters.
+_MAX_ECHO_CHARS = 40
 
 
 class ProtocolError(Exception):
@@ -47,6 +50,9 @@ class Limits:
     max_prompt_chars: int = 64 * 1024
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    #: Deepest JSON nesting accepted (a chat frame needs 3). Checked here so the answer never
+    #: depends on the interpreter's recursion limit or on how deep the caller's stack is.
+    max_nesting: int = 32
 
 
 @dataclass(frozen=True)
@@ -78,14 +84,23 @@ ClientFrame = ChatFrame | CancelFrame | ResumeFrame
 
 def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     """Parse and validate one client frame; raises ``ProtocolError``."""
-    if isinstance(data, bytes):
+    if not isinstance(data, str):
         raise ProtocolError("binary_frame", "binary frames are not supported; send JSON text frames")
-    if len(data) > limits.max_frame_bytes:  # chars <= bytes; the transport caps bytes too
+    # chars <= bytes, so this refuses the largest frames before paying for their encoding.
+    if len(data) > limits.max_frame_bytes:
+        raise ProtocolError("frame_too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
+    # surrogatepass keeps lone surrogates as invalid UTF-8 for the decoder to refuse.
+    raw = data.encode("utf-8", "surrogatepass")
+    if len(raw) > limits.max_frame_bytes:
         raise ProtocolError("frame_too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
     try:
-        obj = msgspec.json.decode(data.encode("utf-8", "surrogatepass"))
+        obj = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeError) as exc:
         raise ProtocolError("invalid_json", f"frame is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's own nesting limit is the interpreter's recursion limit
+        raise _too_deep(limits) from None
+    if _nesting_exceeds(raw, obj, limits.max_nesting):
+        raise _too_deep(limits)
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_frame", "frame must be a JSON object")
     request_id = _optional_id(obj)
@@ -96,14 +111,46 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
         return CancelFrame(_required_id(obj, request_id))
     if kind == "resume":
         return ResumeFrame(_required_id(obj, request_id), _int(obj, "last_seq", request_id, -1, 2**31, None))
-    raise ProtocolError("unknown_type", f"unknown frame type {kind!r}; expected chat, cancel or resume", request_id)
+    raise ProtocolError(
+        "unknown_type", f"unknown frame type {_describe(kind)}; expected chat, cancel or resume", request_id
+    )
+
+
+def _too_deep(limits: Limits) -> ProtocolError:
+    return ProtocolError("invalid_json", f"frame is nested deeper than {limits.max_nesting} levels")
+
+
+def _nesting_exceeds(raw: bytes, obj: object, max_nesting: int) -> bool:
+    """Whether ``obj`` (decoded from ``raw``) nests containers deeper than ``max_nesting``.
+
+    Counting brackets in the raw bytes (C speed) settles ordinary frames at once; only a frame
+    with many of them is walked, iteratively, in time linear in its size.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= max_nesting:
+        return False
+    level: list[Any] = [obj] if isinstance(obj, (dict, list)) else []
+    for _ in range(max_nesting):  # ``level`` holds the containers at depth 1, 2, ... in turn
+        level = [child for value in level for child in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
+def _describe(value: object) -> str:
+    """Name a client value in an error message without echoing (or recursing into) all of it."""
+    if isinstance(value, str):
+        return repr(value[:_MAX_ECHO_CHARS] + ("..." if len(value) > _MAX_ECHO_CHARS else ""))
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    return "of JSON type " + ("object" if isinstance(value, dict) else "array" if isinstance(value, list) else "number")
 
 
 def _optional_id(obj: dict[str, Any]) -> str | None:
     value = obj.get("id")
     if value is None:
         return None
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ProtocolError("invalid_field", "id must be 1-128 characters of [A-Za-z0-9_.:-]")
     return value
 
@@ -140,11 +187,12 @@ def _parse_chat(obj: dict[str, Any], rid: str | None, limits: Limits) -> ChatFra
         raise ProtocolError("too_many_messages", f"at most {limits.max_messages} messages per request", rid)
     messages = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in ROLES or not isinstance(m.get("content"), str):
             raise ProtocolError(
                 "invalid_field", f"messages[{i}] must be {{'role': system|user|assistant, 'content': string}}", rid
             )
-        messages.append(ChatMessage(m["role"], m["content"]))
+        messages.append(ChatMessage(role, m["content"]))
     if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
         raise ProtocolError("prompt_too_long", f"messages exceed {limits.max_prompt_chars} characters", rid)
     max_tokens = obj.get("max_tokens", limits.default_max_tokens)

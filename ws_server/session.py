@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from lanes.queue.messages import Finish, FinishReason, TokenEvent, Usage
 from lanes.telemetry import metrics
@@ -25,11 +26,14 @@ SLOW_CLIENT_CLOSE_CODE = 4008
 class Session:
     """Outgoing side of one connection."""
 
-    def __init__(self, ws: object, max_queue_frames: int) -> None:
+    def __init__(self, ws: object, max_queue_frames: int, close_timeout_s: float = 5.0) -> None:
         self.ws = ws
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(max_queue_frames)
         self.routes: dict[str, Route] = {}
         self.closed = False
+        #: How long a too-slow client gets to read up to the 4008 close frame.
+        self.close_timeout_s = close_timeout_s
+        self._closer: asyncio.Task[None] | None = None
 
     def send(self, frame: bytes) -> None:
         """Queue a frame without waiting; a full queue marks the client as too slow."""
@@ -40,9 +44,21 @@ class Session:
         except asyncio.QueueFull:
             metrics.SLOW_CLIENTS.inc()
             self.closed = True
-            asyncio.get_running_loop().create_task(
-                self.ws.close(SLOW_CLIENT_CLOSE_CODE, "client too slow: output buffer full")  # type: ignore[attr-defined]
-            )
+            self._closer = asyncio.get_running_loop().create_task(self._close_slow())
+
+    async def _close_slow(self) -> None:
+        """Close with 4008; drop the TCP connection if that does not finish in time.
+
+        ``close()`` first waits for the socket to drain, which a client that stopped reading
+        never lets happen, so without the timeout the connection (and its running requests)
+        would live on until the keepalive ping gave up.
+        """
+        ws: Any = self.ws
+        closing = ws.close(SLOW_CLIENT_CLOSE_CODE, "client too slow: output buffer full")
+        try:
+            await asyncio.wait_for(closing, self.close_timeout_s)
+        except TimeoutError:
+            ws.transport.abort()
 
     async def writer(self) -> None:
         while (frame := await self.queue.get()) is not None:

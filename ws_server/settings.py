@@ -49,3 +49,10 @@ class EdgeSettings(RedisSettings):
     key_rate_per_s: float = 10.0
     key_burst: int = 20
     key_max_in_flight: int = 32
+    #: Kernel send buffer per client socket (bytes; 0 = the OS default). Linux autotunes it up
+    #: to 4 MiB on a fast link, so a client that stops reading would hold ~80k frames in the
+    #: kernel before the edge's queue (``max_client_queue_frames``) ever filled.
+    client_send_buffer_bytes: int = 64 * 1024
+    #: After closing a too-slow client (4008), how long it gets to read up to the close frame
+    #: before the edge drops the TCP connection (and with it the client's requests).
+    slow_client_close_timeout_s: float = 5.0

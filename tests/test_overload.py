@@ -1,0 +1,153 @@
+"""Overload end to end: a burst far beyond capacity is refused fast and nothing is dropped;
+a client that stops reading is closed (4008) without costing the edge memory or other clients.
+
+Capacity is known because the worker runs the ``sim`` engine (a cost model, 10x real time)
+with a fixed number of slots, and the edge's lane depth limits are set small through env.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from conftest import scaled
+from e2e_support import System
+from live_support import RawClient, TimedClient, bystander, edge_rss_kib, metric, start_edge
+
+pytestmark = pytest.mark.e2e
+
+NUM_SLOTS = 8
+MAX_DEPTH = 4
+#: A short answer (32 tokens) is predicted short: every request of the burst joins one lane.
+MAX_TOKENS = 32
+#: What the system can hold right now: running slots plus the lane's depth limit.
+CAPACITY = NUM_SLOTS + MAX_DEPTH
+NUM_BURST = 10 * CAPACITY
+SLOW_QUEUE_FRAMES = 64
+#: How long a too-slow client gets to read up to the close frame (seconds).
+SLOW_CLOSE_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str, str]]:
+    sys_ = System(redis_url, f"o{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("overload-logs"))
+    depths = {f"LANES_MAX_DEPTH_{lane}": str(MAX_DEPTH) for lane in ("SHORT", "MEDIUM", "LONG")}
+    try:
+        sys_.start("scheduler", ["scheduler"])
+        url = start_edge(sys_, "edge", **depths)
+        slow_url = start_edge(sys_, "edge-slow", LANES_MAX_CLIENT_QUEUE_FRAMES=str(SLOW_QUEUE_FRAMES),
+                              LANES_SLOW_CLIENT_CLOSE_TIMEOUT_S=str(SLOW_CLOSE_TIMEOUT_S))
+        sys_.start("worker", ["worker", "--engine", "sim", "--sim-time-scale", "10", "--max-slots", str(NUM_SLOTS)],
+                   LANES_WORKER_ID=f"{sys_.prefix}-worker")
+        sys_.wait_workers(1)
+        yield sys_, url, slow_url
+    finally:
+        sys_.stop()
+
+
+async def run_requests(url: str, num_clients: int, per_client: int, tag: str) -> list[tuple[TimedClient, str]]:
+    """Send ``num_clients * per_client`` chats as one burst (all sends before any wait) and
+    wait until each has its terminal frame."""
+    clients = [await TimedClient.connect(url) for _ in range(num_clients)]
+    ids = [(c, f"{tag}-{i}-{j}") for i, c in enumerate(clients) for j in range(per_client)]
+    await asyncio.gather(*(c.chat(rid, f"Say something, request {rid}.", MAX_TOKENS) for c, rid in ids))
+    try:
+        await asyncio.gather(*(c.wait_all(scaled(60)) for c in clients))
+    finally:
+        for c in clients:
+            await c.close()
+    return ids
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def test_burst_of_ten_times_capacity(system: tuple[System, str, str]) -> None:
+    sys_, url, _ = system
+    await asyncio.sleep(scaled(1.5))  # the edge admits blindly until its first depth snapshot
+    unloaded = [c.latency_s(rid) for c, rid in await run_requests(url, 1, 1, "warm")]
+    for _ in range(3):  # unloaded: one request at a time, the latency admitted requests should see
+        unloaded += [c.latency_s(rid) for c, rid in await run_requests(url, 1, 1, f"alone-{uuid.uuid4().hex[:4]}")]
+    unloaded_s = statistics.median(unloaded[1:])
+    await asyncio.sleep(scaled(1.0))  # a fresh snapshot with the lane empty again
+
+    ids = await run_requests(url, 4, NUM_BURST // 4, "burst")
+    admitted_s, refused_s, retry_after_ms = [], [], []
+    for client, rid in ids:
+        frames = [f for _, f in client.frames[rid]]
+        ends = client.terminal(rid)
+        assert len(ends) == 1, (rid, frames)  # exactly one terminal frame: nothing dropped or doubled
+        end = ends[0][1]
+        if end["type"] == "done":
+            assert frames[0]["type"] == "accepted" and end["usage"]["completion_tokens"] == MAX_TOKENS, frames
+            admitted_s.append(client.latency_s(rid))
+        else:
+            assert frames == [end] and end["code"] == "overloaded", frames
+            assert end["reason"] == "lane_full" and isinstance(end["retry_after_ms"], int), end
+            assert 100 <= end["retry_after_ms"] <= 60_000, end
+            refused_s.append(client.latency_s(rid))
+            retry_after_ms.append(end["retry_after_ms"])
+    print(f"\nburst of {NUM_BURST} (capacity {CAPACITY}): {len(admitted_s)} admitted, {len(refused_s)} overloaded; "
+          f"unloaded latency {unloaded_s * 1000:.0f} ms; admitted p50 {statistics.median(admitted_s) * 1000:.0f} ms "
+          f"max {max(admitted_s) * 1000:.0f} ms; overloaded after p50 {statistics.median(refused_s) * 1000:.1f} ms "
+          f"p99 {percentile(refused_s, 0.99) * 1000:.1f} ms max {max(refused_s) * 1000:.1f} ms; "
+          f"retry_after_ms {min(retry_after_ms)}..{max(retry_after_ms)}")
+    assert len(admitted_s) + len(refused_s) == NUM_BURST
+    # A snapshot may land mid-burst and reset the edge's count once; never more than that.
+    assert MAX_DEPTH <= len(admitted_s) <= NUM_SLOTS + MAX_DEPTH
+    assert percentile(refused_s, 0.99) < scaled(0.25), "overloaded must come back at once, not after queueing"
+    assert statistics.median(admitted_s) < 1.5 * unloaded_s + scaled(0.1), (admitted_s, unloaded_s)
+    assert max(admitted_s) < 2 * unloaded_s + scaled(0.25), (admitted_s, unloaded_s)
+
+
+async def start_slow_client(sys_: System, num_requests: int) -> RawClient:
+    """A client that asks for long answers and then reads nothing."""
+    client = await asyncio.to_thread(RawClient, sys_.edge_ports["edge-slow"])
+    for i in range(num_requests):
+        client.send_text(f'{{"type":"chat","id":"slow-{uuid.uuid4().hex[:8]}","max_tokens":4096,'
+                         f'"messages":[{{"role":"user","content":"Tell me everything, part {i}."}}]}}')
+    return client
+
+
+async def wait_metric(sys_: System, sample: str, done: Callable[[float], bool], timeout_s: float) -> float:
+    """Poll the slow edge's /metrics until ``done(value)``; returns the seconds it took."""
+    started = time.monotonic()
+    while not done(metric(sys_, "edge-slow", sample)):
+        assert time.monotonic() - started < timeout_s, f"{sample} never got there"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+async def test_slow_client_is_closed_and_costs_no_memory(system: tuple[System, str, str]) -> None:
+    sys_, _, url = system
+    rss_before_kib = edge_rss_kib(sys_, "edge-slow")
+    num_slow = metric(sys_, "edge-slow", "lanes_slow_clients_total")
+    with bystander(url, "Explain the with statement.", 16) as by:
+        # A client that reads again soon after the edge gave up on it sees the 4008 close.
+        late = await start_slow_client(sys_, 4)
+        late_after_s = await wait_metric(sys_, "lanes_slow_clients_total", lambda v: v > num_slow, scaled(30))
+        late_code = await asyncio.to_thread(late.read_until_closed)
+        # A client that never reads again is dropped after the close timeout; its requests end.
+        never = await start_slow_client(sys_, 4)
+        never_after_s = await wait_metric(sys_, "lanes_slow_clients_total", lambda v: v > num_slow + 1, scaled(30))
+        rss_at_close_kib = edge_rss_kib(sys_, "edge-slow")
+        dropped_after_s = await wait_metric(sys_, "lanes_edge_connections", lambda v: v <= 1,
+                                            SLOW_CLOSE_TIMEOUT_S + scaled(5))
+        in_flight = metric(sys_, "edge-slow", "lanes_edge_in_flight")
+        never_code = await asyncio.to_thread(never.read_until_closed)
+    rss_after_kib = edge_rss_kib(sys_, "edge-slow")
+    print(f"\nslow client: 4008 after {late_after_s:.2f} s, {late.num_frames} frames still readable, then close "
+          f"{late_code}; never-reading client: closed after {never_after_s:.2f} s, TCP dropped "
+          f"{dropped_after_s:.2f} s later (close frame seen: {never_code}), edge in flight then {in_flight:.0f}; "
+          f"edge RSS {rss_before_kib} -> {rss_at_close_kib} -> {rss_after_kib} KiB; "
+          f"bystander answers {len(by.answers)}")
+    assert late_code == 4008 and late.num_frames >= SLOW_QUEUE_FRAMES
+    assert in_flight <= 1, "the dropped client's requests must end (only the bystander's may run)"
+    assert rss_after_kib - rss_before_kib < 16 * 1024, "the edge's memory grew with clients that do not read"
