@@ -143,3 +143,18 @@ def test_logs_hold_no_prompt_text(system: tuple[System, str], reference) -> None
         text = log.read_text()
         assert "class definition" not in text, f"{log.name} leaked a prompt"
         assert answer not in text and answer.strip()[:16] not in text, f"{log.name} leaked an answer"
+
+
+async def test_resume_after_the_end_still_gets_done(system: tuple[System, str]) -> None:
+    _, url = system
+    first = await Client.connect(url)
+    await first.chat("finished", "Short one.", max_tokens=4)
+    done = await first.wait("finished")
+    last_seq = first.deltas("finished")[-1]["seq"]
+    await first.close()
+    again = await Client.connect(url)
+    await again.send({"type": "resume", "id": "finished", "last_seq": last_seq})
+    replayed = await again.wait("finished", timeout_s=10)
+    assert replayed["type"] == "done" and replayed["usage"] == done["usage"]
+    assert again.deltas("finished") == [], "nothing the client already had is sent again"
+    await again.close()

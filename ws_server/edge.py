@@ -147,6 +147,11 @@ class Edge:
             log.warning("redis unavailable: %s", exc)
             metrics.ERRORS.labels("unavailable").inc()
             session.send(protocol.error_frame("unavailable", "queue unavailable; retry shortly", _frame_id(data)))
+        except Exception:  # noqa: BLE001 - a bug must cost one frame, not the connection
+            log.exception("internal error handling a frame")
+            metrics.ERRORS.labels("internal").inc()
+            session.send(protocol.error_frame("internal", "internal error; the request was not accepted",
+                                              _frame_id(data)))
 
     async def on_chat(self, session: Session, frame: protocol.ChatFrame) -> None:
         request_id = frame.id or uuid.uuid4().hex
@@ -233,6 +238,14 @@ class Edge:
             raise protocol.ProtocolError("unknown_id", f"request {frame.id} is unknown or expired", frame.id)
         metrics.IN_FLIGHT.inc()
         await self.fill_gap(route, frame.last_seq)
+        if not route.done and state in ("done", "cancelled", "failed"):
+            # The client already had every delta (last_seq at or past the end): still end it.
+            events = await self.plane.read_stream(frame.id)
+            if events and events[-1].finish is not None:
+                route.finish(events[-1].finish)
+            else:
+                route.lost()
+            return
         # The worker re-points at its next heartbeat; until then it publishes to the old edge,
         # and an answer that ends in that window would never reach us: read the stream again.
         asyncio.get_running_loop().call_later(2 * self.settings.heartbeat_s + 0.1, self._refill, route)
@@ -346,7 +359,7 @@ def _frame_id(data: str | bytes) -> str | None:
     try:
         obj = msgspec.json.decode(data)
         return obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), str) else None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, UnicodeError):
         return None
 
 
