@@ -31,6 +31,9 @@ TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"])
 RUNNING = Gauge("lanes_worker_running", "Running requests", ["lane"])
 ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"])
 SPEC_ACCEPTANCE = Gauge("lanes_spec_acceptance_rate", "Speculative decoding acceptance rate")
+SPEC_ACCEPTANCE_LENGTH = Gauge("lanes_spec_mean_acceptance_length", "Tokens per target forward with speculation")
+KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache in use")
+TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat")
 
 # -- scheduler
 LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["lane"])

@@ -133,6 +133,9 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
     await asyncio.sleep(1.0)  # the scheduler snapshots every 0.5 s
     depths = json.loads((await asyncio.to_thread(get, "/v1/depths"))[1])
     assert set(depths["pending"]) == {"short", "medium", "long"} and depths["workers"] == 1
+    workers = json.loads((await asyncio.to_thread(get, "/v1/workers"))[1])
+    assert len(workers) == 1 and workers[0]["engine"]["engine"] == "hf"
+    assert {"running", "slots", "tokens_per_s", "finished"} <= set(workers[0])
 
 
 def test_logs_hold_no_prompt_text(system: tuple[System, str], reference) -> None:

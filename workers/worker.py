@@ -76,6 +76,8 @@ class Worker:
         #: Fails with EngineDead when a run finds the engine gone: ``serve`` then stops.
         self._fatal: asyncio.Future[None] = asyncio.get_event_loop().create_future()
         self.num_finished: Counter[str] = Counter()
+        self._tokens_generated = 0
+        self._rate_mark = (time.monotonic(), 0)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -301,6 +303,7 @@ class Worker:
     def _submit(self, run: Run, text: str, token_ids: tuple[int, ...], finish: Finish | None) -> None:
         self.publisher.submit(run, TokenEvent(run.id, run.attempt, run.seq, text, token_ids, finish))
         run.seq += 1
+        self._tokens_generated += len(token_ids)
         metrics.TOKENS.labels(run.lane.value).inc(len(token_ids))
 
     def _observe_decode(self, run: Run, first_at: float | None) -> None:
@@ -355,13 +358,32 @@ class Worker:
                 log.warning("heartbeat failed: %s", exc)
 
     async def _report(self, info_key: str) -> None:
+        engine_stats = self.engine.stats()
+        tokens_per_s = self._export_engine_stats(engine_stats)
         stats = {"worker": self.worker_id, "running": {k.value: v for k, v in self.running_by_lane().items()},
-                 "slots": self.slots.max_slots, "finished": dict(self.num_finished), "engine": self.engine.stats()}
+                 "slots": self.slots.max_slots, "finished": dict(self.num_finished),
+                 "tokens_per_s": tokens_per_s, "engine": engine_stats}
         now_ms = int(time.time() * 1000)
         async with self.plane.redis.pipeline(transaction=False) as pipe:
             pipe.set(info_key, json.dumps(stats, default=str), px=int(self.settings.heartbeat_s * 3000))
             pipe.zadd(self.plane.keys.workers, {self.worker_id: now_ms})
             await pipe.execute()
+
+    def _export_engine_stats(self, stats: dict[str, object]) -> float:
+        """Engine gauges to Prometheus (names differ per engine); returns tokens/s since last call."""
+        gauges = [(metrics.SPEC_ACCEPTANCE, ("spec_acceptance_rate", "acceptance")),
+                  (metrics.SPEC_ACCEPTANCE_LENGTH, ("spec_mean_acceptance_length",)),
+                  (metrics.KV_CACHE_USAGE, ("kv_cache_usage", "kv_cache_usage_perc"))]
+        for gauge, names in gauges:
+            value = next((stats[n] for n in names if isinstance(stats.get(n), (int, float))), None)
+            if value is not None:
+                gauge.set(float(value))  # type: ignore[arg-type]
+        now, tokens = time.monotonic(), self._tokens_generated
+        last_at, last_tokens = self._rate_mark
+        self._rate_mark = (now, tokens)
+        rate = (tokens - last_tokens) / (now - last_at) if now > last_at else 0.0
+        metrics.TOKENS_PER_S.set(rate)
+        return round(rate, 1)
 
     async def _control_loop(self) -> None:
         """Cancels on our control channel; depth snapshots (for anti-starvation) beside them."""

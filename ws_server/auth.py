@@ -47,7 +47,7 @@ MAX_KEY_CHARS = 256
 #: Paths that never need a key: load-balancer probes and the (data-free) dashboard page.
 OPEN_PATHS = frozenset({"/healthz", "/", "/dashboard"})
 #: Paths that need a key when auth is on, unless ``protect_metrics`` is false.
-METRICS_PATHS = frozenset({"/metrics", "/v1/depths"})
+METRICS_PATHS = frozenset({"/metrics", "/v1/depths", "/v1/workers"})
 
 
 def generate_key() -> str:

@@ -128,7 +128,6 @@ class Edge:
             session.closed = True
             if not self.shutting_down:
                 await self.on_disconnect(session)
-            session.queue.put_nowait(None) if not session.queue.full() else None
             writer.cancel()
 
     async def on_frame(self, session: Session, data: str | bytes) -> None:

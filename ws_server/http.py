@@ -38,7 +38,20 @@ async def http_response(edge: Edge, conn: ServerConnection, request: Request) ->
         except RedisError:
             return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
         return _response(HTTPStatus.OK, snapshot or b"{}", "application/json")
+    if path == "/v1/workers":
+        try:
+            return _response(HTTPStatus.OK, await _workers_json(edge), "application/json")
+        except RedisError:
+            return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
     if path in ("/", "/dashboard"):
         page = resources.files("lanes.ws_server").joinpath("static/dashboard.html").read_bytes()
         return _response(HTTPStatus.OK, page, "text/html; charset=utf-8")
     return _response(HTTPStatus.NOT_FOUND, b"not found; the chat WebSocket is at /v1/chat\n", "text/plain")
+
+
+async def _workers_json(edge: Edge) -> bytes:
+    """Each live worker's latest report (running per lane, tokens/s, engine stats), one JSON list."""
+    k = edge.plane.keys
+    names = [w.decode() for w in await edge.plane.redis.zrange(k.workers, 0, -1)]
+    reports = await edge.plane.redis.mget([k.worker_info(w) for w in names]) if names else []
+    return b"[" + b",".join(r for r in reports if r) + b"]"
