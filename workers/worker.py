@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -21,8 +20,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from lanes.queue.messages import (
-    Control, DepthSnapshot, Finish, FinishReason, Lane, Observation, RequestState, TokenBatch, TokenEvent, Usage,
-    decode, encode,
+    Control, DepthSnapshot, Finish, FinishReason, Lane, RequestState, TokenBatch, TokenEvent, Usage, decode,
 )
 from lanes.queue.plane import Claim, QueuePlane, connect
 from lanes.scheduler.policy import SlotConfig, lanes_to_pop
@@ -30,6 +28,7 @@ from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, inject_context, tracer
 from lanes.workers.engines.base import Engine, EngineDead, EngineRequest, RequestRejected
 from lanes.workers.publisher import Outgoing, Publisher
+from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ log = logging.getLogger(__name__)
 _ABORT_GRACE_S = 1.0
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-_MAX_OBSERVATIONS = 5000
 
 
 @dataclass
@@ -76,8 +74,7 @@ class Worker:
         #: Fails with EngineDead when a run finds the engine gone: ``serve`` then stops.
         self._fatal: asyncio.Future[None] = asyncio.get_event_loop().create_future()
         self.num_finished: Counter[str] = Counter()
-        self._tokens_generated = 0
-        self._rate_mark = (time.monotonic(), 0)
+        self.reporter = Reporter(plane, self.worker_id, settings.heartbeat_s)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -225,7 +222,7 @@ class Worker:
                 )
                 finish = await self._stream(run, request, queue_ms, len(resume_ids))
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
-                    await self._observe(payload.messages, finish.usage.completion_tokens)
+                    await self.reporter.observation(payload.messages, finish.usage.completion_tokens)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
                 await run.flushed.wait()
@@ -268,7 +265,7 @@ class Worker:
                                     Usage(prompt_tokens, num_prior + run.completion_tokens), queue_ms=queue_ms)
                 self._submit(run, delta.text, delta.token_ids, finish)
                 if finish is not None:
-                    self._observe_decode(run, first_at)
+                    observe_decode(run.lane.value, first_at, run.completion_tokens)
                     return finish
             reason = FinishReason.CANCELLED if run.cancelled or run.stale else FinishReason.ERROR
             finish = Finish(reason, Usage(prompt_tokens, num_prior + run.completion_tokens), queue_ms=queue_ms,
@@ -289,27 +286,11 @@ class Worker:
         self._submit(run, "", (), finish)
         return finish
 
-    async def _observe(self, messages: tuple, output_tokens: int) -> None:
-        """Record a finished request's true length (only STOP: a LENGTH finish is censored)."""
-        from lanes.scheduler.predictor import prompt_text
-
-        key = self.plane.keys.observations
-        with contextlib.suppress(RedisError):
-            async with self.plane.redis.pipeline(transaction=False) as pipe:
-                pipe.lpush(key, encode(Observation(prompt_text(messages), output_tokens)))
-                pipe.ltrim(key, 0, _MAX_OBSERVATIONS - 1)
-                await pipe.execute()
-
     def _submit(self, run: Run, text: str, token_ids: tuple[int, ...], finish: Finish | None) -> None:
         self.publisher.submit(run, TokenEvent(run.id, run.attempt, run.seq, text, token_ids, finish))
         run.seq += 1
-        self._tokens_generated += len(token_ids)
+        self.reporter.num_tokens += len(token_ids)
         metrics.TOKENS.labels(run.lane.value).inc(len(token_ids))
-
-    def _observe_decode(self, run: Run, first_at: float | None) -> None:
-        if first_at is not None and run.completion_tokens > 1:
-            per_token = (time.perf_counter() - first_at) / (run.completion_tokens - 1)
-            metrics.DECODE_PER_TOKEN.labels(run.lane.value).observe(per_token)
 
     # -- cancels, fencing, leases -------------------------------------------------------
 
@@ -337,7 +318,6 @@ class Worker:
             asyncio.get_running_loop().create_task(self.engine.abort(request_id))
 
     async def _heartbeat_loop(self) -> None:
-        info_key = self.plane.keys.worker_info(self.worker_id)
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             runs = [(r.id, r.attempt) for r in self.runs.values() if not r.stale]
@@ -353,37 +333,10 @@ class Worker:
                         self.cancel(request_id)
                     elif status == "lost":
                         self._on_stale(request_id)
-                await self._report(info_key)
+                await self.reporter.report({k.value: v for k, v in self.running_by_lane().items()},
+                                           self.slots.max_slots, dict(self.num_finished), self.engine.stats())
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
-
-    async def _report(self, info_key: str) -> None:
-        engine_stats = self.engine.stats()
-        tokens_per_s = self._export_engine_stats(engine_stats)
-        stats = {"worker": self.worker_id, "running": {k.value: v for k, v in self.running_by_lane().items()},
-                 "slots": self.slots.max_slots, "finished": dict(self.num_finished),
-                 "tokens_per_s": tokens_per_s, "engine": engine_stats}
-        now_ms = int(time.time() * 1000)
-        async with self.plane.redis.pipeline(transaction=False) as pipe:
-            pipe.set(info_key, json.dumps(stats, default=str), px=int(self.settings.heartbeat_s * 3000))
-            pipe.zadd(self.plane.keys.workers, {self.worker_id: now_ms})
-            await pipe.execute()
-
-    def _export_engine_stats(self, stats: dict[str, object]) -> float:
-        """Engine gauges to Prometheus (names differ per engine); returns tokens/s since last call."""
-        gauges = [(metrics.SPEC_ACCEPTANCE, ("spec_acceptance_rate", "acceptance")),
-                  (metrics.SPEC_ACCEPTANCE_LENGTH, ("spec_mean_acceptance_length",)),
-                  (metrics.KV_CACHE_USAGE, ("kv_cache_usage", "kv_cache_usage_perc"))]
-        for gauge, names in gauges:
-            value = next((stats[n] for n in names if isinstance(stats.get(n), (int, float))), None)
-            if value is not None:
-                gauge.set(float(value))  # type: ignore[arg-type]
-        now, tokens = time.monotonic(), self._tokens_generated
-        last_at, last_tokens = self._rate_mark
-        self._rate_mark = (now, tokens)
-        rate = (tokens - last_tokens) / (now - last_at) if now > last_at else 0.0
-        metrics.TOKENS_PER_S.set(rate)
-        return round(rate, 1)
 
     async def _control_loop(self) -> None:
         """Cancels on our control channel; depth snapshots (for anti-starvation) beside them."""

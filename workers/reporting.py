@@ -1,0 +1,78 @@
+"""What a worker tells the rest of the system about itself: its heartbeat report (running
+per lane, tokens/s, engine stats) in Redis for the scheduler and the dashboard, engine
+gauges for Prometheus, and finished requests' true lengths for the predictor's refresh."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from lanes.queue.messages import ChatMessage, Observation, encode
+from lanes.queue.plane import QueuePlane
+from lanes.telemetry import metrics
+
+#: Newest observations kept for the predictor refresh (a capped Redis list).
+MAX_OBSERVATIONS = 5000
+
+#: Prometheus gauge -> the names engines use for that stat (they differ per engine).
+_ENGINE_GAUGES = [
+    (metrics.SPEC_ACCEPTANCE, ("spec_acceptance_rate", "acceptance")),
+    (metrics.SPEC_ACCEPTANCE_LENGTH, ("spec_mean_acceptance_length",)),
+    (metrics.KV_CACHE_USAGE, ("kv_cache_usage", "kv_cache_usage_perc")),
+]
+
+
+class Reporter:
+    def __init__(self, plane: QueuePlane, worker_id: str, heartbeat_s: float) -> None:
+        self.plane = plane
+        self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
+        self.num_tokens = 0
+        self._rate_mark = (time.monotonic(), 0)
+
+    async def report(self, running: dict[str, int], slots: int, finished: dict[str, int],
+                     engine_stats: dict[str, Any]) -> None:
+        """One heartbeat's report; it expires after three missed heartbeats."""
+        stats = {"worker": self.worker_id, "running": running, "slots": slots, "finished": finished,
+                 "tokens_per_s": self._export(engine_stats), "engine": engine_stats}
+        k = self.plane.keys
+        async with self.plane.redis.pipeline(transaction=False) as pipe:
+            pipe.set(k.worker_info(self.worker_id), json.dumps(stats, default=str), px=int(self.heartbeat_s * 3000))
+            pipe.zadd(k.workers, {self.worker_id: int(time.time() * 1000)})
+            await pipe.execute()
+
+    def _export(self, engine_stats: dict[str, Any]) -> float:
+        """Engine gauges to Prometheus; returns tokens/s since the previous report."""
+        for gauge, names in _ENGINE_GAUGES:
+            value = next((engine_stats[n] for n in names if isinstance(engine_stats.get(n), (int, float))), None)
+            if value is not None:
+                gauge.set(float(value))
+        now = time.monotonic()
+        last_at, last_tokens = self._rate_mark
+        self._rate_mark = (now, self.num_tokens)
+        rate = (self.num_tokens - last_tokens) / (now - last_at) if now > last_at else 0.0
+        metrics.TOKENS_PER_S.set(rate)
+        return round(rate, 1)
+
+    async def observation(self, messages: Sequence[ChatMessage], output_tokens: int) -> None:
+        """Record a finished request's true length (callers pass only STOP finishes: a LENGTH
+        finish hides the true length)."""
+        from lanes.scheduler.predictor import prompt_text
+
+        key = self.plane.keys.observations
+        with contextlib.suppress(RedisError):
+            async with self.plane.redis.pipeline(transaction=False) as pipe:
+                pipe.lpush(key, encode(Observation(prompt_text(messages), output_tokens)))
+                pipe.ltrim(key, 0, MAX_OBSERVATIONS - 1)
+                await pipe.execute()
+
+
+def observe_decode(lane: str, first_token_at: float | None, num_tokens: int) -> None:
+    """Mean decode time per token after the first, into the per-lane histogram."""
+    if first_token_at is not None and num_tokens > 1:
+        metrics.DECODE_PER_TOKEN.labels(lane).observe((time.perf_counter() - first_token_at) / (num_tokens - 1))
