@@ -70,6 +70,9 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     # -> 32 ms with PASSIVE: benchmarks/RESULTS.md). Must be set before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     settings = WorkerSettings(**overrides)
+    if settings.engine in ("vllm", "trtllm"):
+        # Both engines take the GPU they can see; one worker process per GPU.
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(settings.gpu_index))
     plane = _setup(settings, "worker")
     engine = build_engine(settings)  # ConfigError (a ValueError) here: clear message, exit 2
     if metrics_port:

@@ -73,7 +73,7 @@ def test_vllm_defaults_priority_chunked_prefill_and_capped_queue() -> None:
     assert kw["scheduling_policy"] == "priority" and kw["enable_chunked_prefill"] is True
     assert kw["max_num_seqs"] == 12 and kw["max_num_batched_tokens"] == 2048
     assert kw["max_num_queued_reqs"] == 12 + ENGINE_QUEUE_MARGIN
-    assert kw["kv_cache_dtype"] == "auto"
+    assert kw["kv_cache_dtype"] == "auto" and kw["gpu_memory_utilization"] == 0.9
     assert "quantization" not in kw and "speculative_config" not in kw
     assert "max_model_len" not in kw
 
@@ -105,8 +105,8 @@ def test_vllm_speculative_config(kw: dict[str, Any], expected: dict[str, Any]) -
 def test_trtllm_kwargs_as_data() -> None:
     kw = trtllm_llm_kwargs(settings(engine="trtllm", max_slots=6, max_num_batched_tokens=1024))
     assert kw["max_batch_size"] == 6 and kw["max_num_tokens"] == 1024
-    assert kw["kv_cache_config"] == ClassSpec("KvCacheConfig",
-                                              {"dtype": "auto", "enable_block_reuse": True})
+    assert kw["kv_cache_config"] == ClassSpec("KvCacheConfig", {
+        "dtype": "auto", "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True})
     assert kw["scheduler_config"].optional and "speculative_config" not in kw
     fp8 = trtllm_llm_kwargs(settings(kv_cache_quantization=True, quantization="awq"))
     assert fp8["kv_cache_config"].kwargs["dtype"] == "fp8" and "quantization" not in fp8

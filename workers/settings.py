@@ -45,7 +45,10 @@ class WorkerSettings(RedisSettings):
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
     orphan_grace_s: float = 15.0
     device: str = "cpu"
+    #: Which GPU (vLLM / TensorRT-LLM see only it: CUDA_VISIBLE_DEVICES is set from it).
     gpu_index: int = 0
+    #: Share of GPU memory the engine may take (weights + KV cache).
+    gpu_memory_fraction: float = 0.9
     dtype: str = "auto"
     #: Max tokens of prompt + output the engine accepts (0 = the model's own limit).
     max_model_len: int = 0

@@ -120,6 +120,7 @@ def vllm_engine_kwargs(settings: WorkerSettings) -> dict[str, Any]:
         # Counts waiting + running; only in newer releases (dropped elsewhere at start-up).
         "max_num_queued_reqs": settings.max_slots + ENGINE_QUEUE_MARGIN,
         "kv_cache_dtype": "fp8" if settings.kv_cache_quantization else "auto",
+        "gpu_memory_utilization": settings.gpu_memory_fraction,
         "disable_log_stats": False,  # our stat logger reads running/waiting/kv/spec counters
     }
     if settings.max_model_len:
@@ -168,6 +169,7 @@ def trtllm_llm_kwargs(settings: WorkerSettings) -> dict[str, Any]:
         "enable_chunked_prefill": True,
         "kv_cache_config": ClassSpec("KvCacheConfig", {
             "dtype": "fp8" if settings.kv_cache_quantization else "auto",
+            "free_gpu_memory_fraction": settings.gpu_memory_fraction,
             "enable_block_reuse": True}),
         # Priority queueing exists only in newer releases; elsewhere FCFS (Redis orders anyway).
         "scheduler_config": ClassSpec("SchedulerConfig", {"waiting_queue_policy": "priority"},
