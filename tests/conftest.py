@@ -6,9 +6,11 @@ Timing-sensitive waits scale by ``LANES_TEST_TIME_SCALE`` (default 1; raise it o
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,33 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):  # -> TinyModelPaths
     from lanes.workers.models.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@dataclass(frozen=True)
+class Greedy:
+    prompt_tokens: int
+    ids: list[int]
+    text: str
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_model):  # -> Callable[[str, int], Greedy]
+    """Greedy output of the tiny model called directly, no lanes code: the ground truth that
+    every streamed answer must equal, token for token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model.target, dtype=torch.float32)
+
+    @functools.cache
+    def greedy(content: str, max_tokens: int) -> Greedy:
+        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id) + 1]
+        return Greedy(len(ids), out, tok.decode(out, skip_special_tokens=True))
+
+    return greedy

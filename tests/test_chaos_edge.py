@@ -44,33 +44,12 @@ def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory)
         sys_.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Greedy output of the tiny model called directly (no lanes code): the ground truth."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model.target)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model.target, dtype=torch.float32)
-
-    def greedy(content: str, max_tokens: int) -> str:
-        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False).input_ids
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
-        if tok.eos_token_id in out:
-            out = out[: out.index(tok.eos_token_id) + 1]
-        return tok.decode(out, skip_special_tokens=True)
-
-    return greedy
-
-
-async def kill_and_resume(sys_: System, edge: str, url_to: str, sig: int, reference) -> None:
+async def kill_and_resume(sys_: System, edge: str, url_to: str, sig: int, greedy_reference) -> None:
     """Stream answers through ``edge``, stop it with ``sig``, resume them all at ``url_to``."""
     ids = [f"r{n}-{uuid.uuid4().hex[:4]}" for n in MAX_TOKENS]
     prompts = {rid: f"Resume me: what does section {i} say?" for i, rid in enumerate(ids)}
     max_tokens = dict(zip(ids, MAX_TOKENS))
-    expected = {rid: reference(prompts[rid], max_tokens[rid]) for rid in ids}
+    expected = {rid: greedy_reference(prompts[rid], max_tokens[rid]).text for rid in ids}
 
     first = await Client.connect(f"ws://127.0.0.1:{sys_.edge_ports[edge]}/v1/chat")
     for rid in ids:
@@ -101,14 +80,14 @@ async def kill_and_resume(sys_: System, edge: str, url_to: str, sig: int, refere
     await second.close()
 
 
-async def test_edge_killed_client_resumes_on_another_edge(system: tuple[System, str, str], reference) -> None:
+async def test_edge_killed_client_resumes_on_another_edge(system: tuple[System, str, str], greedy_reference) -> None:
     sys_, _, url_b = system
-    await kill_and_resume(sys_, "edge_a", url_b, signal.SIGKILL, reference)
+    await kill_and_resume(sys_, "edge_a", url_b, signal.SIGKILL, greedy_reference)
 
 
 async def test_edge_stopped_gracefully_does_not_cancel_its_requests(system: tuple[System, str, str],
-                                                                     reference) -> None:
+                                                                     greedy_reference) -> None:
     """A rolling restart (SIGTERM) closes the sockets, but the clients will resume elsewhere."""
     sys_, _, url_b = system
     sys_.start_edge("edge_c")
-    await kill_and_resume(sys_, "edge_c", url_b, signal.SIGTERM, reference)
+    await kill_and_resume(sys_, "edge_c", url_b, signal.SIGTERM, greedy_reference)

@@ -52,27 +52,6 @@ def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory)
         sys_.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Greedy output of the tiny model called directly (no lanes code): the ground truth."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model.target)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model.target, dtype=torch.float32)
-
-    def greedy(content: str, max_tokens: int) -> str:
-        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False).input_ids
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
-        if tok.eos_token_id in out:
-            out = out[: out.index(tok.eos_token_id) + 1]
-        return tok.decode(out, skip_special_tokens=True)
-
-    return greedy
-
-
 def running_by_worker(sys_: System, ids: list[str]) -> dict[str, list[str]]:
     """Which worker holds each running request, read from the request hashes."""
     client = redis.Redis.from_url(sys_.redis_url)
@@ -100,10 +79,10 @@ def recovery_s(client: Client, rid: str, killed_at: float, num_before: int) -> f
     return times[num_before] - killed_at if len(times) > num_before else None
 
 
-async def test_worker_killed_mid_answer_loses_nothing(system: tuple[System, str], reference) -> None:
+async def test_worker_killed_mid_answer_loses_nothing(system: tuple[System, str], greedy_reference) -> None:
     sys_, url = system
     ids = [f"k{i}-{uuid.uuid4().hex[:4]}" for i in range(NUM_REQUESTS)]
-    expected = {rid: reference(prompt, MAX_TOKENS) for rid, prompt in zip(ids, PROMPTS)}
+    expected = {rid: greedy_reference(prompt, MAX_TOKENS).text for rid, prompt in zip(ids, PROMPTS)}
     client = await Client.connect(url)
     for rid, prompt in zip(ids, PROMPTS):
         await client.chat(rid, prompt, max_tokens=MAX_TOKENS, temperature=0.0)

@@ -30,28 +30,7 @@ def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory)
         sys_.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Greedy output of the tiny model called directly (no lanes code): the ground truth."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model.target)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model.target, dtype=torch.float32)
-
-    def greedy(content: str, max_tokens: int) -> tuple[int, list[int], str]:
-        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False).input_ids
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
-        if tok.eos_token_id in out:
-            out = out[: out.index(tok.eos_token_id) + 1]
-        return len(ids), out, tok.decode(out, skip_special_tokens=True)
-
-    return greedy
-
-
-async def test_two_concurrent_chats_on_one_connection(system: tuple[System, str], reference) -> None:
+async def test_two_concurrent_chats_on_one_connection(system: tuple[System, str], greedy_reference) -> None:
     _, url = system
     client = await Client.connect(url)
     await client.chat("one", "What does a class definition do?", max_tokens=24)
@@ -64,7 +43,8 @@ async def test_two_concurrent_chats_on_one_connection(system: tuple[System, str]
         assert done["type"] == "done", done
         seqs = [f["seq"] for f in client.deltas(rid)]
         assert seqs == list(range(len(seqs))) and seqs, "contiguous seq from 0"
-        prompt_tokens, ids, text = reference(content, max_tokens)
+        ref = greedy_reference(content, max_tokens)
+        prompt_tokens, ids, text = ref.prompt_tokens, ref.ids, ref.text
         assert done["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids)}
         assert client.text(rid) == text, "exactly the model's greedy answer: nothing lost or repeated"
         assert done["finish_reason"] == ("stop" if len(ids) < max_tokens else "length")
@@ -138,9 +118,9 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
     assert {"running", "slots", "tokens_per_s", "finished"} <= set(workers[0])
 
 
-def test_logs_hold_no_prompt_text(system: tuple[System, str], reference) -> None:
+def test_logs_hold_no_prompt_text(system: tuple[System, str], greedy_reference) -> None:
     sys_, _ = system
-    _, _, answer = reference("What does a class definition do?", 24)  # streamed by the first test above
+    answer = greedy_reference("What does a class definition do?", 24).text  # streamed by the first test above
     assert len(answer.strip()) >= 8
     for log in Path(sys_.log_dir).glob("*.log"):
         text = log.read_text()
