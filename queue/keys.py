@@ -89,6 +89,10 @@ class Keys:
         """LIST of recent finished requests (prompt, true output tokens), capped, for predictor refresh."""
         return f"{self.prefix}:obs"
 
+    def rate_bucket(self, key_id: str) -> str:
+        """HASH tokens, at: one API key's fleet-wide token bucket."""
+        return f"{self.prefix}:rl:{key_id}"
+
     @property
     def predictor(self) -> str:
         """HASH version, weights (npz bytes, no pickle): the refreshed length predictor."""

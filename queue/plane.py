@@ -102,6 +102,7 @@ class QueuePlane:
         self._fence = client.register_script(scripts.FENCE)
         self._repoint = client.register_script(scripts.REPOINT)
         self._release = client.register_script(scripts.RELEASE)
+        self._take_token = client.register_script(scripts.TAKE_TOKEN)
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> QueuePlane:
@@ -143,6 +144,10 @@ class QueuePlane:
         or "forbidden" when ``owner`` did not submit it."""
         state = await self._repoint(keys=[self.keys.request(request_id)], args=[edge_id, owner])
         return state.decode() if state else None
+
+    async def take_token(self, key_id: str, rate_per_s: float, burst: int) -> int:
+        """Take one token from a key's fleet-wide bucket: 0, or the wait (ms) until one is back."""
+        return int(await self._take_token(keys=[self.keys.rate_bucket(key_id)], args=[rate_per_s, burst]))
 
     async def read_stream(self, request_id: str, after_seq: int = -1) -> list[TokenEvent]:
         """Events with ``seq > after_seq``, in order."""

@@ -174,3 +174,18 @@ redis.call('ZADD', lanes[h[3]] or KEYS[4], h[4], ARGV[1])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
 return 'requeued'
 """
+
+#: KEYS: bucket. ARGV: rate_per_s, burst. A token bucket shared by every edge (fleet-wide
+#: per-key rate limit): the same arithmetic as ``ws_server/ratelimit.take_token``, on the
+#: Redis clock. Returns 0 when a token was taken, else the wait in ms until one is back.
+TAKE_TOKEN = _NOW + """
+local rate, cap = tonumber(ARGV[1]), math.max(1, tonumber(ARGV[2]))
+local h = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens, at = tonumber(h[1]) or cap, tonumber(h[2]) or now
+tokens = math.min(cap, tokens + math.max(0, now - at) * rate / 1000)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = math.ceil((1 - tokens) * 1000 / rate) end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil(cap * 1000 / rate) + 1000)
+return wait
+"""

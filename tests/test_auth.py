@@ -291,3 +291,23 @@ async def test_only_the_submitting_key_can_resume(start_edge: StartEdge, create_
     assert not [f for f in c.frames["mine"] if f["type"] == "error"], "the owner may resume it"
     for client in (a, b, c):
         await client.close()
+
+
+async def test_fleet_rate_limit_is_shared_by_every_edge(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    """Two edges, one key, rate 1/s burst 2: the third request is refused on either edge."""
+    key = create_key("fleet", "--rate-per-s", "1", "--burst", "2", "--max-in-flight", "0")
+    edge_a = await start_edge(auth_required=True, rate_limit_scope="fleet")
+    edge_b = await start_edge(auth_required=True, rate_limit_scope="fleet")
+    a, b = await connect(edge_a, key), await connect(edge_b, key)
+    await a.chat("f-1", "hello")
+    await b.chat("f-2", "hello")
+    assert (await first_answer(a, "f-1"))["type"] == "accepted"
+    assert (await first_answer(b, "f-2"))["type"] == "accepted"
+    await a.chat("f-3", "hello")
+    refused = await first_answer(a, "f-3")
+    assert refused["code"] == "rate_limited" and 0 < refused["retry_after_ms"] <= 1000
+    await asyncio.sleep(refused["retry_after_ms"] / 1000 + 0.05)
+    await b.chat("f-4", "hello")
+    assert (await first_answer(b, "f-4"))["type"] == "accepted"
+    for client in (a, b):
+        await client.close()

@@ -8,6 +8,7 @@ token can race a late subscription.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -31,7 +32,7 @@ from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.auth import ANONYMOUS, Gate, Identity
 from lanes.ws_server.http import http_response
 from lanes.ws_server.lengths import LengthEstimator
-from lanes.ws_server.ratelimit import KeyLimiter, Refusal
+from lanes.ws_server.ratelimit import KeyLimiter, Refusal, RefusalCode
 from lanes.ws_server.session import Route, Session
 from lanes.ws_server.settings import EdgeSettings
 
@@ -162,6 +163,8 @@ class Edge:
                 request_id,
             )
         refusal = self._key_refusal(session)
+        if refusal is None and self.settings.rate_limit_scope == "fleet":
+            refusal = await self._fleet_rate_refusal(session)
         if refusal is not None:
             metrics.ERRORS.labels(refusal.code.value).inc()
             extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
@@ -212,7 +215,21 @@ class Edge:
         sessions = self.key_sessions.setdefault(identity.key_id, weakref.WeakSet())
         sessions.add(session)
         num_in_flight = sum(len(s.routes) for s in sessions)
-        return self.limiter.check(identity.key_id, identity.limits, num_in_flight, time.monotonic())
+        limits = identity.limits
+        if self.settings.rate_limit_scope == "fleet":  # the rate is checked in Redis instead
+            limits = dataclasses.replace(limits, rate_per_s=0.0)
+        return self.limiter.check(identity.key_id, limits, num_in_flight, time.monotonic())
+
+    async def _fleet_rate_refusal(self, session: Session) -> Refusal | None:
+        """The key's rate over every edge: one token bucket in Redis (one Lua call)."""
+        identity = self.identities.get(session.ws, ANONYMOUS)  # type: ignore[arg-type]
+        if identity is ANONYMOUS or identity.limits.rate_per_s <= 0:
+            return None
+        wait_ms = await self.plane.take_token(identity.key_id, identity.limits.rate_per_s, identity.limits.burst)
+        if wait_ms <= 0:
+            return None
+        return Refusal(RefusalCode.RATE_LIMITED, f"over {identity.limits.rate_per_s:g} requests/s for this key",
+                       retry_after_ms=wait_ms)
 
     async def on_cancel(self, session: Session, request_id: str) -> None:
         route = session.routes.get(request_id)

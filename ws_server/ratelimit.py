@@ -2,9 +2,10 @@
 in-flight cap. Time and the key's current in-flight count are arguments, so the same code
 runs in the edge and in tests without a loop or a clock.
 
-The edge keeps one ``KeyLimiter`` per process, so the limits hold per edge: N edges behind a
-load balancer let a key through at up to N times its rate. A fleet-wide limit needs the
-bucket in Redis (the same arithmetic as ``take_token`` in a Lua script); see README, Security.
+The edge keeps one ``KeyLimiter`` per process, so by default the limits hold per edge: N edges
+behind a load balancer let a key through at up to N times its rate. With
+``LANES_RATE_LIMIT_SCOPE=fleet`` the rate lives in one Redis bucket per key instead (the same
+arithmetic as ``take_token``, in ``queue/scripts.py: TAKE_TOKEN``).
 
 Refusals (the ``error`` frame's ``code``)::
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from lanes.queue.settings import RedisSettings
 
 
@@ -46,6 +48,9 @@ class EdgeSettings(RedisSettings):
     allowed_origins: str = ""
     #: Per-key limits for keys that set none (and for ``api_key_hashes``); 0 = no limit.
     #: Enforced per edge process (see ``ratelimit.py``).
+    #: ``edge``: each edge process enforces a key's rate on its own (N edges: up to N x the
+    #: rate); ``fleet``: one token bucket per key in Redis, shared by every edge (+1 Lua call).
+    rate_limit_scope: Literal["edge", "fleet"] = "edge"
     key_rate_per_s: float = 10.0
     key_burst: int = 20
     key_max_in_flight: int = 32
