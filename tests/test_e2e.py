@@ -141,3 +141,17 @@ async def test_resume_after_the_end_still_gets_done(system: tuple[System, str]) 
     assert replayed["type"] == "done" and replayed["usage"] == done["usage"]
     assert again.deltas("finished") == [], "nothing the client already had is sent again"
     await again.close()
+
+
+async def test_same_id_from_another_connection_does_not_steal_the_stream(system: tuple[System, str]) -> None:
+    _, url = system
+    owner, intruder = await Client.connect(url), await Client.connect(url)
+    await owner.chat("shared-id", "Mine, all mine.", max_tokens=24)
+    await intruder.chat("shared-id", "Give it to me.", max_tokens=24)
+    refused = await intruder.wait("shared-id")
+    assert refused["type"] == "error" and refused["code"] == "duplicate_id"
+    done = await owner.wait("shared-id")
+    assert done["type"] == "done" and owner.deltas("shared-id"), "the first submitter still gets its answer"
+    assert not intruder.deltas("shared-id")
+    for client in (owner, intruder):
+        await client.close()

@@ -155,7 +155,7 @@ class Edge:
 
     async def on_chat(self, session: Session, frame: protocol.ChatFrame) -> None:
         request_id = frame.id or uuid.uuid4().hex
-        if request_id in session.routes:
+        if request_id in self.routes:  # on this connection or another one of this edge
             raise protocol.ProtocolError("duplicate_id", f"request {request_id} is already in flight", request_id)
         if len(session.routes) >= self.settings.max_in_flight_per_connection:
             raise protocol.ProtocolError(
