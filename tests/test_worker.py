@@ -90,3 +90,22 @@ async def test_request_nobody_listens_to_is_cancelled(plane: QueuePlane) -> None
     finally:
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
+
+
+@pytest.mark.parametrize(("max_tokens", "drain_s", "final"), [(30, 5.0, b"done"), (2000, 0.3, b"queued")])
+async def test_stop_drains_then_hands_back(plane: QueuePlane, max_tokens: int, drain_s: float, final: bytes) -> None:
+    """SIGTERM (a cancelled serve): running answers may finish within the drain timeout; the
+    rest go back to their lane to continue on another worker."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.workers.engines.sim import SimEngine
+
+    await enqueue(plane, "draining", max_tokens)  # ~30 ms per token on the l70-h100 profile
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", heartbeat_s=0.2, drain_timeout_s=drain_s)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=4))
+    serving = asyncio.create_task(worker.serve())
+    while not await plane.read_stream("draining"):
+        await asyncio.sleep(0.02)
+    serving.cancel()
+    await asyncio.gather(serving, return_exceptions=True)
+    assert await plane.redis.hget(plane.keys.request("draining"), "state") == final

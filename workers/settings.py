@@ -44,6 +44,8 @@ class WorkerSettings(RedisSettings):
     #: Cancel a running request whose edge channel has had no subscriber this long (its edge
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
     orphan_grace_s: float = 15.0
+    #: On SIGTERM: stop claiming, let running requests finish this long, hand back the rest.
+    drain_timeout_s: float = 5.0
     device: str = "cpu"
     #: Which GPU (vLLM / TensorRT-LLM see only it: CUDA_VISIBLE_DEVICES is set from it).
     gpu_index: int = 0

@@ -98,6 +98,11 @@ class Worker:
             # request we hand back below and drop it with the closing connection.
             claim.cancel()
             await asyncio.gather(claim, return_exceptions=True)
+            if not self._fatal.done() and self.runs and self.settings.drain_timeout_s > 0:
+                # A stop (deploy, scale-in) lets running answers finish for a while; what is
+                # still running then goes back to its lane and continues elsewhere.
+                log.info("draining %d running requests (up to %.0f s)", len(self.runs), self.settings.drain_timeout_s)
+                await asyncio.wait([r.task for r in self.runs.values() if r.task], timeout=self.settings.drain_timeout_s)
             await self._release_all()
             for task in loops:
                 task.cancel()
