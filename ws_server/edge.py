@@ -8,12 +8,10 @@ token can race a late subscription.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import socket
 import time
 import uuid
-import weakref
 
 import msgspec
 import websockets
@@ -29,10 +27,10 @@ from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import protocol
 from lanes.ws_server.admission import EdgeAdmission
-from lanes.ws_server.auth import ANONYMOUS, Gate, Identity
+from lanes.ws_server.auth import Gate
 from lanes.ws_server.http import http_response
 from lanes.ws_server.lengths import LengthEstimator
-from lanes.ws_server.ratelimit import KeyLimiter, Refusal, RefusalCode
+from lanes.ws_server.keyguard import KeyGuard
 from lanes.ws_server.session import Route, Session
 from lanes.ws_server.settings import EdgeSettings
 
@@ -58,11 +56,7 @@ class Edge:
         self.shutting_down = False
         self.routes: dict[str, Route] = {}
         self.gate = Gate(settings, plane.redis, plane.keys, CHAT_PATH)
-        self.limiter = KeyLimiter()
-        #: Who each handshake authenticated as (weak: a handshake that fails later leaves nothing).
-        self.identities: weakref.WeakKeyDictionary[ServerConnection, Identity] = weakref.WeakKeyDictionary()
-        #: Sessions per API key id: the key's in-flight count is the sum of their routes.
-        self.key_sessions: dict[str, weakref.WeakSet[Session]] = {}
+        self.keys = KeyGuard(plane, fleet_rate=settings.rate_limit_scope == "fleet")
         self._ready = asyncio.Event()
         self.port = settings.port
 
@@ -162,9 +156,7 @@ class Edge:
                 "too_many_in_flight", f"at most {self.settings.max_in_flight_per_connection} requests in flight",
                 request_id,
             )
-        refusal = self._key_refusal(session)
-        if refusal is None and self.settings.rate_limit_scope == "fleet":
-            refusal = await self._fleet_rate_refusal(session)
+        refusal = await self.keys.refusal(session)
         if refusal is not None:
             metrics.ERRORS.labels(refusal.code.value).inc()
             extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
@@ -193,7 +185,7 @@ class Edge:
             session.routes[request_id] = route
             self.routes[request_id] = route
             try:
-                enqueued = await self.plane.enqueue(payload, self.edge_id, owner=self._owner(session))
+                enqueued = await self.plane.enqueue(payload, self.edge_id, owner=self.keys.owner(session))
             except BaseException:
                 self._forget(route)
                 raise
@@ -206,30 +198,6 @@ class Edge:
         self.admission.enqueued(lane)
         metrics.IN_FLIGHT.inc()
         session.send(protocol.accepted_frame(request_id, lane.value, predicted))
-
-    def _key_refusal(self, session: Session) -> Refusal | None:
-        """The API key's rate limit and in-flight cap, over all its connections to this edge."""
-        identity = self.identities.get(session.ws, ANONYMOUS)  # type: ignore[arg-type]
-        if identity is ANONYMOUS:
-            return None
-        sessions = self.key_sessions.setdefault(identity.key_id, weakref.WeakSet())
-        sessions.add(session)
-        num_in_flight = sum(len(s.routes) for s in sessions)
-        limits = identity.limits
-        if self.settings.rate_limit_scope == "fleet":  # the rate is checked in Redis instead
-            limits = dataclasses.replace(limits, rate_per_s=0.0)
-        return self.limiter.check(identity.key_id, limits, num_in_flight, time.monotonic())
-
-    async def _fleet_rate_refusal(self, session: Session) -> Refusal | None:
-        """The key's rate over every edge: one token bucket in Redis (one Lua call)."""
-        identity = self.identities.get(session.ws, ANONYMOUS)  # type: ignore[arg-type]
-        if identity is ANONYMOUS or identity.limits.rate_per_s <= 0:
-            return None
-        wait_ms = await self.plane.take_token(identity.key_id, identity.limits.rate_per_s, identity.limits.burst)
-        if wait_ms <= 0:
-            return None
-        return Refusal(RefusalCode.RATE_LIMITED, f"over {identity.limits.rate_per_s:g} requests/s for this key",
-                       retry_after_ms=wait_ms)
 
     async def on_cancel(self, session: Session, request_id: str) -> None:
         route = session.routes.get(request_id)
@@ -247,7 +215,7 @@ class Edge:
         route = Route(frame.id, session, lane="resumed", next_seq=frame.last_seq + 1, fill_gap=self.fill_gap)
         session.routes[frame.id] = route
         self.routes[frame.id] = route
-        state = await self.plane.repoint(frame.id, self.edge_id, owner=self._owner(session))
+        state = await self.plane.repoint(frame.id, self.edge_id, owner=self.keys.owner(session))
         if state is None or state == "forbidden":
             # The same answer for both: another key's request ids must not be probeable.
             self._forget(route)
@@ -265,10 +233,6 @@ class Edge:
         # The worker re-points at its next heartbeat; until then it publishes to the old edge,
         # and an answer that ends in that window would never reach us: read the stream again.
         asyncio.get_running_loop().call_later(2 * self.settings.heartbeat_s + 0.1, self._refill, route)
-
-    def _owner(self, session: Session) -> str:
-        """The API key a session authenticated with ("" when auth is off)."""
-        return self.identities.get(session.ws, ANONYMOUS).key_id  # type: ignore[arg-type]
 
     def _refill(self, route: Route) -> None:
         """Deliver from the stream whatever this route missed (it may have gone elsewhere)."""
@@ -301,7 +265,7 @@ class Edge:
         if isinstance(verdict, Response):
             return verdict
         if request.path.split("?", 1)[0] == CHAT_PATH:
-            self.identities[conn] = verdict
+            self.keys.identities[conn] = verdict
             return None
         return await http_response(self, conn, request)
 
