@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from lanes.queue.embedded import EmbeddedRedis
+from lanes.queue.settings import RedisSettings
 
 console = Console(stderr=True)
 
@@ -80,14 +81,15 @@ def _wait_workers(redis_url: str, prefix: str, count: int, timeout_s: float) -> 
 
 
 def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0.1") -> None:
-    redis_url = os.environ.get("LANES_REDIS_URL", "")
+    settings = RedisSettings()  # the LANES_* environment, parsed once
+    redis_url = settings.redis_url if "redis_url" in settings.model_fields_set else ""
     embedded = None
     if not redis_url:
         embedded = EmbeddedRedis().start()
         redis_url = embedded.url
         console.print(f"[green]redis[/] embedded redis-server on {redis_url}")
     env = {**os.environ, "LANES_REDIS_URL": redis_url, "LANES_PORT": str(port), "LANES_HOST": host}
-    prefix = env.get("LANES_KEY_PREFIX", "lanes")
+    prefix = settings.key_prefix
     children = [Child("scheduler", ["scheduler"], env), Child("edge", ["edge"], env)]
     children += [Child(f"worker-{i}", ["worker", *worker_args], env) for i in range(num_workers)]
     stopping = False
