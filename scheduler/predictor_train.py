@@ -5,7 +5,8 @@ solves it on the training set, ``refit`` re-solves it on the kept examples plus 
 keeping the newest ``KernelConfig.max_examples`` (bounded memory and an O(n^3) bounded job).
 
 ``lexical`` models (``train`` and ``refit``) solve one anchored ridge regression on
-log(1 + output tokens)::
+log(1 + output tokens), over the n-gram slots and the standardised cue block together
+(``w`` below holds both; cue standardisation and IDF are fixed by ``train``)::
 
     minimise  sum_i (x_i . w + b - y_i)^2 + alpha * (|w - w0|^2 + (b - b0)^2)
 
@@ -28,7 +29,7 @@ import numpy as np
 from lanes.scheduler.predictor import LengthPredictor, load_minilm_encoder
 from lanes.scheduler.predictor_embedding import EmbeddingModel, EncoderConfig, KernelConfig
 from lanes.scheduler.predictor_encoder import MiniLMEncoder
-from lanes.scheduler.predictor_lexical import FeatureConfig, LexicalModel, raw_counts, sparse_features
+from lanes.scheduler.predictor_lexical import NUM_CUES, FeatureConfig, LexicalModel, cue_features, raw_counts
 
 #: Lexical ridge strength when training from scratch (chosen by 5-fold CV on AlpacaEval).
 LEXICAL_ALPHA = 1.0
@@ -70,8 +71,9 @@ class _Rows:
         return np.bincount(self.slots, self.values * a[self.row_ids], minlength=num_slots)
 
 
-def _design(prompts: Sequence[str], config: FeatureConfig, idf: np.ndarray) -> _Rows:
-    feats = [sparse_features(p, config, idf) for p in prompts]
+def _design(prompts: Sequence[str], model: LexicalModel) -> _Rows:
+    """Rows over the n-gram slots followed by one slot per cue (``LexicalModel.features``)."""
+    feats = [model.features(p) for p in prompts]
     empty = [np.zeros(0, np.int64)]
     row_ids = np.concatenate([np.full(len(s), i, np.int64) for i, (s, _) in enumerate(feats)] or empty)
     slots = np.concatenate([s for s, _ in feats] or empty)
@@ -125,14 +127,20 @@ def _anchored_ridge(model: LexicalModel, observations: Sequence[Observation], al
         raise ValueError(f"alpha must be > 0, got {alpha}")
     if not observations:
         return model
-    num_slots = model.config.num_buckets
-    rows = _design([o.prompt for o in observations], model.config, model.idf)
+    num_buckets = model.config.num_buckets
+    anchor = np.concatenate([model.weights, model.cue_weights])  # n-gram slots, then cue slots
+    rows = _design([o.prompt for o in observations], model)
     target = log_target([o.output_tokens for o in observations])
-    residual = target - rows.matvec(model.weights) - model.intercept
-    dual = _solve_dual(rows, residual, alpha, num_slots)
+    residual = target - rows.matvec(anchor) - model.intercept
+    dual = _solve_dual(rows, residual, alpha, len(anchor))
     # Round to float32 now so that a saved and reloaded model predicts exactly the same.
-    weights = (model.weights + rows.rmatvec(dual, num_slots)).astype(np.float32).astype(np.float64)
-    return replace(model, weights=weights, intercept=float(np.float32(model.intercept + dual.sum())))
+    weights = (anchor + rows.rmatvec(dual, len(anchor))).astype(np.float32).astype(np.float64)
+    return replace(
+        model,
+        weights=weights[:num_buckets],
+        cue_weights=weights[num_buckets:],
+        intercept=float(np.float32(model.intercept + dual.sum())),
+    )
 
 
 def train_lexical(
@@ -143,7 +151,16 @@ def train_lexical(
         raise ValueError("cannot train on zero observations")
     idf = fit_idf([o.prompt for o in observations], config).astype(np.float32).astype(np.float64)
     mean_target = float(log_target([o.output_tokens for o in observations]).mean())
-    start = LexicalModel(config, idf, np.zeros(config.num_buckets), mean_target)
+    cue_stats: dict[str, np.ndarray] = {}
+    if config.cue_weight > 0.0:
+        cues = np.stack([cue_features(o.prompt) for o in observations])
+        std = cues.std(axis=0)
+        cue_stats = {
+            "cue_mean": cues.mean(axis=0).astype(np.float32).astype(np.float64),
+            "cue_scale": np.where(std > 0.0, std, 1.0).astype(np.float32).astype(np.float64),
+            "cue_weights": np.zeros(NUM_CUES),
+        }
+    start = LexicalModel(config, idf, np.zeros(config.num_buckets), mean_target, **cue_stats)
     return _anchored_ridge(start, observations, alpha)
 
 

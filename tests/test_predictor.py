@@ -25,6 +25,7 @@ from lanes.scheduler.predictor import (
 )
 from lanes.scheduler.predictor_encoder import EncoderUnavailable, encoder_model_dir
 from lanes.scheduler.predictor_eval import evaluate, kendall_tau, misroute_rates, spearman
+from lanes.scheduler.predictor_lexical import CUE_PATTERNS, NUM_CUES, FeatureConfig, LexicalModel, cue_features
 from lanes.scheduler.predictor_train import (
     MAX_REFIT_OBSERVATIONS,
     Observation,
@@ -33,6 +34,7 @@ from lanes.scheduler.predictor_train import (
     out_of_fold_scores,
     refit,
     train,
+    train_lexical,
 )
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
@@ -171,6 +173,31 @@ def test_weights_load_without_pickle_and_round_trip(tmp_path: Path) -> None:
     assert loaded.info["refit_observations"] == 1
 
 
+def test_save_is_byte_reproducible(tmp_path: Path) -> None:
+    predictor = train(TOY, "lexical", {"note": "toy"})
+    predictor.save(tmp_path / "a.npz")
+    train(TOY, "lexical", {"note": "toy"}).save(tmp_path / "b.npz")
+    assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "b.npz").read_bytes()
+
+
+def test_cue_features_and_cue_free_models() -> None:
+    cues = cue_features("What is the capital of France? Answer briefly.")
+    assert cues.shape == (NUM_CUES,)
+    names = [name for name, _ in CUE_PATTERNS]
+    assert cues[7 + names.index("short")] == 1.0
+    assert cues[7 + names.index("closed_question")] == 1.0
+    assert cues[7 + names.index("longform")] == 0.0
+    assert load_default().model.config.cue_weight > 0  # type: ignore[union-attr]
+    # Weights written before cues existed (no cue_weight in the header) load as cue-free models.
+    plain = train_lexical(TOY, FeatureConfig(cue_weight=0.0))
+    header, arrays = plain.to_arrays()
+    del header["config"]["cue_weight"]  # type: ignore[attr-defined]
+    old = LexicalModel.from_arrays(header, arrays)
+    assert old.config.cue_weight == 0.0 and len(old.cue_weights) == 0
+    assert old.score_text(POEM) == plain.score_text(POEM)
+    assert refit(LengthPredictor(old, {}), TOY[:2]).score_text(POEM) != old.score_text(POEM)
+
+
 def test_bad_weights_raise_weights_error(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip")
@@ -212,8 +239,9 @@ def test_minilm_model_loads_predicts_and_refits() -> None:
 
 @pytest.mark.skipif(not (DATA_DIR / "alpaca_eval_token_counts.csv").is_file(), reason="shared data absent")
 def test_lexical_cross_validated_tau_on_alpaca_eval() -> None:
-    # Measured 0.384 (5-fold CV, seed 0, mean-of-two-models labels, scored vs Llama-3 lengths).
+    # Measured 0.416 (5-fold CV, seed 0, mean-of-two-models labels, scored vs Llama-3 lengths);
+    # 0.384 before the cue block.
     observations = load_observations(DATA_DIR, "mean")
     llama = [o.output_tokens for o in load_observations(DATA_DIR, "llama3")]
     scores = out_of_fold_scores(observations, fold_ids(len(observations), 5, seed=0), "lexical")
-    assert kendall_tau(scores, llama) > 0.35
+    assert kendall_tau(scores, llama) > 0.41

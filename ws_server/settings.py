@@ -23,10 +23,10 @@ class EdgeSettings(RedisSettings):
     #: After a cancel of a running request, how long to wait for the worker's final frame.
     cancel_grace_s: float = 2.0
     #: Lane thresholds in the predictor's units (tokens). The shipped lexical predictor's
-    #: outputs bunch around the mean (5-95 % within 177-443), so 200/420 give ~10 % short,
-    #: ~8 % long with 0.6 % of truly short requests misrouted long (benchmarks/RESULTS.md).
+    #: outputs bunch around the mean (5-95 % within 136-500 tokens), so 200/480 give ~16 % short,
+    #: ~7 % long with 0-0.9 % of truly short requests misrouted long (benchmarks/RESULTS.md).
     short_max_tokens: int = 200
-    medium_max_tokens: int = 420
+    medium_max_tokens: int = 480
     #: Admission: most requests a lane may hold before new ones are refused (``overloaded``).
     max_depth_short: int = 2000
     max_depth_medium: int = 2000
