@@ -8,6 +8,7 @@ import json
 import uuid
 
 import pytest
+from conftest import scaled
 from e2e_support import System
 
 from lanes.queue.messages import ChatMessage, Lane, RequestPayload
@@ -31,19 +32,19 @@ async def test_long_burst_leaves_short_slots_free(redis_url: str, tmp_path) -> N
         # 20 long requests of ~150 decode steps (~5 s each on the l70-h100 profile).
         for i in range(20):
             await plane.enqueue(RequestPayload(id=f"long{i}", messages=msg, max_tokens=150, lane=Lane.LONG), "e")
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(scaled(1.0))
         running_long = await _running(plane, "long", 20)
         assert running_long == 4, "2 workers x max 2 long slots each"
         # A burst of short requests starts at once on the reserved slots.
         for i in range(4):
             await plane.enqueue(RequestPayload(id=f"short{i}", messages=msg, max_tokens=60, lane=Lane.SHORT), "e")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(scaled(0.5))
         waits = []
         for i in range(4):
             h = await plane.redis.hgetall(plane.keys.request(f"short{i}"))
             assert h[b"state"] in (b"running", b"done"), f"short{i} still {h[b'state']}"
             waits.append(int(h[b"claim_ms"]) - int(h[b"enq_ms"]))
-        assert max(waits) < 400, f"short requests waited {waits} ms behind the long burst"
+        assert max(waits) < scaled(0.4) * 1000, f"short requests waited {waits} ms behind the long burst"
         assert await _running(plane, "long", 20) == 4, "long requests did not grow into reserved slots"
         infos = [json.loads(await plane.redis.get(plane.keys.worker_info(f"{system.prefix}-{w}")) or "{}")
                  for w in ("w1", "w2")]
