@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import redis.asyncio as aioredis
 
 from redis.exceptions import RedisError
 
+from lanes.cli.procs import stop_all, wait_http
 from lanes.queue.embedded import EmbeddedRedis, free_port
 
 #: Short leases so that a dead worker's requests come back within ~2 s (as in the e2e tests).
@@ -77,7 +77,7 @@ class Cluster:
         depth = str(self.max_depth)
         proc = self._spawn(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{self.prefix}-{name}",
                            LANES_MAX_DEPTH_SHORT=depth, LANES_MAX_DEPTH_MEDIUM=depth, LANES_MAX_DEPTH_LONG=depth)
-        _wait_http(f"http://127.0.0.1:{port}/healthz", timeout_s, proc)
+        wait_http(f"http://127.0.0.1:{port}/healthz", timeout_s, [proc])
         self.edge_urls[name] = f"ws://127.0.0.1:{port}/v1/chat"
         return self.edge_urls[name]
 
@@ -125,30 +125,8 @@ class Cluster:
             await client.aclose()
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(self.procs.values(), timeout_s=15)
         self.stop_redis()
-
-
-def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -11,11 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 from rich.console import Console
 
+from lanes.cli.procs import wait_http
 from lanes.queue.embedded import EmbeddedRedis
 from lanes.queue.settings import RedisSettings
 
@@ -47,22 +47,6 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def _wait_http(url: str, timeout_s: float, children: list[Child]) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.process and child.process.poll() is not None:
-                return False
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.2)
-    return False
 
 
 def _wait_workers(redis_url: str, prefix: str, count: int, timeout_s: float) -> bool:
@@ -103,8 +87,10 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
     try:
         for child in children:
             child.start()
-        if not _wait_http(f"http://{host}:{port}/healthz", 60, children):
-            console.print("[red]the edge did not come up; see the log above[/]")
+        try:
+            wait_http(f"http://{host}:{port}/healthz", 60, [c.process for c in children if c.process])
+        except (RuntimeError, TimeoutError) as exc:
+            console.print(f"[red]the edge did not come up ({exc}); see the log above[/]")
             return
         if _wait_workers(redis_url, prefix, num_workers, 180):
             console.print(f"[green]ready[/]: chat at [bold]ws://{host}:{port}/v1/chat[/] "

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import redis
 import websockets
 
+from lanes.cli.procs import stop_all, wait_http
 from lanes.queue.embedded import free_port
 
 
@@ -45,7 +45,7 @@ class System:
         port = free_port()
         self.start(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{self.prefix}-{name}")
         self.edge_ports[name] = port
-        wait_http(f"http://127.0.0.1:{port}/healthz", 60, self.procs[name])
+        wait_http(f"http://127.0.0.1:{port}/healthz", 60, [self.procs[name]])
         return f"ws://127.0.0.1:{port}/v1/chat"
 
     def start_worker(self, name: str, model: str, *extra: str) -> None:
@@ -71,28 +71,7 @@ class System:
         proc.wait(timeout=30)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
+        stop_all(self.procs.values())
 
 
 class Client:

@@ -36,7 +36,7 @@ def start_edge(system: System, name: str, **env: str) -> str:
     port = free_port()
     system.start(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{system.prefix}-{name}", **env)
     system.edge_ports[name] = port
-    wait_http(f"http://127.0.0.1:{port}/healthz", 60, system.procs[name])
+    wait_http(f"http://127.0.0.1:{port}/healthz", 60, [system.procs[name]])
     return f"ws://127.0.0.1:{port}/v1/chat"
 
 

@@ -78,7 +78,7 @@ def secured(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
             port = free_port()
             sys_.start("edge", ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{sys_.prefix}-edge",
                        LANES_AUTH_REQUIRED="true")
-            wait_http(f"http://127.0.0.1:{port}/healthz", 60, sys_.procs["edge"])
+            wait_http(f"http://127.0.0.1:{port}/healthz", 60, [sys_.procs["edge"]])
             sys_.start_worker("worker", str(tiny_model.target), "--max-slots", "2")
             sys_.wait_workers(1)
             yield sys_, f"ws://127.0.0.1:{port}/v1/chat", key, password
