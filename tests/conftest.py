@@ -94,3 +94,14 @@ def greedy_reference(tiny_model):  # -> Callable[[str, int], Greedy]
         return Greedy(len(ids), out, tok.decode(out, skip_special_tokens=True))
 
     return greedy
+
+
+def gpu_with(module: str) -> bool:
+    """True where ``module`` (vllm, tensorrt_llm) is installed and CUDA is available."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()

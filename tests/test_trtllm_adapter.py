@@ -8,12 +8,12 @@ mutated and re-yielded every step, so ``Stream`` below mutates one object in pla
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import gpu_with
 
 from lanes.queue.messages import ChatMessage, FinishReason
 from lanes.workers.engines.base import EngineDead, EngineDelta, EngineError, RequestRejected
@@ -133,16 +133,8 @@ def test_class_specs_build_with_fallbacks_and_old_field_names() -> None:
 
 # ---- the real engine, on a GPU machine -----------------------------------------------------
 
-def _gpu_ready() -> bool:
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs tensorrt_llm and an NVIDIA GPU")
+@pytest.mark.skipif(not gpu_with("tensorrt_llm"), reason="needs tensorrt_llm and an NVIDIA GPU")
 async def test_real_trtllm_streams_and_aborts(tmp_path: Any) -> None:
     from lanes.workers.engines.base import EngineRequest
     from lanes.workers.engines.trtllm import TrtllmEngine

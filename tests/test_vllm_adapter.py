@@ -10,12 +10,12 @@ stop, length, abort, error, repetition). Exceptions mirror ``vllm/v1/engine/exce
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from conftest import gpu_with
 
 from lanes.queue.messages import ChatMessage, FinishReason
 from lanes.workers.engines.base import EngineDead, EngineDelta, EngineError, RequestRejected
@@ -164,16 +164,8 @@ async def test_relay_delivers_tokens_before_an_error() -> None:
 
 # ---- the real engine, on a GPU machine -----------------------------------------------------
 
-def _gpu_ready() -> bool:
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs vllm and an NVIDIA GPU")
+@pytest.mark.skipif(not gpu_with("vllm"), reason="needs vllm and an NVIDIA GPU")
 @pytest.mark.parametrize("spec", ["none", "ngram"])
 async def test_real_vllm_streams_and_aborts(tmp_path, spec: str) -> None:
     from lanes.workers.engines.base import EngineRequest
