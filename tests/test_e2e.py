@@ -106,7 +106,8 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
         with urllib.request.urlopen(base + path, timeout=5) as resp:
             return resp.status, resp.read().decode()
 
-    assert get("/healthz") == (200, "ok\n")
+    status, body = get("/healthz")
+    assert status == 200 and json.loads(body) == {"status": "ok", "edge_id": f"{sys_.prefix}-edge"}
     status, body = await asyncio.to_thread(get, "/metrics")
     assert status == 200 and "lanes_requests_total" in body
     assert "queue depth" in (await asyncio.to_thread(get, "/dashboard"))[1]

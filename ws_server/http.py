@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -25,11 +26,15 @@ def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
 async def http_response(edge: Edge, conn: ServerConnection, request: Request) -> Response:
     path = request.path.split("?", 1)[0]
     if path == "/healthz":
+        # JSON naming this edge, so a supervisor can tell its own edge from another server
+        # that answers on the same port.
         try:
             await edge.plane.redis.ping()
         except RedisError:
-            return _response(HTTPStatus.SERVICE_UNAVAILABLE, b"redis unreachable\n", "text/plain")
-        return _response(HTTPStatus.OK, b"ok\n", "text/plain")
+            body = json.dumps({"status": "redis_unreachable", "edge_id": edge.edge_id}).encode()
+            return _response(HTTPStatus.SERVICE_UNAVAILABLE, body, "application/json")
+        body = json.dumps({"status": "ok", "edge_id": edge.edge_id}).encode()
+        return _response(HTTPStatus.OK, body, "application/json")
     if path == "/metrics":
         return _response(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
     if path == "/v1/depths":
