@@ -24,8 +24,10 @@ from redis.exceptions import RedisError
 from lanes.cli.procs import stop_all, wait_http
 from lanes.queue.embedded import EmbeddedRedis, free_port
 
-#: Short leases so that a dead worker's requests come back within ~2 s (as in the e2e tests).
-LEASE_ENV = {"LANES_LEASE_MS": "1500", "LANES_HEARTBEAT_S": "0.3", "LANES_START_TIMEOUT_MS": "1500"}
+#: Short leases so that a dead worker's requests come back within ~2 s (as in the e2e tests),
+#: and a short resume grace so a departed client's requests are cancelled within the run.
+LEASE_ENV = {"LANES_LEASE_MS": "1500", "LANES_HEARTBEAT_S": "0.3", "LANES_START_TIMEOUT_MS": "1500",
+             "LANES_RESUME_GRACE_S": "1"}
 
 
 @dataclass

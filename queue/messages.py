@@ -112,6 +112,21 @@ class DepthSnapshot(msgspec.Struct, frozen=True):
     service_rps: dict[str, float] = {}
 
 
+class WorkerReport(msgspec.Struct, frozen=True):
+    """What a worker publishes about itself each heartbeat (``lanes:{q}:worker:<id>``, TTL)."""
+
+    worker: str
+    #: Running requests per lane (by the lane each counts against now).
+    running: dict[str, int]
+    slots: int
+    #: Finished requests by final state since the worker started.
+    finished: dict[str, int] = {}
+    tokens_per_s: float = 0.0
+    #: Engine name and its own stats (KV-cache use, acceptance, ...): numbers or short strings.
+    engine: dict[str, float | int | str | bool | None] = {}
+    pool: str = "default"
+
+
 class Observation(msgspec.Struct, frozen=True, array_like=True):
     """A finished request's true output length, for the predictor's refresh."""
 

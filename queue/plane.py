@@ -11,52 +11,29 @@ from dataclasses import dataclass
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import AuthenticationError, NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from lanes.queue import scripts
-from lanes.queue.keys import FINISHED_TTL_S, LANE_ORDER, REQUEST_TTL_S, STREAM_MAXLEN, Keys
-from lanes.queue.messages import Lane, RequestPayload, TokenBatch, TokenEvent, encode
+from lanes.queue.connection import connect
+from lanes.queue.fleet import Fleet
+from lanes.queue.keys import (
+    FINISHED_TTL_S,
+    LANE_ORDER,
+    REQUEST_TTL_S,
+    STREAM_MAXLEN,
+    Keys,
+)
+from lanes.queue.messages import (
+    Control,
+    Lane,
+    RequestPayload,
+    TokenBatch,
+    TokenEvent,
+    encode,
+)
 from lanes.queue.settings import RedisSettings
+from redis.exceptions import NoScriptError
 
 _event_decoder = msgspec.json.Decoder(TokenEvent)
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
-
-
-class _TransientRetry(Retry):
-    """Retries connection errors, except a refused login: a wrong or missing password never
-    heals by retrying (redis-py's AuthenticationError is a ConnectionError subclass)."""
-
-    async def call_with_retry(self, do, fail):  # type: ignore[no-untyped-def]
-        async def once():  # type: ignore[no-untyped-def]
-            try:
-                return await do()
-            except AuthenticationError as exc:
-                raise _NoRetry(exc) from exc
-
-        try:
-            return await super().call_with_retry(once, fail)
-        except _NoRetry as wrapped:
-            raise wrapped.error from None
-
-
-class _NoRetry(Exception):
-    def __init__(self, error: AuthenticationError) -> None:
-        self.error = error
-
-
-def connect(url: str, **kwargs: object) -> aioredis.Redis:
-    """A client that retries transient connection errors with capped exponential backoff."""
-    return aioredis.Redis.from_url(
-        url,
-        retry=_TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=10,
-        **kwargs,
-    )
 
 
 @dataclass(frozen=True)
@@ -92,6 +69,7 @@ class QueuePlane:
         self.redis = client
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
+        self.fleet = Fleet(client, self.keys)
         self._enqueue = client.register_script(scripts.ENQUEUE)
         self._claim = client.register_script(scripts.CLAIM)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
@@ -128,15 +106,18 @@ class QueuePlane:
             return Enqueued(True, enqueued_at_ms=int(value))
         return Enqueued(False, existing_state=value.decode() if isinstance(value, bytes) else str(value))
 
-    async def cancel(self, request_id: str) -> tuple[str, str]:
-        """Cancel a request: ``(previous_state, worker)``; tells the worker if it runs."""
+    async def cancel(self, request_id: str, only_edge: str = "") -> tuple[str, str]:
+        """Cancel a request: ``(previous_state, worker)``; tells the worker if it runs.
+
+        With ``only_edge``, a request pointed at another edge is left alone (``"moved"``).
+        """
         k = self.keys
         state, worker = await self._cancel(
-            keys=[k.request(request_id), k.watch, *k.pending_all()], args=[request_id, FINISHED_TTL_S]
+            keys=[k.request(request_id), k.watch, *k.pending_all()], args=[request_id, FINISHED_TTL_S, only_edge]
         )
         state, worker = state.decode(), worker.decode()
         if state == "running" and worker:
-            await self.redis.publish(k.control_channel(worker), b'{"op":"cancel","id":"%s"}' % request_id.encode())
+            await self.redis.publish(k.control_channel(worker), encode(Control(request_id)))
         return state, worker
 
     async def repoint(self, request_id: str, edge_id: str, owner: str = "") -> str | None:
@@ -154,7 +135,36 @@ class QueuePlane:
         entries = await self.redis.xrange(self.keys.stream(request_id), min=f"{after_seq + 2}-0")
         return [_event_decoder.decode(fields[b"e"]) for _, fields in entries]
 
+    async def last_event(self, request_id: str) -> TokenEvent | None:
+        """The newest event of a request's stream (its end, once it has ended)."""
+        entries = await self.redis.xrevrange(self.keys.stream(request_id), count=1)
+        return _event_decoder.decode(entries[0][1][b"e"]) if entries else None
+
+    async def request_records(self, request_ids: list[str]) -> dict[str, tuple[str, str] | None]:
+        """Per request ``(edge, state)``, None when its record is gone (one pipeline)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.hmget(self.keys.request(request_id), "edge", "state")
+            rows = await pipe.execute()
+        return {rid: None if state is None else ((edge or b"").decode(), state.decode())
+                for rid, (edge, state) in zip(request_ids, rows)}
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
     # -- worker -----------------------------------------------------------------------
+
+    def blocking_client(self) -> aioredis.Redis:
+        """A dedicated connection for ``pop`` (a blocked connection serves nobody else)."""
+        return connect(self.settings.redis_url, single_connection_client=True)
+
+    @staticmethod
+    async def client_id(conn: aioredis.Redis) -> int:
+        return int(await conn.client_id())
+
+    async def unblock(self, client_id: int) -> None:
+        """Make a ``pop`` blocked on connection ``client_id`` return None now."""
+        await self.redis.client_unblock(client_id)
 
     async def pop(self, conn: aioredis.Redis, lanes: tuple[Lane, ...], timeout_s: float) -> tuple[str, Lane] | None:
         """Block until a request is in one of ``lanes`` (first non-empty wins) or timeout.

@@ -68,12 +68,15 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
-#: KEYS: req, watch, pending:short, pending:medium, pending:long. ARGV: id, finished_ttl_s.
+#: KEYS: req, watch, pending:short, pending:medium, pending:long. ARGV: id, finished_ttl_s, edge.
 #: Returns {previous_state, worker}: a queued request leaves its lane at once; a running one
 #: is marked cancelled and its worker must be told (the caller publishes on its channel).
+#: With ``edge`` set, only a request still pointed at that edge is cancelled ({'moved', ''}
+#: otherwise): an edge whose client left must not cancel a request resumed on another edge.
 CANCEL = """
-local h = redis.call('HMGET', KEYS[1], 'state', 'worker')
+local h = redis.call('HMGET', KEYS[1], 'state', 'worker', 'edge')
 if not h[1] then return {'absent', ''} end
+if ARGV[3] ~= '' and h[3] ~= ARGV[3] then return {'moved', ''} end
 if h[1] == 'queued' then
   for i = 3, 5 do redis.call('ZREM', KEYS[i], ARGV[1]) end
   redis.call('ZREM', KEYS[2], ARGV[1])

@@ -15,14 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from lanes.queue.messages import Observation
 from lanes.queue.plane import QueuePlane
 
 log = logging.getLogger(__name__)
-
-_obs_decoder = msgspec.json.Decoder(Observation)
 
 
 def refit_bytes(observations: list[Observation]) -> bytes:
@@ -43,33 +39,23 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     plane: QueuePlane = ctx["plane"]
     min_observations: int = ctx.get("min_observations", 50)
     max_observations: int = ctx.get("max_observations", 5000)
-    k = plane.keys
-    raw = await plane.redis.lrange(k.observations, 0, max_observations - 1)
-    observations = []
-    for item in raw:
-        try:
-            observations.append(_obs_decoder.decode(item))
-        except msgspec.DecodeError:
-            log.warning("skipping a malformed observation")
+    observations = await plane.fleet.observations(max_observations)
     if len(observations) < min_observations:
         return {"observations": len(observations), "version": 0}
     weights = await asyncio.to_thread(refit_bytes, observations)
-    version = await plane.redis.hincrby(k.predictor, "version", 1)
-    await plane.redis.hset(k.predictor, mapping={"weights": weights, "observations": len(observations)})
+    version = await plane.fleet.publish_predictor(weights, len(observations))
     log.info("predictor refreshed from %d observations: version %d", len(observations), version)
-    return {"observations": len(observations), "version": int(version)}
+    return {"observations": len(observations), "version": version}
 
 
 async def load_published(plane: QueuePlane, known_version: int) -> tuple[int, Any] | None:
     """The published predictor if newer than ``known_version``: ``(version, LengthPredictor)``."""
     from lanes.scheduler.predictor import from_weights
 
-    version = await plane.redis.hget(plane.keys.predictor, "version")
-    if version is None or int(version) <= known_version:
+    published = await plane.fleet.published_predictor(known_version)
+    if published is None:
         return None
-    weights = await plane.redis.hget(plane.keys.predictor, "weights")
-    if not weights:
-        return None
+    version, weights = published
 
     def load() -> Any:
         with tempfile.TemporaryDirectory() as tmp:
@@ -77,4 +63,4 @@ async def load_published(plane: QueuePlane, known_version: int) -> tuple[int, An
             path.write_bytes(weights)
             return from_weights(path)
 
-    return int(version), await asyncio.to_thread(load)
+    return version, await asyncio.to_thread(load)

@@ -11,16 +11,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
-from redis.exceptions import RedisError
-
-from lanes.queue.messages import DepthSnapshot, Finish, FinishReason, TokenBatch, TokenEvent, Usage, encode
+from lanes.queue.backoff import Backoff
+from lanes.queue.errors import ErrorCode, QueueUnavailable
+from lanes.queue.messages import (
+    DepthSnapshot,
+    Finish,
+    FinishReason,
+    TokenBatch,
+    TokenEvent,
+    Usage,
+)
 from lanes.queue.plane import QueuePlane
 from lanes.scheduler.refresh import refresh_predictor
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
 
 log = logging.getLogger(__name__)
+
+#: A worker not heard from for this long is no longer counted (its reports stop).
+_WORKER_TIMEOUT_MS = 10_000
 
 
 class Scheduler:
@@ -32,11 +43,11 @@ class Scheduler:
     async def serve(self) -> None:
         log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
                  self.settings.reap_interval_s, self.settings.depth_interval_s)
-        loops = [self._every(self.settings.reap_interval_s, self.reap_once),
-                 self._every(self.settings.depth_interval_s, self.snapshot_once)]
-        if self.settings.predictor_refresh_minutes > 0:
-            loops.append(self._arq_cron())
-        await asyncio.gather(*loops)
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._every(self.settings.reap_interval_s, self.reap_once, "reaper"))
+            group.create_task(self._every(self.settings.depth_interval_s, self.snapshot_once, "depth snapshots"))
+            if self.settings.predictor_refresh_minutes > 0:
+                group.create_task(self._arq_cron())
 
     async def _arq_cron(self) -> None:
         """arq runs the periodic jobs (off the request path): unique per tick across schedulers."""
@@ -45,6 +56,7 @@ class Scheduler:
         from arq.worker import Worker as ArqWorker
 
         every = self.settings.predictor_refresh_minutes
+        backoff = Backoff("arq cron", log, min_s=1.0, max_s=30.0)
         while True:
             worker = ArqWorker(
                 functions=[],
@@ -59,16 +71,18 @@ class Scheduler:
             )
             try:
                 await worker.async_run()
-            except (RedisError, OSError) as exc:
-                log.warning("arq cron lost Redis (%s); restarting it in 1 s", exc)
-                await asyncio.sleep(1.0)
+            except (QueueUnavailable, OSError) as exc:
+                await asyncio.sleep(backoff.failed(exc))
 
-    async def _every(self, interval_s: float, step: object) -> None:
+    async def _every(self, interval_s: float, step: Callable[[], Awaitable[object]], name: str) -> None:
+        backoff = Backoff(name, log, min_s=interval_s, max_s=max(interval_s, 2.0))
         while True:
             try:
-                await step()  # type: ignore[operator]
-            except RedisError as exc:
-                log.warning("%s failed: %s", getattr(step, "__name__", step), exc)
+                await step()
+            except QueueUnavailable as exc:
+                await asyncio.sleep(backoff.failed(exc))
+                continue
+            backoff.succeeded()
             await asyncio.sleep(interval_s)
 
     async def reap_once(self) -> int:
@@ -87,7 +101,7 @@ class Scheduler:
         """End the request at its edge with an error, through the stream (so resume sees it too)."""
         prior = await self.plane.read_stream(request_id)
         num_tokens = sum(len(e.token_ids) for e in prior)
-        finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code="worker_failed",
+        finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code=ErrorCode.WORKER_FAILED,
                         error_message=f"the request's worker died {attempt} times; giving up")
         event = TokenEvent(request_id, attempt + 1, len(prior), "", (), finish)
         await self.plane.fence(request_id, attempt + 1)
@@ -98,23 +112,15 @@ class Scheduler:
     async def snapshot_once(self) -> DepthSnapshot:
         now_ms = await self.plane.server_time_ms()
         pending, oldest = await self.plane.lane_depths(now_ms)
-        k = self.plane.keys
-        await self.plane.redis.zremrangebyscore(k.workers, "-inf", now_ms - 10_000)
-        workers = [w.decode() for w in await self.plane.redis.zrange(k.workers, 0, -1)]
+        fleet = self.plane.fleet
+        workers = await fleet.live_workers(now_ms, max_age_ms=_WORKER_TIMEOUT_MS)
         running = {lane: 0 for lane in pending}
-        infos = await self.plane.redis.mget([k.worker_info(w) for w in workers]) if workers else []
-        claims = {key.decode(): int(v) for key, v in (await self.plane.redis.hgetall(k.claims)).items()}
-        for raw in infos:
-            if raw:
-                for lane, n in json.loads(raw).get("running", {}).items():
-                    running[lane] = running.get(lane, 0) + int(n)
+        for report in await fleet.reports(workers):
+            for lane, n in report.running.items():
+                running[lane] = running.get(lane, 0) + n
         snapshot = DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
-                                 workers=len(workers), service_rps=self.rates.update(claims, now_ms))
-        data = encode(snapshot)
-        async with self.plane.redis.pipeline(transaction=False) as pipe:
-            pipe.set(k.depths, data, px=10_000)
-            pipe.publish(k.depth_channel, data)
-            await pipe.execute()
+                                 workers=len(workers), service_rps=self.rates.update(await fleet.claim_counts(), now_ms))
+        await fleet.publish_depths(snapshot)
         for lane, n in pending.items():
             metrics.LANE_DEPTH.labels(lane).set(n)
             metrics.LANE_OLDEST.labels(lane).set(oldest[lane] / 1000)

@@ -41,9 +41,9 @@ class System:
         self.procs[name] = proc
         return proc
 
-    def start_edge(self, name: str = "edge") -> str:
+    def start_edge(self, name: str = "edge", **env: str) -> str:
         port = free_port()
-        self.start(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{self.prefix}-{name}")
+        self.start(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{self.prefix}-{name}", **env)
         self.edge_ports[name] = port
         wait_http(f"http://127.0.0.1:{port}/healthz", 60, [self.procs[name]])
         return f"ws://127.0.0.1:{port}/v1/chat"

@@ -4,7 +4,7 @@ Real processes (scheduler, edge, one hf worker on the tiny model with two slots)
 request that is cancelled leaves its lane; a running one is aborted on the engine (cancel
 frame -> ``done`` with ``cancelled`` is measured, target 100 ms) and its slot is reused; a
 client that disconnects for good has all its requests cancelled, so the engine stops
-generating for it.
+generating for it once its resume grace (``LANES_RESUME_GRACE_S``, 1 s here) is over.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ LONG_TOKENS = 1500
 LONG_PROMPT = "Explain it all, slowly."
 #: Promise: a running request is aborted within this long (cancel frame -> done frame).
 ABORT_TARGET_S = 0.1
+#: How long a departed client's requests keep running, waiting for a resume.
+GRACE_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory)
     slots = {"LANES_MAX_LONG_SLOTS": str(NUM_SLOTS), "LANES_MAX_MEDIUM_LONG_SLOTS": str(NUM_SLOTS)}
     try:
         sys_.start("scheduler", ["scheduler"])
-        url = sys_.start_edge()
+        url = sys_.start_edge(LANES_RESUME_GRACE_S=str(GRACE_S))
         sys_.start("worker", ["worker", "--model", str(tiny_model.target), "--max-slots", str(NUM_SLOTS)],
                    LANES_WORKER_ID=f"{sys_.prefix}-worker", **slots)
         sys_.wait_workers(1)
@@ -138,8 +140,10 @@ async def test_disconnect_cancels_everything(system: tuple[System, str], rdb: re
     ids = [f"gone{i}-{uuid.uuid4().hex[:4]}" for i in range(NUM_SLOTS)]
     await start_streaming(client, ids)
     await client.close()
+    await asyncio.sleep(GRACE_S * 0.5)
+    assert all(rdb.hget(req_key(sys_, rid), "state") == b"running" for rid in ids), "still resumable in the grace"
     took = await until(lambda: all(rdb.hget(req_key(sys_, rid), "state") == b"cancelled" for rid in ids),
-                       scaled(5), "the requests to be cancelled")
+                       scaled(5), "the requests to be cancelled") + GRACE_S * 0.5
     await until(lambda: all(stream_ended(sys_, rdb, rid) for rid in ids), scaled(3), "the worker's final events")
     await asyncio.sleep(2 * 0.3)  # a heartbeat report written after the aborts
     assert engine_running(sys_, rdb) == 0, "the engine stopped generating"
@@ -147,4 +151,4 @@ async def test_disconnect_cancels_everything(system: tuple[System, str], rdb: re
     await asyncio.sleep(0.5)
     assert [rdb.xlen(f"{sys_.prefix}:{{r:{rid}}}:tok") for rid in ids] == lengths, "no tokens after the abort"
     assert all(n < LONG_TOKENS for n in lengths)
-    print(f"\ndisconnect -> requests cancelled in Redis after {took * 1000:.0f} ms")
+    print(f"\ndisconnect -> requests cancelled in Redis after {took * 1000:.0f} ms (grace {GRACE_S:.0f} s)")

@@ -107,7 +107,7 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
             return resp.status, resp.read().decode()
 
     status, body = get("/healthz")
-    assert status == 200 and json.loads(body) == {"status": "ok", "edge_id": f"{sys_.prefix}-edge"}
+    assert status == 200 and json.loads(body) == {"status": "ok", "edge_id": f"{sys_.prefix}-edge", "workers": 1}
     status, body = await asyncio.to_thread(get, "/metrics")
     assert status == 200 and "lanes_requests_total" in body
     assert "queue depth" in (await asyncio.to_thread(get, "/dashboard"))[1]

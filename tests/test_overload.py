@@ -40,8 +40,9 @@ def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         sys_.start("scheduler", ["scheduler"])
         url = start_edge(sys_, "edge", **depths)
+        # Resume grace 0: a dropped client's requests end at once (the grace has its own tests).
         slow_url = start_edge(sys_, "edge-slow", LANES_MAX_CLIENT_QUEUE_FRAMES=str(SLOW_QUEUE_FRAMES),
-                              LANES_SLOW_CLIENT_CLOSE_TIMEOUT_S=str(SLOW_CLOSE_TIMEOUT_S))
+                              LANES_SLOW_CLIENT_CLOSE_TIMEOUT_S=str(SLOW_CLOSE_TIMEOUT_S), LANES_RESUME_GRACE_S="0")
         sys_.start("worker", ["worker", "--engine", "sim", "--sim-time-scale", "10", "--max-slots", str(NUM_SLOTS)],
                    LANES_WORKER_ID=f"{sys_.prefix}-worker")
         sys_.wait_workers(1)

@@ -37,7 +37,7 @@ async def test_burst_worker_drains_every_lane(plane: QueuePlane, tiny_model) -> 
         events = await plane.read_stream(f"r{i}")
         assert [e.seq for e in events] == list(range(len(events)))
         assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens <= 6
-    assert worker.num_finished["done"] == 5
+    assert worker.table.num_finished["done"] == 5
     # Requests that ended on their own (stop) report their true length for the predictor.
     stops = [i for i in range(5) if (await plane.read_stream(f"r{i}"))[-1].finish.reason.value == "stop"]
     assert await plane.redis.llen(plane.keys.observations) == len(stops)

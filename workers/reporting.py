@@ -1,23 +1,18 @@
 """What a worker tells the rest of the system about itself: its heartbeat report (running
-per lane, tokens/s, engine stats) in Redis for the scheduler and the dashboard, engine
-gauges for Prometheus, and finished requests' true lengths for the predictor's refresh."""
+per lane, tokens/s, engine stats) for the scheduler and the dashboard, engine gauges for
+Prometheus, and finished requests' true lengths for the predictor's refresh."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from lanes.queue.messages import ChatMessage, Observation, encode
+from lanes.queue.errors import QueueUnavailable
+from lanes.queue.messages import ChatMessage, Observation, WorkerReport
 from lanes.queue.plane import QueuePlane
 from lanes.telemetry import metrics
-
-#: Newest observations kept for the predictor refresh (a capped Redis list).
-MAX_OBSERVATIONS = 5000
 
 #: Prometheus gauge -> the names engines use for that stat (they differ per engine).
 _ENGINE_GAUGES = [
@@ -38,13 +33,9 @@ class Reporter:
     async def report(self, running: dict[str, int], slots: int, finished: dict[str, int],
                      engine_stats: dict[str, Any]) -> None:
         """One heartbeat's report; it expires after three missed heartbeats."""
-        stats = {"worker": self.worker_id, "running": running, "slots": slots, "finished": finished,
-                 "tokens_per_s": self._export(engine_stats), "engine": engine_stats}
-        k = self.plane.keys
-        async with self.plane.redis.pipeline(transaction=False) as pipe:
-            pipe.set(k.worker_info(self.worker_id), json.dumps(stats, default=str), px=int(self.heartbeat_s * 3000))
-            pipe.zadd(k.workers, {self.worker_id: int(time.time() * 1000)})
-            await pipe.execute()
+        report = WorkerReport(worker=self.worker_id, running=running, slots=slots, finished=finished,
+                              tokens_per_s=self._export(engine_stats), engine=_plain(engine_stats))
+        await self.plane.fleet.report(report, int(time.time() * 1000), ttl_ms=int(self.heartbeat_s * 3000))
 
     def _export(self, engine_stats: dict[str, Any]) -> float:
         """Engine gauges to Prometheus; returns tokens/s since the previous report."""
@@ -64,12 +55,13 @@ class Reporter:
         finish hides the true length)."""
         from lanes.scheduler.predictor import prompt_text
 
-        key = self.plane.keys.observations
-        with contextlib.suppress(RedisError):
-            async with self.plane.redis.pipeline(transaction=False) as pipe:
-                pipe.lpush(key, encode(Observation(prompt_text(messages), output_tokens)))
-                pipe.ltrim(key, 0, MAX_OBSERVATIONS - 1)
-                await pipe.execute()
+        with contextlib.suppress(QueueUnavailable):
+            await self.plane.fleet.add_observation(Observation(prompt_text(messages), output_tokens))
+
+
+def _plain(stats: dict[str, Any]) -> dict[str, float | int | str | bool | None]:
+    """Engine stats as JSON scalars (anything else as its string)."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v) for k, v in stats.items()}
 
 
 def observe_decode(lane: str, first_token_at: float | None, num_tokens: int) -> None:

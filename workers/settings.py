@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from lanes.queue.settings import RedisSettings
+from lanes.scheduler.policy import SlotConfig
 
 EngineName = Literal["hf", "vllm", "trtllm", "sim"]
 SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
@@ -58,3 +59,12 @@ class WorkerSettings(RedisSettings):
     sim_time_scale: float = 1.0
     sim_profile: str = "l70-h100"
     worker_id: str = ""
+
+    def slots(self, engine_max_concurrency: int) -> SlotConfig:
+        """How this worker's slots are shared among lanes (capped by what the engine runs)."""
+        return SlotConfig(
+            max_slots=min(self.max_slots, engine_max_concurrency), max_long=self.max_long_slots,
+            max_medium_long=self.max_medium_long_slots, min_medium=self.min_medium_slots,
+            min_long=self.min_long_slots, starve_after_ms=self.starve_after_ms,
+            protect_after_ms=self.protect_after_ms, borrow_when_idle=self.borrow_when_idle,
+        )

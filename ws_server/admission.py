@@ -14,7 +14,6 @@ import time
 from collections import Counter
 
 import msgspec
-
 from lanes.queue.messages import DepthSnapshot, Lane
 from lanes.scheduler.admission import AdmissionConfig, AdmissionDecision, admit
 from lanes.ws_server.settings import EdgeSettings
@@ -49,9 +48,21 @@ class EdgeAdmission:
     def enqueued(self, lane: Lane) -> None:
         self._since[lane] += 1
 
-    def decide(self, lane: Lane, deadline_ms: int | None) -> AdmissionDecision:
+    def fresh(self) -> DepthSnapshot | None:
+        """The latest snapshot if it is recent enough to act on."""
         snap = self._snapshot
         if snap is None or (time.monotonic() - self._received_at) * 1000 > _STALE_MS:
+            return None
+        return snap
+
+    def num_workers(self) -> int | None:
+        """Live (warm) workers per the latest fresh snapshot; None when unknown (no scheduler)."""
+        snap = self.fresh()
+        return None if snap is None else snap.workers
+
+    def decide(self, lane: Lane, deadline_ms: int | None) -> AdmissionDecision:
+        snap = self.fresh()
+        if snap is None:
             return AdmissionDecision(True, 0.0)
         depth = {ln: snap.pending.get(ln.value, 0) + self._since[ln] for ln in Lane}
         rates = {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}

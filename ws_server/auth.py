@@ -16,6 +16,7 @@ Handshake refusals (HTTP status, ``lanes_errors_total{code}``)::
 
     401 unauthorized     no key, malformed ``Authorization``, unknown or revoked key
     403 forbidden_origin a browser ``Origin`` not in ``LANES_ALLOWED_ORIGINS``
+    405 method_not_allowed  anything but GET
     503 auth_unavailable Redis (the key store) did not answer
 """
 
@@ -29,15 +30,13 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
-
-from lanes.queue.keys import Keys
+from lanes.queue.errors import QueueUnavailable
+from lanes.queue.plane import QueuePlane
 from lanes.telemetry import metrics
 from lanes.ws_server.ratelimit import UNLIMITED, KeyLimits
 from lanes.ws_server.settings import EdgeSettings
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -139,23 +138,24 @@ def limits_for(record: KeyRecord | None, settings: EdgeSettings) -> KeyLimits:
     return KeyLimits(rate_per_s=float(rate), burst=int(burst), max_in_flight=int(cap))
 
 
-def _refusal(status: HTTPStatus, code: str, text: str) -> Response:
+def _refusal(status: HTTPStatus, code: str, text: str, allow: str | None = None) -> Response:
     metrics.ERRORS.labels(code).inc()
     body = f"{text}\n".encode()
     headers = Headers([("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
                        ("Cache-Control", "no-store")])
     if status is HTTPStatus.UNAUTHORIZED:
         headers["WWW-Authenticate"] = 'Bearer realm="lanes"'
+    if allow is not None:
+        headers["Allow"] = allow
     return Response(status.value, status.phrase, headers, body)
 
 
 class Gate:
     """Decides each HTTP request / handshake on the edge's port: an ``Identity`` or a refusal."""
 
-    def __init__(self, settings: EdgeSettings, client: aioredis.Redis, keys: Keys, chat_path: str) -> None:
+    def __init__(self, settings: EdgeSettings, plane: QueuePlane, chat_path: str) -> None:
         self.settings = settings
-        self.redis = client
-        self.keys = keys
+        self.plane = plane
         self.chat_path = chat_path
         self.static_hashes = parse_csv(settings.api_key_hashes, lower=True)
         self.allowed_origins = parse_csv(settings.allowed_origins, lower=True)
@@ -164,6 +164,9 @@ class Gate:
 
     async def check(self, request: Request) -> Identity | Response:
         path = request.path.split("?", 1)[0]
+        if request.method != "GET":  # every path on this port (WebSocket handshake included) is GET-only
+            return _refusal(HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed",
+                            f"{request.method} is not allowed on {path}; use GET", allow="GET")
         if path == self.chat_path and not origin_allowed(request.headers.get("Origin"), self.allowed_origins):
             return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
         needs_key = path == self.chat_path or (path in METRICS_PATHS and self.settings.protect_metrics)
@@ -175,7 +178,7 @@ class Gate:
                             "missing API key: send 'Authorization: Bearer <key>'")
         try:
             identity = await self.lookup(hash_key(key))
-        except RedisError as exc:
+        except QueueUnavailable as exc:
             log.warning("API key lookup failed: %s", exc)
             return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "auth_unavailable", "key store unavailable; retry")
         if identity is None:
@@ -186,7 +189,7 @@ class Gate:
         """The identity of a key hash: settings' static list first, then Redis."""
         if key_hash in self.static_hashes:
             return Identity(key_hash[:16], f"static:{key_hash[:8]}", limits_for(None, self.settings))
-        raw = await self.redis.get(self.keys.api_key(key_hash))
+        raw = await self.plane.fleet.api_key(key_hash)
         if raw is None:
             return None
         try:

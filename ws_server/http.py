@@ -7,8 +7,9 @@ from http import HTTPStatus
 from importlib import resources
 from typing import TYPE_CHECKING
 
+import msgspec
+from lanes.queue.errors import QueueUnavailable
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
@@ -28,35 +29,28 @@ async def http_response(edge: Edge, conn: ServerConnection, request: Request) ->
     if path == "/healthz":
         # JSON naming this edge, so a supervisor can tell its own edge from another server
         # that answers on the same port.
+        # ``workers``: warm workers per the scheduler's latest snapshot (None: no snapshot yet).
+        health = {"status": "ok", "edge_id": edge.edge_id, "workers": edge.admission.num_workers()}
         try:
-            await edge.plane.redis.ping()
-        except RedisError:
-            body = json.dumps({"status": "redis_unreachable", "edge_id": edge.edge_id}).encode()
-            return _response(HTTPStatus.SERVICE_UNAVAILABLE, body, "application/json")
-        body = json.dumps({"status": "ok", "edge_id": edge.edge_id}).encode()
-        return _response(HTTPStatus.OK, body, "application/json")
+            await edge.plane.ping()
+        except QueueUnavailable:
+            health["status"] = "redis_unreachable"
+            return _response(HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(health).encode(), "application/json")
+        return _response(HTTPStatus.OK, json.dumps(health).encode(), "application/json")
     if path == "/metrics":
         return _response(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
     if path == "/v1/depths":
         try:
-            snapshot = await edge.plane.redis.get(edge.plane.keys.depths)
-        except RedisError:
+            snapshot = await edge.plane.fleet.depths_json()
+        except QueueUnavailable:
             return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
         return _response(HTTPStatus.OK, snapshot or b"{}", "application/json")
     if path == "/v1/workers":
         try:
-            return _response(HTTPStatus.OK, await _workers_json(edge), "application/json")
-        except RedisError:
+            return _response(HTTPStatus.OK, msgspec.json.encode(await edge.plane.fleet.reports()), "application/json")
+        except QueueUnavailable:
             return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
     if path in ("/", "/dashboard"):
         page = resources.files("lanes.ws_server").joinpath("static/dashboard.html").read_bytes()
         return _response(HTTPStatus.OK, page, "text/html; charset=utf-8")
     return _response(HTTPStatus.NOT_FOUND, b"not found; the chat WebSocket is at /v1/chat\n", "text/plain")
-
-
-async def _workers_json(edge: Edge) -> bytes:
-    """Each live worker's latest report (running per lane, tokens/s, engine stats), one JSON list."""
-    k = edge.plane.keys
-    names = [w.decode() for w in await edge.plane.redis.zrange(k.workers, 0, -1)]
-    reports = await edge.plane.redis.mget([k.worker_info(w) for w in names]) if names else []
-    return b"[" + b",".join(r for r in reports if r) + b"]"

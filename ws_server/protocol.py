@@ -14,8 +14,7 @@ Errors (each carries a machine-readable ``code`` that the ``error`` frame repeat
     ├── prompt_too_long     the messages' total characters exceed ``max_prompt_chars``
     └── max_tokens_too_large  ``max_tokens`` above ``max_tokens_limit``
 
-Refusals decided elsewhere use the same frame: ``duplicate_id``, ``unknown_id``,
-``too_many_in_flight``, ``overloaded`` (with ``retry_after_ms``), ``internal``.
+Refusals decided elsewhere use the same frame; every code is one ``ErrorCode`` (``queue/errors.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
+from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import ChatMessage, FinishReason, Usage
 
 ROLES = frozenset({"system", "user", "assistant"})
@@ -36,7 +35,7 @@ _MAX_ECHO_CHARS = 40
 
 
 class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -85,24 +84,24 @@ ClientFrame = ChatFrame | CancelFrame | ResumeFrame
 def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     """Parse and validate one client frame; raises ``ProtocolError``."""
     if not isinstance(data, str):
-        raise ProtocolError("binary_frame", "binary frames are not supported; send JSON text frames")
+        raise ProtocolError(ErrorCode.BINARY_FRAME, "binary frames are not supported; send JSON text frames")
     # chars <= bytes, so this refuses the largest frames before paying for their encoding.
     if len(data) > limits.max_frame_bytes:
-        raise ProtocolError("frame_too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
+        raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"frame exceeds {limits.max_frame_bytes} bytes")
     # surrogatepass keeps lone surrogates as invalid UTF-8 for the decoder to refuse.
     raw = data.encode("utf-8", "surrogatepass")
     if len(raw) > limits.max_frame_bytes:
-        raise ProtocolError("frame_too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
+        raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"frame exceeds {limits.max_frame_bytes} bytes")
     try:
         obj = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeError) as exc:
-        raise ProtocolError("invalid_json", f"frame is not valid JSON: {exc}") from None
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"frame is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's own nesting limit is the interpreter's recursion limit
         raise _too_deep(limits) from None
     if _nesting_exceeds(raw, obj, limits.max_nesting):
         raise _too_deep(limits)
     if not isinstance(obj, dict):
-        raise ProtocolError("invalid_frame", "frame must be a JSON object")
+        raise ProtocolError(ErrorCode.INVALID_FRAME, "frame must be a JSON object")
     request_id = _optional_id(obj)
     kind = obj.get("type")
     if kind == "chat":
@@ -112,12 +111,12 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     if kind == "resume":
         return ResumeFrame(_required_id(obj, request_id), _int(obj, "last_seq", request_id, -1, 2**31, None))
     raise ProtocolError(
-        "unknown_type", f"unknown frame type {_describe(kind)}; expected chat, cancel or resume", request_id
+        ErrorCode.UNKNOWN_TYPE, f"unknown frame type {_describe(kind)}; expected chat, cancel or resume", request_id
     )
 
 
 def _too_deep(limits: Limits) -> ProtocolError:
-    return ProtocolError("invalid_json", f"frame is nested deeper than {limits.max_nesting} levels")
+    return ProtocolError(ErrorCode.INVALID_JSON, f"frame is nested deeper than {limits.max_nesting} levels")
 
 
 def _nesting_exceeds(raw: bytes, obj: object, max_nesting: int) -> bool:
@@ -151,53 +150,53 @@ def _optional_id(obj: dict[str, Any]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not _ID_RE.fullmatch(value):
-        raise ProtocolError("invalid_field", "id must be 1-128 characters of [A-Za-z0-9_.:-]")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be 1-128 characters of [A-Za-z0-9_.:-]")
     return value
 
 
 def _required_id(obj: dict[str, Any], request_id: str | None) -> str:
     if request_id is None:
-        raise ProtocolError("missing_field", "field 'id' is required")
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "field 'id' is required")
     return request_id
 
 
 def _int(obj: dict[str, Any], name: str, rid: str | None, lo: int, hi: int, default: int | None) -> int:
     value = obj.get(name, default)
     if value is None:
-        raise ProtocolError("missing_field", f"field '{name}' is required", rid)
+        raise ProtocolError(ErrorCode.MISSING_FIELD, f"field '{name}' is required", rid)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ProtocolError("invalid_field", f"field '{name}' must be an integer in [{lo}, {hi}]", rid)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"field '{name}' must be an integer in [{lo}, {hi}]", rid)
     return value
 
 
 def _float(obj: dict[str, Any], name: str, rid: str | None, lo: float, hi: float, default: float) -> float:
     value = obj.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ProtocolError("invalid_field", f"field '{name}' must be a number in [{lo}, {hi}]", rid)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"field '{name}' must be a number in [{lo}, {hi}]", rid)
     return float(value)
 
 
 def _parse_chat(obj: dict[str, Any], rid: str | None, limits: Limits) -> ChatFrame:
     raw = obj.get("messages")
     if raw is None:
-        raise ProtocolError("missing_field", "field 'messages' is required", rid)
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "field 'messages' is required", rid)
     if not isinstance(raw, list) or not raw:
-        raise ProtocolError("invalid_field", "field 'messages' must be a non-empty list", rid)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "field 'messages' must be a non-empty list", rid)
     if len(raw) > limits.max_messages:
-        raise ProtocolError("too_many_messages", f"at most {limits.max_messages} messages per request", rid)
+        raise ProtocolError(ErrorCode.TOO_MANY_MESSAGES, f"at most {limits.max_messages} messages per request", rid)
     messages = []
     for i, m in enumerate(raw):
         role = m.get("role") if isinstance(m, dict) else None
         if not isinstance(role, str) or role not in ROLES or not isinstance(m.get("content"), str):
             raise ProtocolError(
-                "invalid_field", f"messages[{i}] must be {{'role': system|user|assistant, 'content': string}}", rid
+                ErrorCode.INVALID_FIELD, f"messages[{i}] must be {{'role': system|user|assistant, 'content': string}}", rid
             )
         messages.append(ChatMessage(role, m["content"]))
     if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
-        raise ProtocolError("prompt_too_long", f"messages exceed {limits.max_prompt_chars} characters", rid)
+        raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"messages exceed {limits.max_prompt_chars} characters", rid)
     max_tokens = obj.get("max_tokens", limits.default_max_tokens)
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens_limit:
-        raise ProtocolError("max_tokens_too_large", f"max_tokens must be at most {limits.max_tokens_limit}", rid)
+        raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens must be at most {limits.max_tokens_limit}", rid)
     seed = obj.get("seed")
     deadline = obj.get("deadline_ms")
     return ChatFrame(
@@ -227,6 +226,11 @@ def accepted_frame(request_id: str, lane: str, predicted_tokens: int) -> bytes:
     return _enc.encode({"type": "accepted", "id": request_id, "lane": lane, "predicted_tokens": predicted_tokens})
 
 
+def resumed_frame(request_id: str, last_seq: int) -> bytes:
+    """A resume was taken: deltas after ``last_seq`` follow (then the terminal frame)."""
+    return _enc.encode({"type": "resumed", "id": request_id, "last_seq": last_seq})
+
+
 def delta_frame(request_id: str, seq: int, text: str) -> bytes:
     return _enc.encode({"type": "delta", "id": request_id, "seq": seq, "text": text})
 
@@ -237,7 +241,7 @@ def done_frame(request_id: str, reason: FinishReason, usage: Usage, timing: Timi
     )
 
 
-def error_frame(code: str, message: str, request_id: str | None = None, **extra: Any) -> bytes:
+def error_frame(code: ErrorCode | str, message: str, request_id: str | None = None, **extra: Any) -> bytes:
     frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
     if request_id is not None:
         frame["id"] = request_id

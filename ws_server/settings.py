@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Literal
 
 from lanes.queue.settings import RedisSettings
+from lanes.ws_server.delivery import DeliveryConfig
+from lanes.ws_server.protocol import Limits
 
 
 class EdgeSettings(RedisSettings):
@@ -22,6 +24,9 @@ class EdgeSettings(RedisSettings):
     max_client_queue_frames: int = 4096
     #: After a cancel of a running request, how long to wait for the worker's final frame.
     cancel_grace_s: float = 2.0
+    #: A client that disconnects has this long to ``resume`` (from any connection, same key)
+    #: before its requests are cancelled; 0 cancels at once.
+    resume_grace_s: float = 15.0
     #: Lane thresholds in the predictor's units (tokens). The shipped lexical predictor's
     #: outputs bunch around the mean (5-95 % within 136-500 tokens), so 200/480 give ~16 % short,
     #: ~7 % long with 0-0.9 % of truly short requests misrouted long (benchmarks/RESULTS.md).
@@ -61,3 +66,16 @@ class EdgeSettings(RedisSettings):
     #: After closing a too-slow client (4008), how long it gets to read up to the close frame
     #: before the edge drops the TCP connection (and with it the client's requests).
     slow_client_close_timeout_s: float = 5.0
+
+    def limits(self) -> Limits:
+        """The protocol parser's input limits."""
+        return Limits(max_frame_bytes=self.max_frame_bytes, max_messages=self.max_messages,
+                      max_prompt_chars=self.max_prompt_chars, max_tokens_limit=self.max_tokens_limit,
+                      default_max_tokens=self.default_max_tokens)
+
+    def delivery(self) -> DeliveryConfig:
+        """The delivery core's timers and caps. A resume re-reads the stream two heartbeats later:
+        the worker learns the new edge only at its next heartbeat."""
+        return DeliveryConfig(resume_grace_s=self.resume_grace_s, cancel_grace_s=self.cancel_grace_s,
+                              refill_after_s=2 * self.heartbeat_s + 0.1,
+                              max_in_flight_per_connection=self.max_in_flight_per_connection)

@@ -1,0 +1,67 @@
+"""Every machine-readable error code a client can see, in one ``StrEnum``, and the queue
+plane's own exception (so no module outside ``queue/`` needs to import redis).
+
+The ``error`` frame's ``code`` (WebSocket), the OpenAI-style ``error.code`` and the
+``lanes_errors_total{code}`` metric all take their values from ``ErrorCode``. Codes that travel
+through Redis (a worker's or the scheduler's ``Finish.error_code``) are plain strings of the same
+values, so an older process never fails to decode a newer code.
+
+Codes by where they arise::
+
+    client input (ws_server/protocol.py)
+    ├── binary_frame, frame_too_large, invalid_json, invalid_frame, unknown_type
+    ├── missing_field, invalid_field
+    └── too_many_messages, prompt_too_long, max_tokens_too_large
+    request bookkeeping (ws_server/delivery.py)
+    ├── duplicate_id        an id already in flight here, or still known to Redis
+    ├── unknown_id          no such request for this key (another key's ids look the same)
+    ├── too_many_in_flight  per connection or per API key
+    └── resumed_elsewhere   a resume on another connection took the request over
+    admission and limits
+    ├── overloaded          (with retry_after_ms, reason)
+    ├── rate_limited        (with retry_after_ms)
+    └── unavailable         Redis unreachable, or no worker ready (with retry_after_ms)
+    during the request (a worker, the scheduler or the edge ends it)
+    ├── prompt_too_long, bad_max_tokens, invalid_request   the engine refused it
+    ├── engine_error        the engine ended a request without finishing it
+    ├── worker_failed       its worker died max_attempts times
+    ├── request_lost        its state vanished from Redis (restart without persistence)
+    └── internal            a bug; the request was not accepted
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from redis.exceptions import RedisError
+
+
+class ErrorCode(StrEnum):
+    BINARY_FRAME = "binary_frame"
+    FRAME_TOO_LARGE = "frame_too_large"
+    INVALID_JSON = "invalid_json"
+    INVALID_FRAME = "invalid_frame"
+    UNKNOWN_TYPE = "unknown_type"
+    MISSING_FIELD = "missing_field"
+    INVALID_FIELD = "invalid_field"
+    TOO_MANY_MESSAGES = "too_many_messages"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
+    DUPLICATE_ID = "duplicate_id"
+    UNKNOWN_ID = "unknown_id"
+    TOO_MANY_IN_FLIGHT = "too_many_in_flight"
+    RESUMED_ELSEWHERE = "resumed_elsewhere"
+    OVERLOADED = "overloaded"
+    RATE_LIMITED = "rate_limited"
+    UNAVAILABLE = "unavailable"
+    BAD_MAX_TOKENS = "bad_max_tokens"
+    INVALID_REQUEST = "invalid_request"
+    ENGINE_ERROR = "engine_error"
+    WORKER_FAILED = "worker_failed"
+    REQUEST_LOST = "request_lost"
+    INTERNAL = "internal"
+
+
+#: Raised by every ``QueuePlane`` call when Redis is unreachable or refuses a command: callers
+#: catch this, never a redis-py class (it *is* redis-py's base class, re-exported).
+QueueUnavailable = RedisError

@@ -1,0 +1,119 @@
+"""Fleet state in Redis beside the request path: the worker registry and reports, lane-depth
+snapshots, observed lengths and published predictor weights, and API-key records.
+
+Every process reaches these through ``QueuePlane.fleet`` (``queue/`` is the only package that
+talks to Redis); each method is one round trip or one pipeline.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import redis.asyncio as aioredis
+from lanes.queue.keys import Keys
+from lanes.queue.messages import DepthSnapshot, Observation, WorkerReport, encode
+
+_report_decoder = msgspec.json.Decoder(WorkerReport)
+_observation_decoder = msgspec.json.Decoder(Observation)
+#: Newest observations kept for the predictor refresh (a capped list).
+MAX_OBSERVATIONS = 5000
+
+
+class Fleet:
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self.redis = client
+        self.keys = keys
+
+    # -- workers -------------------------------------------------------------------------
+
+    async def report(self, report: WorkerReport, now_ms: int, ttl_ms: int) -> None:
+        """Register a worker as alive at ``now_ms`` with its latest report (expires after ``ttl_ms``)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(k.worker_info(report.worker), encode(report), px=ttl_ms)
+            pipe.zadd(k.workers, {report.worker: now_ms})
+            await pipe.execute()
+
+    async def live_workers(self, now_ms: int, max_age_ms: int) -> list[str]:
+        """Workers heard from within ``max_age_ms`` (older entries are dropped)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(k.workers, "-inf", now_ms - max_age_ms)
+            pipe.zrange(k.workers, 0, -1)
+            _, names = await pipe.execute()
+        return [n.decode() for n in names]
+
+    async def num_workers(self) -> int:
+        """Registered workers (the scheduler drops silent ones within seconds)."""
+        return int(await self.redis.zcard(self.keys.workers))
+
+    async def reports(self, workers: list[str] | None = None) -> list[WorkerReport]:
+        """The latest report of each registered (or each given) worker; expired ones are skipped."""
+        k = self.keys
+        if workers is None:
+            workers = [w.decode() for w in await self.redis.zrange(k.workers, 0, -1)]
+        raw = await self.redis.mget([k.worker_info(w) for w in workers]) if workers else []
+        found = []
+        for item in raw:
+            if item:
+                try:
+                    found.append(_report_decoder.decode(item))
+                except msgspec.DecodeError:
+                    continue  # a foreign or older report: not worth failing the dashboard for
+        return found
+
+    async def claim_counts(self) -> dict[str, int]:
+        """Claims so far per lane (service rates derive from its growth)."""
+        return {lane.decode(): int(n) for lane, n in (await self.redis.hgetall(self.keys.claims)).items()}
+
+    # -- depth snapshots -----------------------------------------------------------------
+
+    async def publish_depths(self, snapshot: DepthSnapshot, ttl_ms: int = 10_000) -> None:
+        """Keep the newest snapshot (for ``/v1/depths``) and publish it (edges, workers)."""
+        data = encode(snapshot)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.depths, data, px=ttl_ms)
+            pipe.publish(self.keys.depth_channel, data)
+            await pipe.execute()
+
+    async def depths_json(self) -> bytes | None:
+        """The newest snapshot as stored (JSON), None when the scheduler has published none lately."""
+        return await self.redis.get(self.keys.depths)
+
+    # -- observations and the predictor --------------------------------------------------
+
+    async def add_observation(self, observation: Observation) -> None:
+        key = self.keys.observations
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.lpush(key, encode(observation))
+            pipe.ltrim(key, 0, MAX_OBSERVATIONS - 1)
+            await pipe.execute()
+
+    async def observations(self, limit: int) -> list[Observation]:
+        """The newest ``limit`` observations; malformed entries are skipped."""
+        found = []
+        for item in await self.redis.lrange(self.keys.observations, 0, limit - 1):
+            try:
+                found.append(_observation_decoder.decode(item))
+            except msgspec.DecodeError:
+                continue
+        return found
+
+    async def publish_predictor(self, weights: bytes, num_observations: int) -> int:
+        """Store refreshed predictor weights; returns their new version."""
+        k = self.keys.predictor
+        version = await self.redis.hincrby(k, "version", 1)
+        await self.redis.hset(k, mapping={"weights": weights, "observations": num_observations})
+        return int(version)
+
+    async def published_predictor(self, known_version: int) -> tuple[int, bytes] | None:
+        """``(version, weights)`` when a version newer than ``known_version`` is stored."""
+        version, weights = await self.redis.hmget(self.keys.predictor, "version", "weights")
+        if version is None or int(version) <= known_version or not weights:
+            return None
+        return int(version), weights
+
+    # -- API keys ------------------------------------------------------------------------
+
+    async def api_key(self, key_hash: str) -> bytes | None:
+        """The stored record (JSON) of a key's SHA-256, None when unknown or revoked."""
+        return await self.redis.get(self.keys.api_key(key_hash))

@@ -1,0 +1,217 @@
+"""The edge's delivery core, event by event: no event loop, no Redis, no sockets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lanes.queue.messages import Finish, FinishReason, TokenEvent, Usage
+from lanes.ws_server.delivery import (
+    CancelRequest,
+    CheckRequests,
+    Delivery,
+    DeliveryConfig,
+    Finished,
+    ReadStream,
+    Repoint,
+    Send,
+)
+
+EDGE = "edge-a"
+CONFIG = DeliveryConfig(resume_grace_s=15.0, cancel_grace_s=2.0, refill_after_s=0.7, quiet_s=3.0,
+                        max_in_flight_per_connection=4)
+
+
+def core() -> Delivery:
+    return Delivery(EDGE, CONFIG)
+
+
+def frames(actions: list[Any], conn: int | None = None) -> list[dict[str, Any]]:
+    return [json.loads(a.frame) for a in actions if isinstance(a, Send) and (conn is None or a.conn == conn)]
+
+
+def tok(rid: str, seq: int, text: str | None = None, finish: FinishReason | None = None) -> TokenEvent:
+    """Event ``seq`` of ``rid``: a token by default, an end (no text unless given) with ``finish``."""
+    end = None if finish is None else Finish(finish, Usage(3, seq + 1), queue_ms=1.0)
+    if text is None:
+        text = "" if finish is not None else f"t{seq}"
+    return TokenEvent(rid, 1, seq, text, (seq,) if text else (), end)
+
+
+def open_accepted(d: Delivery, conn: int, rid: str, key: str = "", now: float = 0.0) -> list[Any]:
+    ok, actions = d.open_chat(conn, rid, key, 0, now)
+    assert ok and actions == []
+    return d.accepted(rid, "short", 42, now)
+
+
+def test_chat_streams_in_order_and_is_forgotten_at_its_end() -> None:
+    d = core()
+    out = open_accepted(d, 1, "r")
+    out += d.tokens([tok("r", 0), tok("r", 1)], 0.1)
+    out += d.tokens([tok("r", 2, "", FinishReason.STOP)], 0.2)
+    kinds = [(f["type"], f.get("seq")) for f in frames(out)]
+    assert kinds == [("accepted", None), ("delta", 0), ("delta", 1), ("done", None)]
+    assert d.entries == {} and not d.per_conn and not d.per_key
+    assert any(isinstance(a, Finished) and a.outcome == "stop" for a in out)
+
+
+def test_tokens_that_beat_accepted_wait_for_it() -> None:
+    d = core()
+    ok, _ = d.open_chat(1, "r", "", 0, 0.0)
+    assert ok
+    early = d.tokens([tok("r", 0), tok("r", 1)], 0.01)
+    assert frames(early) == []
+    out = d.accepted("r", "long", 900, 0.02)
+    assert [f["type"] for f in frames(out)] == ["accepted", "delta", "delta"]
+
+
+def test_duplicate_is_refused_atomically_and_a_finished_id_can_be_reused() -> None:
+    d = core()
+    assert d.open_chat(1, "r", "", 0, 0.0)[0]
+    ok, out = d.open_chat(2, "r", "", 0, 0.0)
+    assert not ok and frames(out)[0]["code"] == "duplicate_id"
+    d.accepted("r", "short", 1, 0.0)
+    d.tokens([tok("r", 0, "x", FinishReason.STOP)], 0.1)
+    assert d.open_chat(3, "r", "", 0, 0.2)[0]  # Redis decides whether the id still exists
+
+
+def test_gap_asks_the_stream_and_the_fill_delivers_in_order() -> None:
+    d = core()
+    open_accepted(d, 1, "r")
+    out = d.tokens([tok("r", 0), tok("r", 3)], 0.1)
+    assert ReadStream("r", 0) in out
+    assert [f["seq"] for f in frames(out) if f["type"] == "delta"] == [0]
+    out = d.stream_read("r", [tok("r", 1), tok("r", 2), tok("r", 3)], None, 0.2)
+    assert [f["seq"] for f in frames(out)] == [1, 2, 3]
+
+
+def test_resume_from_another_key_changes_nothing() -> None:
+    d = core()
+    open_accepted(d, 1, "r", key="alice")
+    out = d.resume(9, "r", -1, "mallory", 0.1)
+    assert [(a.conn, json.loads(a.frame)["code"]) for a in out] == [(9, "unknown_id")]
+    out = d.tokens([tok("r", 0, "x", FinishReason.STOP)], 0.2)
+    assert [(a.conn, json.loads(a.frame)["type"]) for a in out if isinstance(a, Send)] == [(1, "delta"), (1, "done")]
+
+
+def test_resume_on_another_connection_takes_over_and_the_old_one_is_told() -> None:
+    d = core()
+    open_accepted(d, 1, "r", key="k")
+    d.tokens([tok("r", 0), tok("r", 1)], 0.1)
+    out = d.resume(2, "r", 0, "k", 0.2)
+    assert frames(out, 1) == [{"type": "error", "code": "resumed_elsewhere", "id": "r",
+                               "message": "request r was resumed on another connection"}]
+    assert frames(out, 2)[0] == {"type": "resumed", "id": "r", "last_seq": 0}
+    assert ReadStream("r", 0) in out
+    out = d.stream_read("r", [tok("r", 1)], None, 0.3)
+    out += d.tokens([tok("r", 2, "", FinishReason.STOP)], 0.4)
+    assert [(f["type"], f.get("seq")) for f in frames(out, 2)] == [("delta", 1), ("done", None)]
+    assert d.disconnected(1, 0.5) == [] and d.entries == {}  # the old connection closing costs nothing
+
+
+def test_disconnect_keeps_the_request_for_the_grace_then_cancels_it() -> None:
+    d = core()
+    open_accepted(d, 1, "r", key="k")
+    assert d.disconnected(1, 1.0) == []
+    assert d.tokens([tok("r", 0)], 2.0) == []  # nobody to send to
+    assert not any(isinstance(a, CancelRequest) for a in d.tick(15.9))
+    out = d.tick(16.1)
+    assert CancelRequest("r") in out and any(isinstance(a, Finished) and a.outcome == "disconnected" for a in out)
+    assert d.entries == {} and not d.per_key
+
+
+def test_resume_within_the_grace_gets_the_rest_from_the_stream() -> None:
+    d = core()
+    open_accepted(d, 1, "r", key="k")
+    d.tokens([tok("r", 0)], 0.1)
+    d.disconnected(1, 0.2)
+    d.tokens([tok("r", 1), tok("r", 2)], 0.3)
+    out = d.resume(5, "r", 0, "k", 3.0)
+    assert frames(out, 5)[0]["type"] == "resumed" and ReadStream("r", 0) in out
+    out = d.stream_read("r", [tok("r", 1), tok("r", 2)], None, 3.1)
+    assert [f["seq"] for f in frames(out, 5)] == [1, 2]
+    assert d.tick(30.0) == [] or all(not isinstance(a, CancelRequest) for a in d.tick(30.0))
+
+
+def test_resume_past_the_end_ends_with_done_instead_of_waiting() -> None:
+    d = core()
+    open_accepted(d, 1, "r", key="k")
+    d.tokens([tok("r", 0), tok("r", 1)], 0.1)
+    d.resume(2, "r", 50, "k", 0.2)
+    out = d.tokens([tok("r", 2, "", FinishReason.STOP)], 0.3)
+    assert [f["type"] for f in frames(out, 2)] == ["done"]
+
+
+def test_resume_of_a_request_this_edge_does_not_know() -> None:
+    d = core()
+    assert d.resume(1, "r", 3, "k", 0.0) == [Repoint("r", "k")]
+    out = d.repointed("r", "done", 0.1)
+    assert frames(out)[0] == {"type": "resumed", "id": "r", "last_seq": 3}
+    assert ReadStream("r", 3, with_last=True) in out
+    out = d.stream_read("r", [], tok("r", 3, "", FinishReason.STOP), 0.2)
+    assert [f["type"] for f in frames(out)] == ["done"] and d.entries == {}
+    d.resume(1, "gone", -1, "k", 0.3)
+    assert frames(d.repointed("gone", None, 0.4))[0]["code"] == "unknown_id"
+
+
+def test_a_running_resume_rereads_the_stream_after_the_worker_repoints() -> None:
+    d = core()
+    d.resume(1, "r", -1, "k", 0.0)
+    d.repointed("r", "running", 0.0)
+    d.stream_read("r", [tok("r", 0)], None, 0.1)
+    assert ReadStream("r", 0) in d.tick(0.8)
+
+
+def test_cancel_before_accepted_waits_for_accepted() -> None:
+    d = core()
+    d.open_chat(1, "r", "", 0, 0.0)
+    assert d.cancel(1, "r", 0.0) == []
+    out = d.accepted("r", "short", 1, 0.1)
+    assert [f["type"] for f in frames(out)] == ["accepted"] and CancelRequest("r", report=True) in out
+    out = d.cancel_result("r", "queued", 0.2)
+    assert frames(out)[0]["finish_reason"] == "cancelled"
+
+
+def test_cancel_of_a_running_request_ends_locally_if_the_worker_is_silent() -> None:
+    d = core()
+    open_accepted(d, 1, "r")
+    assert d.cancel(1, "r", 0.0) == [CancelRequest("r", report=True)]
+    assert d.cancel_result("r", "running", 0.1) == []
+    out = d.tick(2.2)
+    assert frames(out)[0]["finish_reason"] == "cancelled"
+    assert frames(d.cancel(2, "x", 3.0))[0]["code"] == "unknown_id"
+
+
+def test_quiet_requests_are_checked_lost_or_moved() -> None:
+    d = core()
+    open_accepted(d, 1, "a")
+    open_accepted(d, 1, "b")
+    open_accepted(d, 1, "c")
+    out = d.tick(3.5)
+    assert CheckRequests(("a", "b", "c")) in out
+    assert not any(isinstance(a, CheckRequests) for a in d.tick(3.6))  # one check at a time
+    out = d.checked({"a": None, "b": ("edge-z", "running"), "c": (EDGE, "running")}, 3.7)
+    codes = {f["id"]: f.get("code") for f in frames(out)}
+    assert codes == {"a": "request_lost", "b": "resumed_elsewhere"}
+    assert ReadStream("c", -1) in out and set(d.entries) == {"c"}
+
+
+def test_caps_per_connection_and_per_key() -> None:
+    d = core()
+    for i in range(4):
+        assert d.open_chat(1, f"r{i}", "", 0, 0.0)[0]
+    ok, out = d.open_chat(1, "r4", "", 0, 0.0)
+    assert not ok and frames(out)[0]["code"] == "too_many_in_flight"
+    assert d.open_chat(2, "k0", "key", 2, 0.0)[0] and d.open_chat(3, "k1", "key", 2, 0.0)[0]
+    ok, out = d.open_chat(4, "k2", "key", 2, 0.0)
+    assert not ok and "API key" in frames(out)[0]["message"]
+
+
+def test_nothing_is_left_behind_after_many_requests() -> None:
+    d = core()
+    for i in range(2000):
+        conn = i  # a new connection per request, as the memory benchmark does
+        open_accepted(d, conn, f"r{i}", key="k")
+        d.tokens([tok(f"r{i}", 0, "", FinishReason.STOP)], float(i))
+        d.disconnected(conn, float(i))
+    assert d.entries == {} and not d.per_conn and not d.per_key

@@ -1,0 +1,227 @@
+"""The edge's request bookkeeping with real processes (issue 8's six defects).
+
+One scheduler, one edge with API keys on (two static keys, fleet-wide rate limits so a Redis
+call sits between the duplicate check and the enqueue), and one sim worker whose answers take a
+few seconds, so requests are still running when connections drop, resume and race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import websockets
+
+from conftest import scaled
+from e2e_support import Client, System
+from lanes.ws_server.auth import generate_key, hash_key
+
+pytestmark = pytest.mark.e2e
+
+ALICE, BOB = generate_key(), generate_key()
+GRACE_S = 3.0
+#: The sim engine at real time: about 30 ms a token, so 120 tokens run ~4 s.
+LONG_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
+    sys_ = System(redis_url, f"bk{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("bookkeeping-logs"))
+    try:
+        sys_.start("scheduler", ["scheduler"])
+        url = sys_.start_edge(LANES_API_KEY_HASHES=f"{hash_key(ALICE)},{hash_key(BOB)}",
+                              LANES_RATE_LIMIT_SCOPE="fleet", LANES_KEY_RATE_PER_S="1000", LANES_KEY_BURST="1000",
+                              LANES_RESUME_GRACE_S=str(GRACE_S))
+        sys_.start("worker", ["worker", "--engine", "sim", "--max-slots", "16"], LANES_WORKER_ID=f"{sys_.prefix}-w")
+        sys_.wait_workers(1)
+        yield sys_, url
+    finally:
+        sys_.stop()
+
+
+async def connect(url: str, key: str) -> Client:
+    return Client(await websockets.connect(url, max_size=None, additional_headers={"Authorization": f"Bearer {key}"}))
+
+
+async def first_frame(client: Client, rid: str, timeout_s: float = 10) -> dict:
+    async def wait() -> dict:
+        while not client.frames[rid]:
+            await asyncio.sleep(0.005)
+        return client.frames[rid][0]
+
+    return await asyncio.wait_for(wait(), scaled(timeout_s))
+
+
+async def streaming(client: Client, rid: str, num_deltas: int = 3) -> None:
+    async def wait() -> None:
+        while len(client.deltas(rid)) < num_deltas:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(wait(), scaled(30))
+
+
+def contiguous(*clients_and_ids: tuple[Client, str]) -> list[int]:
+    return [f["seq"] for client, rid in clients_and_ids for f in client.deltas(rid)]
+
+
+def edge_in_flight(sys_: System) -> float:
+    request = urllib.request.Request(f"http://127.0.0.1:{sys_.edge_ports['edge']}/metrics",
+                                     headers={"Authorization": f"Bearer {ALICE}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("lanes_edge_in_flight "):
+                return float(line.split()[1])
+    raise AssertionError("no lanes_edge_in_flight")
+
+
+async def test_a_finished_request_leaves_nothing_behind(system: tuple[System, str]) -> None:
+    """Defect 1: the id of a finished request is no longer 'in flight' on a new connection, and
+    the edge's in-flight count returns to zero."""
+    sys_, url = system
+    rid = f"once-{uuid.uuid4().hex[:6]}"
+    first = await connect(url, ALICE)
+    await first.chat(rid, "Say hi.", max_tokens=5)
+    assert (await first.wait(rid, scaled(30)))["type"] == "done"
+    await first.close()
+    second = await connect(url, ALICE)
+    await second.chat(rid, "Say hi again.", max_tokens=5)
+    refusal = await second.wait(rid, scaled(10))
+    assert refusal["code"] == "duplicate_id" and "already exists (done)" in refusal["message"], refusal
+    await second.send({"type": "resume", "id": rid, "last_seq": -1})  # the way back to a finished answer
+
+    async def replayed() -> None:
+        while not any(f["type"] == "done" for f in second.frames[rid]):
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(replayed(), scaled(10))
+    assert [f["type"] for f in second.frames[rid]][1] == "resumed"
+    assert second.text(rid) == first.text(rid)
+    await second.close()
+    await asyncio.sleep(0.3)
+    assert edge_in_flight(sys_) == 0
+
+
+async def test_another_keys_resume_disturbs_nothing(system: tuple[System, str]) -> None:
+    """Defect 2: a resume with another key is answered unknown_id and the owner keeps its stream."""
+    _, url = system
+    rid = f"mine-{uuid.uuid4().hex[:6]}"
+    owner, intruder = await connect(url, ALICE), await connect(url, BOB)
+    await owner.chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
+    await streaming(owner, rid)
+    await intruder.send({"type": "resume", "id": rid, "last_seq": -1})
+    assert (await intruder.wait(rid, scaled(10)))["code"] == "unknown_id"
+    done = await owner.wait(rid, scaled(60))
+    assert done["type"] == "done", done
+    assert contiguous((owner, rid)) == list(range(done["usage"]["completion_tokens"]))
+    assert [f["type"] for f in intruder.frames[rid]] == ["error"]
+    await owner.close()
+    await intruder.close()
+
+
+async def test_two_connections_racing_on_one_id(system: tuple[System, str]) -> None:
+    """Defect 3: the same id sent at once from two connections (a Redis call between the
+    duplicate check and the enqueue): one is served to the end, the other refused; no stall."""
+    _, url = system
+    for _ in range(5):
+        rid = f"race-{uuid.uuid4().hex[:6]}"
+        a, b = await connect(url, ALICE), await connect(url, ALICE)
+        await asyncio.gather(a.chat(rid, "Race.", max_tokens=8), b.chat(rid, "Race.", max_tokens=8))
+        ends = await asyncio.gather(a.wait(rid, scaled(30)), b.wait(rid, scaled(30)))
+        assert sorted(e["type"] for e in ends) == ["done", "error"], ends
+        assert next(e for e in ends if e["type"] == "error")["code"] == "duplicate_id"
+        winner = a if ends[0]["type"] == "done" else b
+        assert winner.frames[rid][0]["type"] == "accepted"
+        await a.close()
+        await b.close()
+
+
+async def test_resume_on_a_new_connection_while_the_old_one_lingers(system: tuple[System, str]) -> None:
+    """Defect 4a: the new connection gets the answer; the old one is told resumed_elsewhere, and
+    its late close takes nothing away."""
+    _, url = system
+    rid = f"move-{uuid.uuid4().hex[:6]}"
+    old = await connect(url, ALICE)
+    await old.chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
+    await streaming(old, rid)
+    new = await connect(url, ALICE)
+    last = old.deltas(rid)[-1]["seq"]
+    await new.send({"type": "resume", "id": rid, "last_seq": last})
+    assert (await old.wait(rid, scaled(10)))["code"] == "resumed_elsewhere"
+    await old.close()  # the half-dead connection finally goes
+    done = await new.wait(rid, scaled(60))
+    assert done["type"] == "done", done
+    seqs = [f["seq"] for f in old.deltas(rid) if f["seq"] <= last] + contiguous((new, rid))
+    assert seqs == list(range(done["usage"]["completion_tokens"]))
+    await new.close()
+
+
+async def test_a_dropped_connection_can_resume_within_the_grace(system: tuple[System, str]) -> None:
+    """Defect 4b: a phone that changes networks keeps its answers."""
+    _, url = system
+    rid = f"phone-{uuid.uuid4().hex[:6]}"
+    first = await connect(url, ALICE)
+    await first.chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
+    await streaming(first, rid)
+    first.ws.transport.abort()  # no close handshake: the network went away
+    await asyncio.sleep(GRACE_S / 3)
+    second = await connect(url, ALICE)
+    last = first.deltas(rid)[-1]["seq"]
+    await second.send({"type": "resume", "id": rid, "last_seq": last})
+    done = await second.wait(rid, scaled(60))
+    assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), done
+    assert contiguous((first, rid), (second, rid)) == list(range(done["usage"]["completion_tokens"]))
+    await second.close()
+
+
+async def test_resume_past_the_end_of_a_running_request_ends_with_done(system: tuple[System, str]) -> None:
+    """Defect 4c: ``last_seq`` past the current end waits for the end instead of hanging."""
+    _, url = system
+    rid = f"ahead-{uuid.uuid4().hex[:6]}"
+    first = await connect(url, ALICE)
+    await first.chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
+    await streaming(first, rid)
+    second = await connect(url, ALICE)
+    await second.send({"type": "resume", "id": rid, "last_seq": 10_000})
+    done = await second.wait(rid, scaled(60))
+    assert done["type"] == "done" and second.deltas(rid) == [], second.frames[rid]
+    await first.close()
+    await second.close()
+
+
+async def test_accepted_comes_first_under_a_burst(system: tuple[System, str]) -> None:
+    """Defect 5: under load no delta (or done) overtakes its request's ``accepted``. A worker
+    1000x faster than real time answers while the edge is still busy enqueueing the burst."""
+    sys_, url = system
+    sys_.start("fast-worker", ["worker", "--engine", "sim", "--sim-time-scale", "1000", "--max-slots", "64"],
+               LANES_WORKER_ID=f"{sys_.prefix}-fast")
+    sys_.wait_workers(2)
+    try:
+        clients = [await connect(url, key) for key in (ALICE, BOB) for _ in range(8)]
+        ids = [(c, f"burst{i}-{j}-{uuid.uuid4().hex[:4]}") for i, c in enumerate(clients) for j in range(20)]
+        await asyncio.gather(*(c.chat(rid, "Quick one.", max_tokens=3) for c, rid in ids))
+        ends = await asyncio.gather(*(c.wait(rid, scaled(60)) for c, rid in ids))
+        for (client, rid), end in zip(ids, ends):
+            kinds = [f["type"] for f in client.frames[rid]]
+            if end["type"] == "done":
+                assert kinds[0] == "accepted" and kinds[-1] == "done" and kinds.count("done") == 1, (rid, kinds)
+            else:
+                assert kinds == ["error"], (rid, kinds)
+        for client in clients:
+            await client.close()
+    finally:
+        sys_.kill("fast-worker", 15)
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+def test_http_paths_refuse_other_methods(system: tuple[System, str], method: str) -> None:
+    """Defect 6: plain-HTTP paths answer 405 to methods they do not serve."""
+    sys_, _ = system
+    for path in ("/dashboard", "/healthz", "/metrics"):
+        request = urllib.request.Request(f"http://127.0.0.1:{sys_.edge_ports['edge']}{path}", method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=5)
+        assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET"
