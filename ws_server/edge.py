@@ -316,6 +316,7 @@ class Edge:
             max_size=self.limits.max_frame_bytes * 4,  # beyond this, close 1009; below, an error frame
             process_request=self.process_request, ping_interval=20, ping_timeout=20,
             close_timeout=2,  # at shutdown, do not wait 10 s per client for the close handshake
+            compression="deflate" if self.settings.ws_compression else None,
         ) as server:
             self.port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
             log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port, CHAT_PATH)

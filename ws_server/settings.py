@@ -63,6 +63,11 @@ class EdgeSettings(RedisSettings):
     #: to 4 MiB on a fast link, so a client that stops reading would hold ~80k frames in the
     #: kernel before the edge's queue (``max_client_queue_frames``) ever filled.
     client_send_buffer_bytes: int = 64 * 1024
+    #: Offer permessage-deflate. Off by default: token frames are ~60-byte JSON that deflate
+    #: barely shrinks, while each compressed connection costs ~300 KB of zlib state (memory
+    #: that fragments: 4.8 KB of RSS left per finished connection with it, 0.4 KB without)
+    #: and about a fifth of the edge's CPU per token (benchmarks/RESULTS.md).
+    ws_compression: bool = False
     #: After closing a too-slow client (4008), how long it gets to read up to the close frame
     #: before the edge drops the TCP connection (and with it the client's requests).
     slow_client_close_timeout_s: float = 5.0
