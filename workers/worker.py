@@ -26,7 +26,7 @@ from lanes.queue.plane import Claim, QueuePlane, connect
 from lanes.scheduler.policy import SlotConfig, lanes_to_pop
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, inject_context, tracer
-from lanes.workers.engines.base import Engine, EngineDead, EngineRequest, RequestRejected
+from lanes.workers.engines.base import Engine, EngineBusy, EngineDead, EngineRequest, RequestRejected
 from lanes.workers.publisher import Outgoing, Publisher
 from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.settings import WorkerSettings
@@ -34,6 +34,7 @@ from lanes.workers.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 _ABORT_GRACE_S = 1.0
+_BUSY_PAUSE_S = 0.2
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
 
@@ -235,6 +236,11 @@ class Worker:
         except EngineDead as exc:
             if not self._fatal.done():
                 self._fatal.set_exception(exc)
+        except EngineBusy as exc:
+            # The engine's own queue is full: transient, so no final error. ``finally`` hands
+            # the request back to its lane; the pause keeps this slot from re-claiming it at once.
+            log.info("engine busy (%s); handing %s back to its lane", exc, run.id)
+            await asyncio.sleep(_BUSY_PAUSE_S)
         finally:
             self.runs.pop(run.id, None)
             metrics.RUNNING.labels(run.lane.value).dec()
