@@ -190,6 +190,8 @@ class TrtllmEngine:
         self._sampling_names: frozenset[str] = frozenset()
         self.max_seq_len: int | None = None
         self._spec = SpecCounters()
+        #: Optional config objects the installed release lacks or rejects (left out at start).
+        self.dropped_args: list[str] = []
 
     async def start(self) -> None:
         import tensorrt_llm
@@ -197,7 +199,9 @@ class TrtllmEngine:
 
         try:
             # Inside the try: a release may reject one of the config objects.
-            kwargs = build_llm_kwargs(trtllm_llm_kwargs(self.settings), llmapi)
+            wanted = trtllm_llm_kwargs(self.settings)
+            kwargs = build_llm_kwargs(wanted, llmapi)
+            self.dropped_args = sorted(set(wanted) - set(kwargs))
             # Loading builds CUDA graphs and warms up for tens of seconds: off the event loop.
             self._llm = await asyncio.to_thread(lambda: tensorrt_llm.LLM(**kwargs))
         except ConfigError:

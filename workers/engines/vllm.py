@@ -167,6 +167,8 @@ class VllmEngine:
         self._relays: dict[str, DeltaRelay] = {}
         self._scheduler_stats: Any = None
         self._spec = SpecCounters()
+        #: Engine arguments the installed vLLM lacks (dropped at start, with a warning).
+        self.dropped_args: list[str] = []
 
     async def start(self) -> None:
         from vllm import SamplingParams, TokensPrompt  # noqa: F401 - fail early if missing
@@ -175,6 +177,7 @@ class VllmEngine:
 
         kwargs, dropped = filter_supported(vllm_engine_kwargs(self.settings),
                                            supported_names(AsyncEngineArgs))
+        self.dropped_args = dropped
         if dropped:
             log.warning("this vLLM release lacks engine args %s; running without them", dropped)
         try:
@@ -221,8 +224,9 @@ class VllmEngine:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        if self._engine is None:
-            raise EngineDead("vLLM engine is not started")
+        # ``AsyncLLM.errored``: the engine core died or the output handler stopped (shutdown).
+        if self._engine is None or getattr(self._engine, "errored", False):
+            raise EngineDead("vLLM engine is not running")
         prompt_ids = self._prompt_ids(request)
         if remaining_tokens(request) == 0:  # a resumed request that had already finished
             yield EngineDelta((), "", FinishReason.LENGTH, len(prompt_ids))
@@ -255,6 +259,8 @@ class VllmEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if self._engine is None or getattr(self._engine, "errored", False):
+                raise EngineDead(f"vLLM engine is not running ({type(exc).__name__})") from exc
             raise error_from_exception(exc) from exc
 
     async def abort(self, request_id: str) -> None:
