@@ -225,7 +225,7 @@ class Cluster:
             beats = self.query(lambda plane: plane.worker_heartbeats(list(ids.values())))
         except (RedisError, OSError, asyncio.TimeoutError):
             return []
-        return [n for n in names if beats.get(ids[n], 0) >= self.children[n].started_at_ms - 1000]
+        return [n for n in names if beats.get(ids[n], 0) >= self.children[n].started_at_ms]
 
     def wait_workers(self, count: int, timeout_s: float = 120) -> None:
         """Until ``count`` of our workers are warm (``warm_workers``); ``ChildExited`` if a
