@@ -61,11 +61,13 @@ class Up:
             self._log.close()
 
     def kill(self) -> None:
+        children = self.children()  # before the parent goes: orphans have no parent to ask
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for child in self.children():
-            child.kill()
+        for child in children:
+            if child.is_running():
+                child.kill()
 
 
 @pytest.fixture
