@@ -5,7 +5,8 @@ One run measures, with the same tiny model (``build_tiny``) and the same engine 
 - **baseline**: ``HFEngine.generate`` called in this process; TTFT is the call to the first
   delta that carries tokens.
 - **lanes**: real ``lanes scheduler``, ``lanes edge`` and ``lanes worker`` processes on an
-  embedded redis-server; one WebSocket client sends chat requests. Per request it records the
+  embedded redis-server, started by the process harness (``lanes.cli.cluster``); one WebSocket
+  client sends chat requests. Per request it records the
   client's send -> first ``delta`` frame and send -> ``accepted`` frame, and from the ``done``
   frame the edge's own ``timing.ttft_ms`` (route created -> delta queued for the socket; the
   length prediction before it is not included) and ``timing.queue_ms`` (enqueue -> claim,
@@ -30,22 +31,19 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from lanes.queue.embedded import EmbeddedRedis, free_port
-from lanes.queue.keys import Keys
+from lanes.cli.cluster import Cluster
 from lanes.queue.messages import ChatMessage
 from lanes.workers.engines.base import Engine, EngineRequest
 
@@ -78,75 +76,6 @@ class Round:
 class Phase:
     engine: str
     rounds: list[Round] = field(default_factory=list)
-
-
-# -- processes ----------------------------------------------------------------------------
-
-
-@dataclass
-class Cluster:
-    """The real lanes processes, started as ``python -m lanes.cli.main <role>``."""
-
-    redis_url: str
-    log_dir: Path
-    prefix: str = field(default_factory=lambda: f"bench{uuid.uuid4().hex[:6]}")
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, name: str, args: list[str], **env: str) -> None:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it)
-        full_env = {**os.environ, "LANES_REDIS_URL": self.redis_url, "LANES_KEY_PREFIX": self.prefix,
-                    "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", *args], env=full_env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-
-    def start_edge(self) -> str:
-        port = free_port()
-        self.start("edge", ["edge", "--port", str(port), "--host", "127.0.0.1"], LANES_EDGE_ID=f"{self.prefix}-edge")
-        self._wait(lambda: _port_open(port), "edge", 60)
-        return f"ws://127.0.0.1:{port}/v1/chat"
-
-    def start_worker(self, name: str, args: list[str]) -> None:
-        worker_id = f"{self.prefix}-{name}"
-        self.start(name, ["worker", *args], LANES_WORKER_ID=worker_id)
-        client = redis.Redis.from_url(self.redis_url)
-        key = Keys(self.prefix).worker_info(worker_id)
-        try:
-            self._wait(lambda: bool(client.exists(key)), name, 180)
-        finally:
-            client.close()
-
-    def stop_one(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def stop(self) -> None:
-        for name in list(self.procs):
-            self.stop_one(name)
-
-    def pid(self, name: str) -> int:
-        return self.procs[name].pid
-
-    def _wait(self, ready: Callable[[], bool], name: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if self.procs[name].poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text()[-3000:]
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not ready within {timeout_s} s")
-            time.sleep(0.1)
-
-
-def _port_open(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 # -- one request each way -----------------------------------------------------------------
@@ -305,26 +234,25 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-async def measure(args: argparse.Namespace, work_dir: Path, redis_url: str) -> list[Phase]:
+async def measure(args: argparse.Namespace, work_dir: Path) -> list[Phase]:
     from lanes.workers.models.tiny import build_tiny
 
     deadline = time.monotonic() + args.deadline_s
     model_dir = build_tiny(work_dir / "tiny").target
-    cluster = Cluster(redis_url, work_dir)
     phases = []
-    try:
-        cluster.start("scheduler", ["scheduler"])
-        url = cluster.start_edge()
-        cluster.start_worker("worker-hf", hf_worker_args(model_dir))
-        print(f"edge pid {cluster.pid('edge')}, hf worker pid {cluster.pid('worker-hf')}, logs {work_dir}",
-              file=sys.stderr)
+    with Cluster.embedded(f"bench{uuid.uuid4().hex[:6]}", work_dir) as cluster:
+        cluster.start_scheduler()
+        url = cluster.start_edge("edge")
+        cluster.start_worker("worker-hf", "", *hf_worker_args(model_dir))
+        cluster.wait_workers(1, timeout_s=180)
+        print(f"edge pid {cluster.procs['edge'].pid}, hf worker pid {cluster.procs['worker-hf'].pid}, "
+              f"logs {work_dir}", file=sys.stderr)
         phases.append(await run_phase("hf", hf_engine(model_dir), url, args, deadline))
-        cluster.stop_one("worker-hf")
+        cluster.stop(names=["worker-hf"])
         if args.sim:
-            cluster.start_worker("worker-sim", sim_worker_args())
+            cluster.start_worker("worker-sim", "", *sim_worker_args())
+            cluster.wait_workers(1, timeout_s=180)
             phases.append(await run_phase("sim", sim_engine(), url, args, deadline))
-    finally:
-        cluster.stop()
     return phases
 
 
@@ -346,8 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work_dir = Path(tempfile.mkdtemp(prefix="lanes-edge-bench-"))
-    with EmbeddedRedis() as server:
-        phases = asyncio.run(measure(args, work_dir, server.url))
+    phases = asyncio.run(measure(args, work_dir))
     summaries = [summarize(p) for p in phases]
     if args.json:
         print(json.dumps({"max_tokens": args.max_tokens, "warmup": args.warmup, "cpus": os.cpu_count(),

@@ -10,6 +10,8 @@ import uuid
 
 import websockets
 
+from lanes.cli.failures import Failure
+
 
 async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: object = sys.stdout) -> dict:
     """Send one chat request; stream text to ``out``; return the ``done`` (or ``error``) frame."""
@@ -29,11 +31,27 @@ async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: 
             elif msg["type"] in ("done", "error"):
                 msg["client_total_ms"] = (time.perf_counter() - sent) * 1000
                 return msg
-    raise ConnectionError("connection closed before the answer finished")
+    raise Failure(f"the edge at {url} closed the connection before the answer finished")
+
+
+def _connect_failure(url: str, exc: BaseException) -> Failure:
+    if isinstance(exc, websockets.InvalidURI):
+        return Failure(f"{url} is not a WebSocket URL (--url): use ws://HOST:PORT/v1/chat")
+    if isinstance(exc, websockets.InvalidStatus):
+        return Failure(f"{url} answered HTTP {exc.response.status_code} instead of a WebSocket "
+                       "(--url): is the path /v1/chat, and is your API key set?")
+    reason = "connection refused" if isinstance(exc, ConnectionRefusedError) else (str(exc) or type(exc).__name__)
+    return Failure(f"cannot connect to {url}: {reason}; is `lanes up` (or `lanes edge`) running "
+                   "there? (--url)")
 
 
 def run_chat(url: str, prompt: str, max_tokens: int, temperature: float) -> int:
-    result = asyncio.run(chat(url, prompt, max_tokens, temperature))
+    try:
+        result = asyncio.run(chat(url, prompt, max_tokens, temperature))
+    except (OSError, asyncio.TimeoutError, websockets.InvalidURI, websockets.InvalidHandshake) as exc:
+        raise _connect_failure(url, exc) from None
+    except websockets.ConnectionClosed as exc:
+        raise Failure(f"the edge at {url} closed the connection ({exc})") from None
     print()
     if result["type"] == "error":
         print(f"error: {result['code']}: {result['message']}", file=sys.stderr)

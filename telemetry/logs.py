@@ -10,5 +10,7 @@ def setup_logging(level: str, process: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("transformers", "httpx", "websockets.server"):
+    # transformers' continuous batching logs its cache sizing and thread life at INFO under a
+    # logger of its own; ``lanes up`` shows every child's output, so keep it to warnings.
+    for noisy in ("transformers", "httpx", "websockets.server", "ContinuousBatchingLogger"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,5 +1,6 @@
-"""Shared fixtures: a real redis-server on a random loopback port, the tiny model, and a
-queue plane under a key prefix of its own per test (so tests never see each other's keys).
+"""Shared fixtures: a real redis-server on a random loopback port, the tiny model, a queue
+plane under a key prefix of its own per test (so tests never see each other's keys), and
+``make_cluster``: real lanes processes through the one process harness (``lanes.cli.cluster``).
 
 Timing-sensitive waits scale by ``LANES_TEST_TIME_SCALE`` (default 1; raise it on slow CI).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,43 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):  # -> TinyModelPaths
     from lanes.workers.models.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def make_cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+                 request: pytest.FixtureRequest) -> Iterator[Callable[..., object]]:
+    """A factory of running clusters (``e2e_support.System``: the harness with fast fail-over),
+    each under a key prefix of its own, all stopped when the module's tests are done.
+
+    ``make_cluster(workers=1, edges=1, env={...})`` starts a scheduler, ``edges`` edges (named
+    ``edge``, or ``edge_a``, ``edge_b``... when several) and ``workers`` workers (``worker``, or
+    ``worker-0``...) on the tiny model unless ``worker_args`` say otherwise, and returns once
+    every edge answers and every worker is warm. ``env`` (``LANES_*``) goes to every process.
+    """
+    from e2e_support import System
+
+    made: list[System] = []
+
+    def make(workers: int = 0, edges: int = 1, env: dict[str, str] | None = None, *,
+             worker_args: Sequence[str] = (), scheduler: bool = True, redis: str | None = None) -> System:
+        cluster = System(redis or redis_url, f"c{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("cluster-logs"))
+        cluster.base_env.update(env or {})
+        made.append(cluster)
+        if scheduler:
+            cluster.start_scheduler()
+        for i in range(edges):
+            cluster.start_edge("edge" if edges == 1 else f"edge_{chr(ord('a') + i)}", timeout_s=scaled(60))
+        given = "--model" in worker_args or "sim" in worker_args  # sim needs no model
+        model = "" if given or not workers else str(request.getfixturevalue("tiny_model").target)
+        for i in range(workers):
+            cluster.start_worker("worker" if workers == 1 else f"worker-{i}", model, *worker_args)
+        if workers:
+            cluster.wait_workers(workers, timeout_s=scaled(120))
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()
 
 
 @dataclass(frozen=True)

@@ -1,77 +1,31 @@
-"""Start the real processes (scheduler, edges, workers) for end-to-end tests, and a small
-WebSocket client that collects frames per request id."""
+"""The end-to-end tests' side of the process harness (``lanes.cli.cluster``) and a small
+WebSocket client that collects frames per request id.
+
+``System`` is the harness ``Cluster`` with the tests' fast fail-over settings (short leases and
+heartbeats); new tests get one from the ``make_cluster`` fixture (``conftest.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import redis
 import websockets
 
-from lanes.cli.procs import stop_all, wait_http
-from lanes.queue.embedded import free_port
+from lanes.cli.cluster import FAST_FAILOVER_ENV, ChildExited, Cluster, wait_http
+
+__all__ = ["ChildExited", "Client", "System", "wait_http"]
 
 
 @dataclass
-class System:
-    redis_url: str
-    prefix: str
-    log_dir: Path
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    edge_ports: dict[str, int] = field(default_factory=dict)
+class System(Cluster):
+    """A ``Cluster`` whose children fail over fast (``FAST_FAILOVER_ENV``)."""
 
-    def env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, "LANES_REDIS_URL": self.redis_url, "LANES_KEY_PREFIX": self.prefix,
-                "HF_HUB_OFFLINE": "1", "LANES_LEASE_MS": "1500", "LANES_HEARTBEAT_S": "0.3",
-                "LANES_START_TIMEOUT_MS": "1500", **extra}
-
-    def start(self, name: str, args: list[str], **env: str) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", *args], env=self.env(**env),
-                                stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = proc
-        return proc
-
-    def start_edge(self, name: str = "edge", **env: str) -> str:
-        port = free_port()
-        self.start(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{self.prefix}-{name}", **env)
-        self.edge_ports[name] = port
-        wait_http(f"http://127.0.0.1:{port}/healthz", 60, [self.procs[name]])
-        return f"ws://127.0.0.1:{port}/v1/chat"
-
-    def start_worker(self, name: str, model: str, *extra: str) -> None:
-        self.start(name, ["worker", "--model", model, *extra], LANES_WORKER_ID=f"{self.prefix}-{name}")
-
-    def wait_workers(self, count: int, timeout_s: float = 120) -> None:
-        client = redis.Redis.from_url(self.redis_url)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while client.zcard(f"{self.prefix}:{{q}}:workers") < count:
-                for name, proc in self.procs.items():
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"{name} exited: {(self.log_dir / f'{name}.log').read_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("workers did not register")
-                time.sleep(0.2)
-        finally:
-            client.close()
-
-    def kill(self, name: str, sig: int = 9) -> None:
-        proc = self.procs[name]
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        stop_all(self.procs.values())
+    base_env: dict[str, str] = field(default_factory=lambda: dict(FAST_FAILOVER_ENV))
 
 
 class Client:

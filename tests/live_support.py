@@ -1,5 +1,5 @@
-"""Helpers for the hostile-input and overload end-to-end tests: an edge started with its own
-limits, process probes (/proc RSS, /metrics), and three kinds of client.
+"""Helpers for the hostile-input and overload end-to-end tests: process probes (/proc RSS,
+/metrics) and three kinds of client (processes come from the harness, ``e2e_support``).
 
 - blocking ``websockets.sync`` clients (``open_client``, ``Bystander``): the live fuzz runs
   hypothesis, which drives plain functions, and a bystander chats from its own thread;
@@ -27,17 +27,12 @@ from typing import Any
 import websockets
 from websockets.sync.client import ClientConnection, connect
 
-from e2e_support import System, wait_http
-from lanes.queue.embedded import free_port
+from e2e_support import System
 
 
 def start_edge(system: System, name: str, **env: str) -> str:
     """Start an edge whose settings come from ``env`` (``LANES_*``); returns its chat URL."""
-    port = free_port()
-    system.start(name, ["edge"], LANES_PORT=str(port), LANES_EDGE_ID=f"{system.prefix}-{name}", **env)
-    system.edge_ports[name] = port
-    wait_http(f"http://127.0.0.1:{port}/healthz", 60, [system.procs[name]])
-    return f"ws://127.0.0.1:{port}/v1/chat"
+    return system.start_edge(name, **env)
 
 
 def open_client(url: str, **kwargs: Any) -> ClientConnection:

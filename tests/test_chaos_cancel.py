@@ -36,18 +36,11 @@ GRACE_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
-    sys_ = System(redis_url, f"cc{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
+def system(make_cluster) -> tuple[System, str]:
     slots = {"LANES_MAX_LONG_SLOTS": str(NUM_SLOTS), "LANES_MAX_MEDIUM_LONG_SLOTS": str(NUM_SLOTS)}
-    try:
-        sys_.start("scheduler", ["scheduler"])
-        url = sys_.start_edge(LANES_RESUME_GRACE_S=str(GRACE_S))
-        sys_.start("worker", ["worker", "--model", str(tiny_model.target), "--max-slots", str(NUM_SLOTS)],
-                   LANES_WORKER_ID=f"{sys_.prefix}-worker", **slots)
-        sys_.wait_workers(1)
-        yield sys_, url
-    finally:
-        sys_.stop()
+    sys_ = make_cluster(workers=1, env={**slots, "LANES_RESUME_GRACE_S": str(GRACE_S)},
+                        worker_args=("--max-slots", str(NUM_SLOTS)))
+    return sys_, sys_.edge_urls["edge"]
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lanes.cli.chaos_load import Ledger, Tracked, sim_text
+from lanes.cli.chaos.load import Ledger, Tracked, sim_text
 
 
 def feed(ledger: Ledger, rid: str, frames: list[dict]) -> None:

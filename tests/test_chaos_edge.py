@@ -13,7 +13,6 @@ import asyncio
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -28,20 +27,14 @@ MAX_TOKENS = [24, 48, 96, 160, 240, 400, 600, 800]
 
 
 @pytest.fixture(scope="module")
-def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str, str]]:
-    sys_ = System(redis_url, f"ce{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
-    try:
-        sys_.start("scheduler", ["scheduler"])
-        url_a = sys_.start_edge("edge_a")
-        url_b = sys_.start_edge("edge_b")
-        # A slow heartbeat widens the window in which the worker still sends to the dead
-        # edge after the resume re-pointed the request: answers ending inside it must still end.
-        sys_.start("worker", ["worker", "--model", str(tiny_model.target), "--max-slots", str(len(MAX_TOKENS))],
-                   LANES_WORKER_ID=f"{sys_.prefix}-worker", LANES_HEARTBEAT_S="5.0", LANES_LEASE_MS="15000")
-        sys_.wait_workers(1)
-        yield sys_, url_a, url_b
-    finally:
-        sys_.stop()
+def system(make_cluster, tiny_model) -> tuple[System, str, str]:
+    sys_ = make_cluster(edges=2)
+    # A slow heartbeat widens the window in which the worker still sends to the dead
+    # edge after the resume re-pointed the request: answers ending inside it must still end.
+    sys_.start_worker("worker", str(tiny_model.target), "--max-slots", str(len(MAX_TOKENS)),
+                      LANES_HEARTBEAT_S="5.0", LANES_LEASE_MS="15000")
+    sys_.wait_workers(1, timeout_s=scaled(120))
+    return sys_, sys_.edge_urls["edge_a"], sys_.edge_urls["edge_b"]
 
 
 async def kill_and_resume(sys_: System, edge: str, url_to: str, sig: int, greedy_reference) -> None:

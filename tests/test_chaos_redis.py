@@ -41,19 +41,16 @@ def port() -> int:
 
 @pytest.fixture(scope="module")
 def system(port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
-    server = EmbeddedRedis(port=port).start()
-    sys_ = System(server.url, f"cr{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
-    sys_.redis = server  # type: ignore[attr-defined]  # the test swaps it for a restarted one
+    # Its own redis-server on a known port: the test stops it and starts it again there.
+    sys_ = System.embedded(f"cr{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"), port=port)
     try:
-        sys_.start("scheduler", ["scheduler"])
+        sys_.start_scheduler()
         url = sys_.start_edge()
-        sys_.start("worker", ["worker", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "6"],
-                   LANES_WORKER_ID=f"{sys_.prefix}-worker")
+        sys_.start_worker("worker", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "6")
         sys_.wait_workers(1)
         yield sys_, url
     finally:
-        sys_.stop()
-        sys_.redis.stop()  # type: ignore[attr-defined]
+        sys_.close()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -79,7 +76,7 @@ async def test_redis_restart_under_load(system: tuple[System, str], port: int) -
         await client.chat(rid, f"Talk at length about {rid}.", max_tokens=400)
     await asyncio.sleep(1.0)  # six run, four wait in their lanes
 
-    sys_.redis.stop()  # type: ignore[attr-defined]
+    sys_.redis.stop()
     cpu_before = {name: cpu_seconds(p.pid) for name, p in sys_.procs.items()}
     await client.chat("during", "Anyone there?", max_tokens=8)
     during = await client.wait("during", timeout_s=scaled(15))
@@ -91,7 +88,7 @@ async def test_redis_restart_under_load(system: tuple[System, str], port: int) -
         print(f"\n{name}: {share:.0%} of a core while Redis was down")
         assert share < MAX_IDLE_CPU_SHARE, f"{name} spins while Redis is down"
 
-    sys_.redis = EmbeddedRedis(port=port).start()  # type: ignore[attr-defined]  # empty, same port
+    sys_.redis = EmbeddedRedis(port=port).start()  # empty, same port
     restarted_at = time.monotonic()
     endings = {rid: await client.wait(rid, timeout_s=scaled(30)) for rid in ids}
     for rid, end in endings.items():
@@ -123,7 +120,7 @@ async def test_redis_paused_longer_than_a_lease_loses_nothing(system: tuple[Syst
     for rid in ids:
         await client.chat(rid, f"Talk at length about {rid}.", max_tokens=120)
     await asyncio.sleep(1.0)
-    server = sys_.redis.process  # type: ignore[attr-defined]
+    server = sys_.redis.process
     server.send_signal(signal.SIGSTOP)
     try:
         await asyncio.sleep(OUTAGE_S)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -35,21 +34,11 @@ PROMPTS = [f"Question {i}: explain topic number {i} of the library reference." f
 
 
 @pytest.fixture(scope="module")
-def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
-    sys_ = System(redis_url, f"cw{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
+def system(make_cluster) -> tuple[System, str]:
     # Every slot may run any lane, so both workers have room for the other's requests.
     slots = {"LANES_MAX_LONG_SLOTS": str(NUM_REQUESTS), "LANES_MAX_MEDIUM_LONG_SLOTS": str(NUM_REQUESTS)}
-    try:
-        sys_.start("scheduler", ["scheduler"])
-        url = sys_.start_edge()
-        for name in ("w1", "w2"):
-            sys_.start(name, ["worker", "--model", str(tiny_model.target), "--max-slots",
-                                        str(NUM_REQUESTS)],
-                       LANES_WORKER_ID=f"{sys_.prefix}-{name}", **slots)
-        sys_.wait_workers(2)
-        yield sys_, url
-    finally:
-        sys_.stop()
+    sys_ = make_cluster(workers=2, env=slots, worker_args=("--max-slots", str(NUM_REQUESTS)))
+    return sys_, sys_.edge_urls["edge"]
 
 
 def running_by_worker(sys_: System, ids: list[str]) -> dict[str, list[str]]:

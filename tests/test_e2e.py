@@ -7,7 +7,6 @@ import asyncio
 import json
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
-    sys_ = System(redis_url, f"e{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
-    try:
-        sys_.start("scheduler", ["scheduler"])
-        url = sys_.start_edge()
-        sys_.start_worker("worker", str(tiny_model.target), "--max-slots", "4")
-        sys_.wait_workers(1)
-        yield sys_, url
-    finally:
-        sys_.stop()
+def system(make_cluster) -> tuple[System, str]:
+    sys_ = make_cluster(workers=1, worker_args=("--max-slots", "4"))
+    return sys_, sys_.edge_urls["edge"]
 
 
 async def test_two_concurrent_chats_on_one_connection(system: tuple[System, str], greedy_reference) -> None:

@@ -36,7 +36,7 @@ def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         url = sys_.start_edge(LANES_API_KEY_HASHES=f"{hash_key(ALICE)},{hash_key(BOB)}",
                               LANES_RATE_LIMIT_SCOPE="fleet", LANES_KEY_RATE_PER_S="1000", LANES_KEY_BURST="1000",
                               LANES_RESUME_GRACE_S=str(GRACE_S))
-        sys_.start("worker", ["worker", "--engine", "sim", "--max-slots", "16"], LANES_WORKER_ID=f"{sys_.prefix}-w")
+        sys_.start("worker", ["worker", "--engine", "sim", "--max-slots", "16"])
         sys_.wait_workers(1)
         yield sys_, url
     finally:
@@ -196,8 +196,7 @@ async def test_accepted_comes_first_under_a_burst(system: tuple[System, str]) ->
     """Defect 5: under load no delta (or done) overtakes its request's ``accepted``. A worker
     1000x faster than real time answers while the edge is still busy enqueueing the burst."""
     sys_, url = system
-    sys_.start("fast-worker", ["worker", "--engine", "sim", "--sim-time-scale", "1000", "--max-slots", "64"],
-               LANES_WORKER_ID=f"{sys_.prefix}-fast")
+    sys_.start("fast-worker", ["worker", "--engine", "sim", "--sim-time-scale", "1000", "--max-slots", "64"])
     sys_.wait_workers(2)
     try:
         clients = [await connect(url, key) for key in (ALICE, BOB) for _ in range(8)]

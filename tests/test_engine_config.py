@@ -81,8 +81,28 @@ def test_vllm_defaults_priority_chunked_prefill_and_capped_queue() -> None:
 def test_vllm_quantization_and_kv_cache() -> None:
     kw = vllm_engine_kwargs(settings(quantization="awq", kv_cache_quantization=True,
                                      max_model_len=4096))
-    assert kw["quantization"] == "awq" and kw["kv_cache_dtype"] == "fp8"
+    # An explicit "awq" would force vLLM's slow AWQ kernel: the checkpoint says awq itself.
+    assert "quantization" not in kw and kw["kv_cache_dtype"] == "fp8"
     assert kw["max_model_len"] == 4096
+    assert vllm_engine_kwargs(settings(quantization="fp8"))["quantization"] == "fp8"
+
+
+def test_vllm_enforce_eager_is_passed_through() -> None:
+    assert vllm_engine_kwargs(settings())["enforce_eager"] is False
+    assert vllm_engine_kwargs(settings(enforce_eager=True))["enforce_eager"] is True
+
+
+def test_fit_max_tokens_clamps_to_the_sequence_limit_and_rejects_what_cannot_fit() -> None:
+    from lanes.workers.engines.base import RequestRejected
+    from lanes.workers.engines.engine_config import fit_max_tokens, max_sequence_tokens
+
+    assert fit_max_tokens(100, 50, None) == 50
+    assert fit_max_tokens(100, 50, 1024) == 50
+    assert fit_max_tokens(1000, 50, 1024) == 24
+    with pytest.raises(RequestRejected, match="prompt has 1024 tokens"):
+        fit_max_tokens(1024, 50, 1024)
+    assert max_sequence_tokens(0, None, 2048) == 2048 and max_sequence_tokens(512, 4096, 2048) == 512
+    assert max_sequence_tokens(0, None, None) is None
 
 
 @pytest.mark.parametrize("kw, expected", [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,16 +49,9 @@ CHAT_REFUSALS = frozenset({"duplicate_id", "too_many_in_flight", "overloaded"})
 
 
 @pytest.fixture(scope="module")
-def system(redis_url: str, tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str]]:
-    sys_ = System(redis_url, f"f{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("fuzz-logs"))
-    try:
-        sys_.start("scheduler", ["scheduler"])
-        url = start_edge(sys_, "edge", **EDGE_ENV)
-        sys_.start_worker("worker", str(tiny_model.target), "--max-slots", "4")
-        sys_.wait_workers(1)
-        yield sys_, url
-    finally:
-        sys_.stop()
+def system(make_cluster) -> tuple[System, str]:
+    sys_ = make_cluster(workers=1, edges=0, worker_args=("--max-slots", "4"))
+    return sys_, start_edge(sys_, "edge", **EDGE_ENV)
 
 
 def assert_edge_alive(sys_: System, url: str) -> str:

@@ -11,7 +11,7 @@ import asyncio
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -34,21 +34,15 @@ SLOW_CLOSE_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, str, str]]:
-    sys_ = System(redis_url, f"o{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("overload-logs"))
+def system(make_cluster) -> tuple[System, str, str]:
+    sys_ = make_cluster(workers=1, edges=0, worker_args=(
+        "--engine", "sim", "--sim-time-scale", "10", "--max-slots", str(NUM_SLOTS)))
     depths = {f"LANES_MAX_DEPTH_{lane}": str(MAX_DEPTH) for lane in ("SHORT", "MEDIUM", "LONG")}
-    try:
-        sys_.start("scheduler", ["scheduler"])
-        url = start_edge(sys_, "edge", **depths)
-        # Resume grace 0: a dropped client's requests end at once (the grace has its own tests).
-        slow_url = start_edge(sys_, "edge-slow", LANES_MAX_CLIENT_QUEUE_FRAMES=str(SLOW_QUEUE_FRAMES),
-                              LANES_SLOW_CLIENT_CLOSE_TIMEOUT_S=str(SLOW_CLOSE_TIMEOUT_S), LANES_RESUME_GRACE_S="0")
-        sys_.start("worker", ["worker", "--engine", "sim", "--sim-time-scale", "10", "--max-slots", str(NUM_SLOTS)],
-                   LANES_WORKER_ID=f"{sys_.prefix}-worker")
-        sys_.wait_workers(1)
-        yield sys_, url, slow_url
-    finally:
-        sys_.stop()
+    url = start_edge(sys_, "edge", **depths)
+    # Resume grace 0: a dropped client's requests end at once (the grace has its own tests).
+    slow_url = start_edge(sys_, "edge-slow", LANES_MAX_CLIENT_QUEUE_FRAMES=str(SLOW_QUEUE_FRAMES),
+                          LANES_SLOW_CLIENT_CLOSE_TIMEOUT_S=str(SLOW_CLOSE_TIMEOUT_S), LANES_RESUME_GRACE_S="0")
+    return sys_, url, slow_url
 
 
 async def run_requests(url: str, num_clients: int, per_client: int, tag: str) -> list[tuple[TimedClient, str]]:

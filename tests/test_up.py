@@ -1,19 +1,27 @@
-"""``lanes up`` as a user runs it: everything starts, a crashed child is restarted, Ctrl-C
-stops every process."""
+"""``lanes up`` as a user runs it: ready only once its own edge answers and a worker is warm, a
+crashed child is restarted, a configuration error stops everything with the child's message,
+SIGTERM and Ctrl-C stop every process at once and print no traceback."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 import redis
+from conftest import scaled
 
+from lanes.cli.up import Backoff
 from lanes.queue.embedded import free_port
 
 pytestmark = pytest.mark.e2e
@@ -26,26 +34,154 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.2)
 
 
-def test_up_restarts_a_crashed_worker_and_stops_everything(redis_url: str, tiny_model, tmp_path) -> None:
+class Up:
+    """A ``lanes up`` process with its output in a file."""
+
+    def __init__(self, tmp_path: Path, *args: str, **env: str) -> None:
+        self.log_path = tmp_path / f"up-{uuid.uuid4().hex[:4]}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "up", *args],
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        children = self.children()  # before the parent goes: orphans have no parent to ask
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for child in children:
+            if child.is_running():
+                child.kill()
+
+
+@pytest.fixture
+def up_runs(tmp_path: Path) -> Iterator[list[Up]]:
+    runs: list[Up] = []
+    yield runs
+    for run in runs:
+        run.kill()
+
+
+def gone(children: list[psutil.Process]) -> bool:
+    return all(not psutil.pid_exists(c.pid) or c.status() == psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_up_waits_for_a_warm_worker_restarts_a_crash_and_stops_on_ctrl_c(
+        redis_url: str, tiny_model, tmp_path: Path, up_runs: list[Up]) -> None:
     prefix = f"u{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "LANES_REDIS_URL": redis_url, "LANES_KEY_PREFIX": prefix, "HF_HUB_OFFLINE": "1"}
-    log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "up", "--port", str(free_port()),
-                           "--model", str(tiny_model.target)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    up = Up(tmp_path, "--port", str(free_port()), "--model", str(tiny_model.target),
+            LANES_REDIS_URL=redis_url, LANES_KEY_PREFIX=prefix)
+    up_runs.append(up)
     client = redis.Redis.from_url(redis_url)
     workers_key = f"{prefix}:{{q}}:workers"
     try:
-        wait_for(lambda: client.zcard(workers_key) >= 1, 120, "the first worker")
-        children = psutil.Process(up.pid).children()
+        wait_for(lambda: "ready: chat at" in up.output, scaled(120), "ready")
+        registered = client.zrange(workers_key, 0, -1, withscores=True)
+        assert registered, "ready was printed before any worker was warm"
+        worker_id, first_beat = registered[0][0], registered[0][1]
+        children = up.children()
         worker = next(p for p in children if "worker" in p.cmdline())
+        killed_at_ms = time.time() * 1000
         worker.send_signal(signal.SIGKILL)
-        wait_for(lambda: client.zcard(workers_key) >= 2, 120, "a restarted worker (a new worker id)")
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-        assert all(not psutil.pid_exists(c.pid) or psutil.Process(c.pid).status() == psutil.STATUS_ZOMBIE
-                   for c in children), "a child of lanes up outlived it"
+        wait_for(lambda: "worker-0 exited with -9; restarting in 1 s" in up.output, scaled(30), "the restart notice")
+        wait_for(lambda: (client.zscore(workers_key, worker_id) or 0) > max(first_beat, killed_at_ms),
+                 scaled(120), "the restarted worker's heartbeat")
+        assert any("worker" in p.cmdline() and p.pid != worker.pid for p in up.children())
+        children = up.children()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait(scaled(60)) == 0
+        assert gone(children), "a child of lanes up outlived it"
+        assert "stopped" in up.output and "Traceback" not in up.output, up.output[-3000:]
     finally:
-        if up.poll() is None:
-            up.kill()
         client.close()
-        log.close()
+
+
+def test_sigterm_during_start_up_stops_everything_at_once(tiny_model, tmp_path: Path, up_runs: list[Up]) -> None:
+    up = Up(tmp_path, "--port", str(free_port()), "--model", str(tiny_model.target))
+    up_runs.append(up)
+    wait_for(lambda: len(up.children()) >= 3, scaled(30), "the children")
+    children = up.children()
+    sent = time.monotonic()
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait(scaled(15)) == 0
+    assert time.monotonic() - sent < scaled(8), "SIGTERM waited for the start-up to finish"
+    assert gone(children)
+    assert "ready: chat at" not in up.output and "Traceback" not in up.output, up.output[-3000:]
+
+
+class _OtherServer(http.server.BaseHTTPRequestHandler):
+    """Something else on the port: answers /healthz with 200 and another edge's id."""
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        body = json.dumps({"status": "ok", "edge_id": "someone-else"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_taken_port_stops_up_with_the_edges_message(tmp_path: Path, up_runs: list[Up]) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        up = Up(tmp_path, "--port", str(port), "--engine", "sim")
+        up_runs.append(up)
+        assert up.wait(scaled(60)) == 2
+    finally:
+        server.shutdown()
+    output = up.output
+    assert "ready: chat at" not in output, "another server's health answer was taken for our edge"
+    assert "edge stopped with a configuration error" in output
+    assert f"port {port} on 127.0.0.1 is already in use (--port / LANES_PORT)" in output
+    assert "Traceback" not in output and "restarting" not in output
+
+
+def test_a_missing_model_stops_up_with_the_workers_message(tmp_path: Path, up_runs: list[Up]) -> None:
+    up = Up(tmp_path, "--port", str(free_port()), "--model", "/nonexistent/model")
+    up_runs.append(up)
+    assert up.wait(scaled(60)) == 2
+    output = up.output
+    assert "worker-0 stopped with a configuration error" in output
+    assert "model directory /nonexistent/model does not exist (--model / LANES_MODEL)" in output
+    assert "Traceback" not in output and "restarting" not in output and "ready: chat at" not in output
+
+
+def test_an_unreachable_redis_stops_up_before_any_child(tmp_path: Path, up_runs: list[Up]) -> None:
+    up = Up(tmp_path, "--port", str(free_port()), LANES_REDIS_URL="redis://:hunter2@127.0.0.1:1/0")
+    up_runs.append(up)
+    assert up.wait(scaled(30)) == 2
+    assert up.output.strip().splitlines() == [
+        "configuration error: cannot reach Redis at redis://:***@127.0.0.1:1/0 (LANES_REDIS_URL): connection "
+        "refused. Start Redis there or point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL "
+        "starts its own)"]
+
+
+def test_crash_backoff_doubles_and_is_capped() -> None:
+    backoff = Backoff(first_s=1, cap_s=30, healthy_after_s=60)
+    crashes, delays = 0, []
+    for _ in range(7):
+        crashes = backoff.num_crashes(crashes, ran_for_s=2)
+        delays.append(backoff.delay_s(crashes))
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.num_crashes(5, ran_for_s=120) == 1, "a child that ran a while starts over"

@@ -1,27 +1,39 @@
-"""The vLLM adapter's output handling, driven by objects shaped exactly like vLLM's.
+"""The vLLM adapter: its output handling on objects shaped exactly like vLLM's, the whole
+engine on a stand-in ``vllm`` that copies vLLM 0.11 and vLLM main (``fake_vllm.py`` names each
+upstream file), and, on a GPU machine, the real one.
 
-``CompletionOutput`` / ``RequestOutput`` below copy the fields of ``vllm/outputs.py``
-(vllm-project/vllm, main): in DELTA mode ``outputs[0].text`` / ``token_ids`` hold only the new
-part and ``finish_reason`` is one of ``FINISH_REASON_STRINGS`` (``vllm/v1/engine/__init__.py``:
-stop, length, abort, error, repetition). Exceptions mirror ``vllm/v1/engine/exceptions.py`` and
-``vllm/exceptions.py`` by name, which is all the adapter looks at.
+``CompletionOutput`` / ``RequestOutput`` copy the fields of ``vllm/outputs.py`` (vllm-project/vllm,
+main): in DELTA mode ``outputs[0].text`` / ``token_ids`` hold only the new part and
+``finish_reason`` is one of ``FINISH_REASON_STRINGS`` (``vllm/v1/engine/__init__.py``: stop,
+length, abort, error, repetition). The exceptions are ``fake_vllm``'s copies of
+``vllm/v1/engine/exceptions.py`` and ``vllm/exceptions.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from conftest import gpu_with
-
-from lanes.queue.messages import ChatMessage, FinishReason
-from lanes.workers.engines.base import EngineDead, EngineDelta, EngineError, RequestRejected
-from lanes.workers.engines.vllm import (
-    DeltaRelay, delta_from_output, error_from_exception, merge_deltas,
+from fake_vllm import (
+    MAIN, V0_11, EngineDeadError, EngineGenerateError, MaxQueuedTokensError, Package, QueueOverflowError, Script,
+    VLLMClientError, VLLMValidationError,
 )
+
+from lanes.queue.messages import ChatMessage, FinishReason, Lane
+from lanes.scheduler.policy import vllm_priority
+from lanes.workers.engines.base import (
+    ConfigError, EngineBusy, EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected,
+)
+from lanes.workers.engines.engine_config import VLLM_DRAFT_MODEL_MODULE, validate
+from lanes.workers.engines.vllm import (
+    DeltaRelay, VllmEngine, delta_from_output, error_from_exception, merge_deltas,
+)
+from lanes.workers.settings import WorkerSettings
 
 
 @dataclass
@@ -55,24 +67,12 @@ def out(text: str, ids: Sequence[int], finish: str | None = None) -> RequestOutp
     return RequestOutput("r1", None, [1, 2, 3], None, [completion], finished=finish is not None)
 
 
-class EngineDeadError(Exception):
-    pass
-
-
-class VLLMClientError(Exception):
-    pass
-
-
-class VLLMValidationError(VLLMClientError):
-    pass
-
-
-class GracefulHTTPError(ValueError):
-    pass
-
-
-class QueueOverflowError(GracefulHTTPError):
-    pass
+def wrapped(exc: BaseException) -> BaseException:
+    """What ``AsyncLLM.generate`` raises for an error it does not re-raise as it is."""
+    try:
+        raise EngineGenerateError() from exc
+    except EngineGenerateError as outer:
+        return outer
 
 
 def test_delta_carries_new_tokens_and_text() -> None:
@@ -96,13 +96,16 @@ def test_empty_running_output_is_skipped_and_bare_finish_is_kept() -> None:
 
 
 @pytest.mark.parametrize("exc, kind, code", [
-    (EngineDeadError("EngineCore encountered an issue."), EngineDead, "engine_dead"),
+    (EngineDeadError(), EngineDead, "engine_dead"),
     (VLLMValidationError("The decoder prompt (length 9000) is longer than the maximum model "
                          "length of 4096."), RequestRejected, "prompt_too_long"),
     (VLLMValidationError("temperature must be non-negative"), RequestRejected, "invalid_request"),
-    (ValueError("top_p must be in (0, 1]"), RequestRejected, "invalid_request"),
-    (QueueOverflowError(), RequestRejected, "overloaded"),
-    (RuntimeError("boom"), EngineError, "engine_error"),
+    (VLLMClientError("unknown LoRA"), RequestRejected, "invalid_request"),
+    (ValueError("top_p must be in (0, 1]"), RequestRejected, "invalid_request"),  # 0.11
+    (wrapped(QueueOverflowError()), EngineBusy, "engine_busy"),
+    (wrapped(MaxQueuedTokensError()), EngineBusy, "engine_busy"),
+    (QueueOverflowError(), EngineBusy, "engine_busy"),
+    (wrapped(RuntimeError("boom")), EngineError, "engine_error"),
 ])
 def test_error_mapping(exc: BaseException, kind: type, code: str) -> None:
     mapped = error_from_exception(exc)
@@ -162,20 +165,150 @@ async def test_relay_delivers_tokens_before_an_error() -> None:
     assert got == [EngineDelta((1,), "a", None, 3)]
 
 
+# ---- the adapter on the stand-in package (vLLM 0.11 and main) ------------------------------
+
+MESSAGES = (ChatMessage("user", "A class definition"),)
+
+
+def request(rid: str, max_tokens: int = 32, **kw: Any) -> EngineRequest:
+    return EngineRequest(id=rid, messages=kw.pop("messages", MESSAGES), max_tokens=max_tokens,
+                         temperature=0.0, **kw)
+
+
+@pytest.fixture
+def tokenizer(tiny_model) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model.target)
+
+
+async def started(monkeypatch: pytest.MonkeyPatch, package: Package, tiny_model, **kw: Any) -> VllmEngine:
+    for name, module in package.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    engine = VllmEngine(WorkerSettings(_env_file=None, engine="vllm", model=str(tiny_model.target),
+                                       max_slots=4, **kw))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: VllmEngine, req: EngineRequest) -> list[EngineDelta]:
+    return [d async for d in engine.generate(req)]
+
+
+@pytest.mark.parametrize("release", [V0_11, MAIN])
+async def test_start_passes_the_adapters_arguments_and_warms_up(monkeypatch, tiny_model, tokenizer, release,
+                                                                caplog) -> None:
+    package = Package(tokenizer, release)
+    engine = await started(monkeypatch, package, tiny_model, enforce_eager=True, quantization="awq")
+    args = package.engines[0].engine_args
+    assert (args.model, args.max_num_seqs, args.max_num_batched_tokens) == (str(tiny_model.target), 4, 2048)
+    assert args.scheduling_policy == "priority" and args.enable_chunked_prefill is True
+    assert args.enforce_eager is True
+    assert args.quantization is None, "awq comes from the checkpoint (awq_marlin), never forced"
+    if release == MAIN:
+        assert args.max_num_queued_reqs == 6
+    else:
+        assert "max_num_queued_reqs" in caplog.text, "0.11 lacks it: dropped with a warning"
+    assert [a.params.max_tokens for a in package.engines[0].added] == [2], "one warm-up request"
+    await engine.close()
+
+
+@pytest.mark.parametrize("release", [V0_11, MAIN])
+async def test_streams_through_the_chat_template_with_lane_priority(monkeypatch, tiny_model, tokenizer,
+                                                                    release) -> None:
+    package = Package(tokenizer, release)
+    engine = await started(monkeypatch, package, tiny_model)
+    package.scripts.append(Script([11, 12, 13, 2]))
+    deltas = await collect(engine, request("v1", lane=Lane.LONG, trace_headers={"traceparent": "00-ab-cd-01"}))
+    added = package.engines[0].added[-1]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MESSAGES[0].content}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert added.prompt["prompt_token_ids"] == tokenizer.encode(text, add_special_tokens=False)
+    assert added.priority == vllm_priority(Lane.LONG) and added.trace_headers == {"traceparent": "00-ab-cd-01"}
+    assert added.params.output_kind.name == "DELTA" and added.params.temperature == 0.0
+    assert [t for d in deltas for t in d.token_ids] == [11, 12, 13, 2]
+    assert "".join(d.text for d in deltas) == " t11 t12 t13 t2"
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    await engine.close()
+
+
+async def test_abort_ends_the_stream_cancelled(monkeypatch, tiny_model, tokenizer) -> None:
+    package = Package(tokenizer)
+    engine = await started(monkeypatch, package, tiny_model)
+    package.scripts.append(Script(list(range(100, 600))))
+    got: list[EngineDelta] = []
+    async for delta in engine.generate(request("long", 900)):
+        got.append(delta)
+        if len(got) == 2:
+            await engine.abort("long")
+    assert got[-1].finish_reason is FinishReason.CANCELLED and len(got) < 10
+    assert "long" in package.engines[0].aborted
+    await engine.close()
+
+
+@pytest.mark.parametrize("release", [V0_11, MAIN])
+async def test_an_over_long_prompt_is_rejected(monkeypatch, tiny_model, tokenizer, release) -> None:
+    package = Package(tokenizer, release)
+    engine = await started(monkeypatch, package, tiny_model, max_model_len=64)
+    long = (ChatMessage("user", "the with statement " * 40),)
+    with pytest.raises(RequestRejected) as rejected:
+        await collect(engine, request("long", messages=long))
+    assert rejected.value.code == "prompt_too_long"
+    await engine.close()
+
+
+@pytest.mark.parametrize("error", [QueueOverflowError, MaxQueuedTokensError])
+async def test_a_full_engine_queue_is_busy_not_a_failure(monkeypatch, tiny_model, tokenizer, error) -> None:
+    package = Package(tokenizer, MAIN)
+    engine = await started(monkeypatch, package, tiny_model)
+    package.scripts.append(Script([1], error_on_add=error()))
+    with pytest.raises(EngineBusy):
+        await collect(engine, request("busy"))
+    await engine.close()
+
+
+async def test_engine_shutdown_is_engine_death(monkeypatch, tiny_model, tokenizer) -> None:
+    package = Package(tokenizer)
+    engine = await started(monkeypatch, package, tiny_model)
+    package.engines[0].shutdown()
+    with pytest.raises(EngineDead):
+        await collect(engine, request("after"))
+
+
+async def test_ngram_speculation_reports_acceptance(monkeypatch, tiny_model, tokenizer) -> None:
+    package = Package(tokenizer)
+    engine = await started(monkeypatch, package, tiny_model, spec_method="ngram", num_speculative_tokens=4)
+    assert package.engines[0].engine_args.speculative_config == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert engine.stats()["spec_num_drafts"] == 0, "the warm-up is not counted"
+    package.scripts.append(Script(list(range(10, 30)), accepted_per_step=2))
+    await collect(engine, request("spec"))
+    stats = engine.stats()
+    assert stats["spec_num_drafts"] == 20 and stats["spec_acceptance_rate"] == 0.5
+    assert stats["spec_mean_acceptance_length"] == 3.0 and stats["num_running"] == 1
+    await engine.close()
+
+
+def test_draft_model_is_refused_where_vllm_cannot_run_it() -> None:
+    settings = WorkerSettings(_env_file=None, engine="vllm", model="/m", spec_method="draft_model",
+                              draft_model="/d")
+    with pytest.raises(ConfigError, match=r"vLLM 0\.11\.2 cannot run spec_method=draft_model"):
+        validate(settings, is_installed=lambda module: module != VLLM_DRAFT_MODEL_MODULE,
+                 package_version=lambda name: "0.11.2")
+    validate(settings, is_installed=lambda module: True, package_version=lambda name: "0.99.0")
+
+
 # ---- the real engine, on a GPU machine -----------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_with("vllm"), reason="needs vllm and an NVIDIA GPU")
 @pytest.mark.parametrize("spec", ["none", "ngram"])
 async def test_real_vllm_streams_and_aborts(tmp_path, spec: str) -> None:
-    from lanes.workers.engines.base import EngineRequest
-    from lanes.workers.engines.vllm import VllmEngine
     from lanes.workers.models.tiny import build_tiny
-    from lanes.workers.settings import WorkerSettings
 
-    paths = build_tiny(tmp_path / "tiny")
+    paths = build_tiny(tmp_path / "tiny", hidden_size=256, dtype="bfloat16")
     engine = VllmEngine(WorkerSettings(_env_file=None, engine="vllm", model=str(paths.target),
-                                       spec_method=spec, max_slots=4, max_model_len=1024))
+                                       spec_method=spec, max_slots=4, max_model_len=1024, enforce_eager=True))
     await engine.start()
     try:
         msgs = (ChatMessage("user", "A class definition"),)

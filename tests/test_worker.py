@@ -109,3 +109,35 @@ async def test_stop_drains_then_hands_back(plane: QueuePlane, max_tokens: int, d
     serving.cancel()
     await asyncio.gather(serving, return_exceptions=True)
     assert await plane.redis.hget(plane.keys.request("draining"), "state") == final
+
+
+async def test_a_busy_engine_hands_the_request_back_to_its_lane(plane: QueuePlane) -> None:
+    """``EngineBusy`` (the engine's own queue is full) is transient: the request goes back to
+    its lane and runs later, with no error in its stream."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.workers.engines.base import EngineBusy
+    from lanes.workers.engines.sim import SimEngine
+
+    class BusyOnce(SimEngine):
+        refused: list[str] = []
+
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            if request.id == "busy" and not self.refused:
+                self.refused.append(request.id)
+                raise EngineBusy("The engine is currently busy and cannot accept new requests.")
+            async for delta in super().generate(request):
+                yield delta
+
+    await enqueue(plane, "busy", 8)
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", heartbeat_s=0.2, max_slots=2)
+    engine = BusyOnce(get_profile("l70-h100"), max_num_seqs=2, time_scale=100)
+    worker = Worker(settings, plane, engine)
+    await asyncio.wait_for(worker.serve(burst=True), 60)
+    assert engine.refused == ["busy"]
+    assert await plane.redis.hget(plane.keys.request("busy"), "state") == b"done"
+    assert int(await plane.redis.hget(plane.keys.request("busy"), "attempt")) == 2, "claimed again after the hand-back"
+    events = await plane.read_stream("busy")
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[-1].finish is not None and events[-1].finish.reason.value == "length"
+    assert all(e.finish is None or e.finish.error_code is None for e in events)

@@ -8,13 +8,17 @@ from lanes.workers.settings import WorkerSettings
 
 
 def resolve_models(settings: WorkerSettings) -> WorkerSettings:
-    """Fill in the shipped demo model (and its draft) when no model is given."""
-    from lanes.workers.models.paths import resolve_draft, resolve_model
+    """Fill in the shipped demo model (and its draft) when no model is given; ``ConfigError``
+    for a model or draft that cannot be found (before anything heavy is imported)."""
+    from lanes.workers.models.paths import check_model, resolve_draft, resolve_model
 
     model = resolve_model(settings.model)
+    check_model(model)
     draft = settings.draft_model
-    if settings.spec_method == "draft_model":
+    if settings.spec_method == "draft_model" or draft:
         draft = resolve_draft(settings.draft_model, settings.model)
+        if draft:
+            check_model(draft, "--draft-model / LANES_DRAFT_MODEL")
     return settings.model_copy(update={"model": model, "draft_model": draft})
 
 

@@ -19,7 +19,9 @@ class WorkerSettings(RedisSettings):
     draft_model: str = ""
     spec_method: SpecMethod = "none"
     num_speculative_tokens: int = 4
-    #: ``none`` or ``awq`` (INT4 weights from a pre-quantized checkpoint).
+    #: ``none``, ``awq`` (INT4 weights of a pre-quantized AWQ checkpoint) or ``fp8``. vLLM and
+    #: TensorRT-LLM read an AWQ checkpoint's method from its config, so ``awq`` passes no
+    #: argument to them (vLLM then picks its fast ``awq_marlin`` kernel where the GPU has it).
     quantization: Literal["none", "awq", "fp8"] = "none"
     #: Quantize the KV cache too; off by default (it raised memory use in the seeds' run).
     kv_cache_quantization: bool = False
@@ -53,6 +55,9 @@ class WorkerSettings(RedisSettings):
     #: Share of GPU memory the engine may take (weights + KV cache).
     gpu_memory_fraction: float = 0.9
     dtype: str = "auto"
+    #: vLLM: run without CUDA graphs / torch.compile. Starts in seconds instead of a minute
+    #: or more (tests, GPU checks, quick restarts) at some decode speed.
+    enforce_eager: bool = False
     #: Max tokens of prompt + output the engine accepts (0 = the model's own limit).
     max_model_len: int = 0
     #: Time scale for the ``sim`` engine (10 = ten times faster than real time).

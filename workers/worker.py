@@ -36,12 +36,7 @@ from lanes.queue.pubsub import listen
 from lanes.scheduler.policy import lanes_to_pop
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, inject_context, tracer
-from lanes.workers.engines.base import (
-    Engine,
-    EngineDead,
-    EngineRequest,
-    RequestRejected,
-)
+from lanes.workers.engines.base import Engine, EngineBusy, EngineDead, EngineRequest, RequestRejected
 from lanes.workers.publisher import flush
 from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.runs import AbortEngine, Complete, Release, Run, RunAction, RunTable
@@ -51,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: At a stop, how long ended runs may wait for their last events to be flushed (s).
 _FLUSH_AT_STOP_S = 5.0
+#: After the engine said it is busy, how long this slot waits before claiming again (s).
+_BUSY_PAUSE_S = 0.2
 
 
 class Worker:
@@ -245,6 +242,11 @@ class Worker:
         except EngineDead as exc:
             if not self._fatal.done():
                 self._fatal.set_exception(exc)
+        except EngineBusy as exc:
+            # The engine's own queue is full: transient, so no final error. ``finally`` hands
+            # the request back to its lane; the pause keeps this slot from re-claiming it at once.
+            log.info("engine busy (%s); handing %s back to its lane", exc, run.id)
+            await asyncio.sleep(_BUSY_PAUSE_S)
         except QueueUnavailable as exc:
             log.warning("request %s: Redis unavailable before it started (%s); handing it back", run.id, exc)
         finally:

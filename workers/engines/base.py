@@ -6,12 +6,16 @@ module imports none of them.
 Exception tree::
 
     EngineError                 base; ``code`` is machine-readable
+    ├── ConfigError             settings that cannot work (also a ValueError); the worker exits 2
     ├── RequestRejected         this request cannot run (prompt too long, bad params); others can
+    ├── EngineBusy              the engine's own queue is full (transient): the request goes
+    │                           back to its lane instead of failing
     └── EngineDead              the engine is gone; the worker stops claiming and exits non-zero
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -23,12 +27,26 @@ class EngineError(Exception):
     code = "engine_error"
 
 
+class ConfigError(EngineError, ValueError):
+    """Settings that cannot work together, or a model that cannot be found; raised before
+    (or while) the model loads. The message names the setting or flag to change."""
+
+    code = "bad_config"
+
+
 class RequestRejected(EngineError):
     """The request is invalid for this engine; ``code`` says why."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class EngineBusy(EngineError):
+    """The engine refused the request because its own queue is full (vLLM
+    ``QueueOverflowError`` / ``MaxQueuedTokensError``); it may run a moment later."""
+
+    code = "engine_busy"
 
 
 class EngineDead(EngineError):
@@ -94,3 +112,21 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release the model and background threads/processes."""
+
+
+#: Asked once at start-up so that the first real request does not pay for lazy set-up
+#: (CUDA graphs, kernels, allocator pools, the first batch of the batching thread).
+WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
+
+
+async def warm_up(engine: Engine, *, max_tokens: int = 2) -> None:
+    """Run one short greedy generation to the end; raises what the engine raises.
+
+    Engines call it at the end of ``start()``, so a worker registers (first heartbeat) and
+    claims only once its engine has really produced tokens.
+    """
+    request = EngineRequest(id=f"warmup-{uuid.uuid4().hex[:8]}", messages=WARMUP_MESSAGES,
+                            max_tokens=max_tokens, temperature=0.0)
+    async for delta in engine.generate(request):
+        if delta.finish_reason is not None:
+            return

@@ -5,9 +5,7 @@ the whole mapping is unit-tested on a CPU machine. The adapters (``vllm.py``, ``
 turn the data into real objects at start-up and drop arguments the installed version lacks
 (``filter_supported``), so one settings object works across engine releases.
 
-Exception tree::
-
-    ConfigError(ValueError)     a bad settings combination; ``code`` is machine-readable
+Bad settings raise ``ConfigError`` (defined in ``base.py``, re-exported here).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lanes.queue.messages import FinishReason
-from lanes.workers.engines.base import EngineRequest
+from lanes.workers.engines.base import ConfigError, EngineRequest, RequestRejected
 from lanes.workers.settings import WorkerSettings
 
 #: Requests the engine may hold beyond ``max_slots``: the worker feeds only free slots, so the
@@ -31,12 +29,10 @@ NGRAM_MATCH_MAX = 2
 
 _PACKAGES = {"vllm": ("vllm", "lanes[vllm]"), "trtllm": ("tensorrt_llm", "lanes[trtllm]")}
 _NEEDS_DRAFT = ("draft_model", "eagle", "eagle3")
-
-
-class ConfigError(ValueError):
-    """Settings that cannot work together; raised before any model is loaded."""
-
-    code = "bad_config"
+#: Draft-model speculation in vLLM V1 lives here (vllm-project/vllm PR #24322). Releases
+#: without it (0.10 to at least 0.13) raise NotImplementedError for ``method=draft_model``
+#: deep inside engine start-up, so ``validate`` asks for this module instead.
+VLLM_DRAFT_MODEL_MODULE = "vllm.v1.spec_decode.draft_model"
 
 
 @dataclass(frozen=True)
@@ -54,19 +50,33 @@ class ClassSpec:
 
 
 def _module_available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing or not a package
+        return False
 
 
 def spec_enabled(settings: WorkerSettings) -> bool:
     return settings.spec_method != "none"
 
 
+def _package_version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "?"
+
+
 def validate(
-    settings: WorkerSettings, *, is_installed: Callable[[str], bool] = _module_available
+    settings: WorkerSettings, *, is_installed: Callable[[str], bool] = _module_available,
+    package_version: Callable[[str], str] = _package_version,
 ) -> None:
     """Raise ``ConfigError`` naming the fix for settings that cannot work.
 
-    ``is_installed`` answers whether a module can be imported (injected by tests).
+    ``is_installed`` answers whether a module can be imported and ``package_version`` gives
+    an installed distribution's version (both injected by tests).
     """
     method, engine = settings.spec_method, settings.engine
     if engine in _PACKAGES:
@@ -76,6 +86,12 @@ def validate(
                 f"engine={engine} needs the {module} package, which is not installed: "
                 f"pip install '{extra}' (on a machine with an NVIDIA GPU)"
             )
+    if engine == "vllm" and method == "draft_model" and not is_installed(VLLM_DRAFT_MODEL_MODULE):
+        raise ConfigError(
+            f"vLLM {package_version('vllm')} cannot run spec_method=draft_model (it raises "
+            "NotImplementedError; draft models came back to vLLM V1 in a later release): use "
+            "--spec-method ngram, eagle, eagle3 or mtp, upgrade vLLM, or use --engine trtllm"
+        )
     if method in _NEEDS_DRAFT and not settings.draft_model:
         raise ConfigError(f"spec_method={method} needs a draft model: set LANES_DRAFT_MODEL")
     if method != "none" and settings.num_speculative_tokens < 1:
@@ -122,11 +138,15 @@ def vllm_engine_kwargs(settings: WorkerSettings) -> dict[str, Any]:
         "kv_cache_dtype": "fp8" if settings.kv_cache_quantization else "auto",
         "gpu_memory_utilization": settings.gpu_memory_fraction,
         "disable_log_stats": False,  # our stat logger reads running/waiting/kv/spec counters
+        "enforce_eager": settings.enforce_eager,
     }
     if settings.max_model_len:
         kwargs["max_model_len"] = settings.max_model_len
-    if settings.quantization != "none":
-        kwargs["quantization"] = settings.quantization
+    # An explicit quantization="awq" makes vLLM (0.11 and every release since, up to
+    # ``AWQMarlinConfig.override_quantization_method`` today) keep the slow AWQ kernel; left
+    # unset, vLLM reads ``awq`` from the checkpoint and upgrades it to ``awq_marlin``.
+    if settings.quantization == "fp8":
+        kwargs["quantization"] = "fp8"
     speculative = vllm_speculative_config(settings)
     if speculative is not None:
         kwargs["speculative_config"] = speculative
@@ -183,6 +203,26 @@ def trtllm_llm_kwargs(settings: WorkerSettings) -> dict[str, Any]:
     return kwargs
 
 
+def max_sequence_tokens(*candidates: int | None) -> int | None:
+    """The first positive limit among ``candidates`` (our setting, the engine's resolved
+    value, the model config's ``max_position_embeddings``); None when none is known."""
+    return next((int(c) for c in candidates if c), None)
+
+
+def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_seq_len: int | None) -> int:
+    """``max_tokens`` cut so that prompt + output fit in ``max_seq_len`` (the answer then
+    ends with ``length``, as on the hf engine); raises ``RequestRejected`` for a prompt that
+    leaves no room at all. TensorRT-LLM skips this check itself when chunked prefill is on
+    (``BaseLLM._check_arguments``), and the request would fail later as a ``RequestError``.
+    """
+    if max_seq_len is None:
+        return max_tokens
+    if num_prompt_tokens >= max_seq_len:
+        raise RequestRejected("prompt_too_long", f"prompt has {num_prompt_tokens} tokens; the "
+                              f"engine takes {max_seq_len} (prompt + answer)")
+    return min(max_tokens, max_seq_len - num_prompt_tokens)
+
+
 def remaining_tokens(request: EngineRequest) -> int:
     """Tokens still to generate: a resumed request already streamed ``resume_token_ids``."""
     return max(0, request.max_tokens - len(request.resume_token_ids))
@@ -194,9 +234,11 @@ def vllm_sampling_kwargs(request: EngineRequest) -> dict[str, Any]:
             "top_p": request.top_p, "seed": request.seed, "stop": list(request.stop) or None}
 
 
-def trtllm_sampling_kwargs(request: EngineRequest) -> dict[str, Any]:
-    """``tensorrt_llm.SamplingParams`` kwargs; greedy is ``top_k=1`` (no temperature 0)."""
-    kwargs: dict[str, Any] = {"max_tokens": remaining_tokens(request), "top_p": request.top_p,
+def trtllm_sampling_kwargs(request: EngineRequest, max_tokens: int | None = None) -> dict[str, Any]:
+    """``tensorrt_llm.SamplingParams`` kwargs; greedy is ``top_k=1`` (no temperature 0).
+    ``max_tokens`` overrides the request's (``fit_max_tokens``)."""
+    tokens = remaining_tokens(request) if max_tokens is None else max_tokens
+    kwargs: dict[str, Any] = {"max_tokens": tokens, "top_p": request.top_p,
                               "stop": list(request.stop) or None, "seed": request.seed}
     if request.temperature <= 0.0:
         kwargs["top_k"] = 1

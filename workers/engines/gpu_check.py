@@ -1,6 +1,6 @@
 """Smoke-benchmark the engines on one machine: tokens/s, TTFT and acceptance per config.
 
-Run by ``scripts/gpu_check.sh``; also useful on CPU (``--device cpu``). It measures, it does
+On CPU (``--device cpu``) or CUDA. It measures, it does
 not assert speed: the tiny random model is overhead-bound, so speculation exercises code paths
 and acceptance accounting here, not a speed-up. vLLM and TensorRT-LLM run only when installed
 and a GPU is present.

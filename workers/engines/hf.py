@@ -20,7 +20,9 @@ from typing import Any
 
 from lanes.queue.messages import FinishReason
 from lanes.workers.detokenize import IncrementalDetokenizer
-from lanes.workers.engines.base import EngineDead, EngineDelta, EngineRequest, RequestRejected
+from lanes.workers.engines.base import (
+    ConfigError, EngineDead, EngineDelta, EngineRequest, RequestRejected, warm_up,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +63,21 @@ class HFEngine:
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        await warm_up(self)
+        self._counters = dict.fromkeys(self._counters, 0)  # count served requests only
 
     def _load(self) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=torch.float32, attn_implementation="sdpa"
-        ).to(self._device)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=torch.float32, attn_implementation="sdpa"
+            ).to(self._device)
+        except (OSError, ValueError) as exc:  # no config.json, unknown architecture, bad files
+            raise ConfigError(f"cannot load the model {self.model_dir} (--model / LANES_MODEL): "
+                              f"{str(exc).splitlines()[0]}") from exc
         model.eval()
         eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos])

@@ -29,7 +29,9 @@ from typing import Any, Literal
 import torch
 
 from lanes.queue.messages import FinishReason
-from lanes.workers.engines.base import EngineDead, EngineDelta, EngineError, EngineRequest
+from lanes.workers.engines.base import (
+    ConfigError, EngineDead, EngineDelta, EngineError, EngineRequest, warm_up,
+)
 from lanes.workers.engines.engine_config import SpecCounters, remaining_tokens
 from lanes.workers.settings import WorkerSettings
 
@@ -132,6 +134,10 @@ class HFSpeculativeEngine:
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        await warm_up(self)
+        with self._lock:  # count served requests only
+            self._spec = SpecCounters()
+            self._counts.update(target_forwards=0, draft_forwards=0, tokens_generated=0)
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,10 +146,14 @@ class HFSpeculativeEngine:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             return model.to(self.device).eval()
 
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self._target = load(self.model_dir)
-        if self.method == "draft_model":
-            self._draft = load(self.draft_dir)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._target = load(self.model_dir)
+            if self.method == "draft_model":
+                self._draft = load(self.draft_dir)
+        except (OSError, ValueError) as exc:  # no config.json, unknown architecture, bad files
+            raise ConfigError(f"cannot load the model (--model / --draft-model): "
+                              f"{str(exc).splitlines()[0]}") from exc
         eos = self._target.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.costmodel import CostProfile, SpecDecoding
-from lanes.workers.engines.base import EngineDelta, EngineRequest, RequestRejected
+from lanes.workers.engines.base import EngineDelta, EngineRequest, RequestRejected, warm_up
 
 #: Filler tokens get ids from here up (a made-up vocabulary).
 TOKEN_ID_BASE = 1000
@@ -58,6 +58,10 @@ class SimEngine:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="sim-engine")
+        # Exercises the same path as the real engines' warm-up; the counters then start at 0.
+        await warm_up(self, max_tokens=1)
+        self._num_steps = self._num_prefills = self._num_drafted = self._num_accepted = 0
+        self._batch_sizes.clear()
 
     async def close(self) -> None:
         if self._task is not None:

@@ -2,9 +2,21 @@
 
 ``tensorrt_llm`` is imported only in ``start()``. ``generate_async(..., streaming=True)`` returns
 one ``RequestOutput`` that is both the async iterator and the item it yields (mutated in place
-each step), so the mapping reads the per-step ``text_diff`` / ``token_ids_diff`` of
-``outputs[0]`` (``tensorrt_llm/executor/result.py``). ``delta_from_output`` and
-``error_from_exception`` are pure and tested with objects of that shape.
+each step; ``tensorrt_llm/executor/result.py``). ``StreamCursor`` reads its cumulative
+``text`` / ``token_ids`` and hands out what is new, holding back a tail that could be the start
+of a stop string: TensorRT-LLM trims a multi-token stop string only once it is complete, after
+its first tokens have already streamed.
+
+Checked against TensorRT-LLM 1.x (``tensorrt_llm/llmapi/llm.py``, ``executor/executor.py``):
+
+- A shut-down executor makes ``generate_async`` raise ``RuntimeError("LLM is shutting down")``,
+  and a fatal background error is re-raised as the original exception after ``shutdown()``.
+  Neither message says "dead", so death is read from the executor's state
+  (``llm._executor`` gone or ``is_shutdown()``), never from message text.
+- Per-request failures arrive as ``RequestError`` (``executor/utils.py``): that request fails,
+  the engine lives on.
+- With chunked prefill on, the PyTorch backend checks no prompt length, so the adapter checks
+  prompt + ``max_tokens`` against ``max_seq_len`` before submitting (``fit_max_tokens``).
 
 The request must be created inside the running event loop: TRT-LLM creates its async queue
 only when a loop exists at request creation.
@@ -14,58 +26,87 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import trtllm_priority
 from lanes.workers.engines.base import (
-    EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected,
+    ConfigError, EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected, warm_up,
 )
 from lanes.workers.engines.engine_config import (
-    ClassSpec, filter_supported, map_finish_reason, remaining_tokens, supported_names,
-    trtllm_llm_kwargs, trtllm_sampling_kwargs, validate,
+    ClassSpec, SpecCounters, filter_supported, fit_max_tokens, map_finish_reason, max_sequence_tokens,
+    remaining_tokens, supported_names, trtllm_llm_kwargs, trtllm_sampling_kwargs, validate,
 )
 from lanes.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 
-def delta_from_output(output: Any, prompt_tokens: int) -> EngineDelta | None:
-    """Map one streaming step of a TRT-LLM ``RequestOutput`` (None when it carries nothing).
+def holds_stop_prefix(text: str, stop: Sequence[str]) -> bool:
+    """True if ``text`` ends with the beginning (not the whole) of one of ``stop``."""
+    return any(text.endswith(s[:k]) for s in stop for k in range(1, len(s)))
 
-    ``finish_reason`` is ``stop|length|timeout|cancelled``; ``output.finished`` ends the stream.
+
+class StreamCursor:
+    """Turns the successive states of one streaming ``RequestOutput`` into our deltas.
+
+    Reads the cumulative ``outputs[0].text`` / ``token_ids`` and returns what follows the
+    last delta. While the text ends with the start of a stop string the whole step is held
+    (tokens and text stay together, so a resumed attempt never repeats or skips text);
+    the final state is always released, trimmed as TensorRT-LLM left it.
     """
-    completion = output.outputs[0] if output.outputs else None
-    token_ids = tuple(completion.token_ids_diff) if completion is not None else ()
-    text = completion.text_diff if completion is not None else ""
-    finish = map_finish_reason(completion.finish_reason) if completion is not None else None
-    if output.finished and finish is None:
-        finish = FinishReason.STOP
-    if not output.finished:
-        finish = None  # 'cancelled' is set before the final response: wait for it
-    if not token_ids and not text and finish is None:
-        return None
-    return EngineDelta(token_ids, text, finish, prompt_tokens)
+
+    def __init__(self, prompt_tokens: int, stop: Sequence[str] = ()) -> None:
+        self.prompt_tokens = prompt_tokens
+        self._stop = tuple(s for s in stop if s)
+        self._num_ids = 0
+        self._num_chars = 0
+
+    def step(self, output: Any) -> EngineDelta | None:
+        completion = output.outputs[0] if output.outputs else None
+        ids = list(completion.token_ids) if completion is not None else []
+        text = completion.text if completion is not None else ""
+        finish = None
+        if output.finished:  # 'cancelled' is set before the final response: wait for it
+            raw = completion.finish_reason if completion is not None else None
+            finish = map_finish_reason(raw) or FinishReason.STOP
+        elif holds_stop_prefix(text, self._stop):
+            return None
+        new_ids, new_text = ids[self._num_ids:], text[self._num_chars:]
+        self._num_ids, self._num_chars = max(self._num_ids, len(ids)), max(self._num_chars, len(text))
+        if not new_ids and not new_text and finish is None:
+            return None
+        return EngineDelta(tuple(new_ids), new_text, finish, self.prompt_tokens)
 
 
-def error_from_exception(exc: BaseException) -> EngineError:
-    """Map a TRT-LLM exception to our tree by class name (no tensorrt_llm import needed).
+def engine_is_dead(llm: Any) -> bool:
+    """The LLM's executor is gone or shutting down (``GenerationExecutor.is_shutdown``)."""
+    executor = getattr(llm, "_executor", None) if llm is not None else None
+    if executor is None:
+        return True
+    is_shutdown = getattr(executor, "is_shutdown", None)
+    return bool(is_shutdown()) if callable(is_shutdown) else False
 
-    Argument checks in ``generate_async`` raise ``ValueError`` (prompt longer than
-    ``max_seq_len`` / ``max_num_tokens``) → rejected; a shut-down executor → EngineDead;
-    per-request ``RequestError`` and the rest → EngineError.
+
+def error_from_exception(exc: BaseException, *, dead: bool) -> EngineError:
+    """Map a TRT-LLM exception to our tree; ``dead`` is ``engine_is_dead`` read after it.
+
+    Dead executor (or a newer release's ``EngineDeadError``) → EngineDead; ``RequestError`` →
+    this request failed (``generation_failed``); argument checks (``ValueError``/``TypeError``)
+    → ``prompt_too_long`` or ``invalid_request``; anything else → EngineError.
     """
     if isinstance(exc, EngineError):
         return exc
     names = {cls.__name__ for cls in type(exc).__mro__}
-    message = str(exc) or type(exc).__name__
-    lowered = message.lower()
-    if "shutdown" in lowered or "shut down" in lowered or "executor is dead" in lowered:
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if dead or "EngineDeadError" in names:
         return EngineDead(message)
+    if "RequestError" in names:
+        return RequestRejected("generation_failed", message)
     if names & {"ValueError", "TypeError"}:
-        long_prompt = "prompt length" in lowered or "max_seq_len" in lowered \
-            or "max_num_tokens" in lowered
+        lowered = message.lower()
+        long_prompt = "prompt length" in lowered or "max_seq_len" in lowered or "max_num_tokens" in lowered
         return RequestRejected("prompt_too_long" if long_prompt else "invalid_request", message)
     error = EngineError(message)
     error.__cause__ = exc
@@ -76,7 +117,10 @@ def build_class_spec(spec: ClassSpec, namespace: Any) -> Any | None:
     """Instantiate a ``ClassSpec`` from ``namespace`` (``tensorrt_llm.llmapi``).
 
     Tries ``fallbacks`` when the class is missing, renames ``speculative_model`` to the older
-    ``speculative_model_dir`` where needed, and drops kwargs the class does not know.
+    ``speculative_model_dir`` where needed, and drops kwargs the class does not know. An
+    optional spec the release lacks or rejects (e.g. ``waiting_queue_policy="priority"`` on a
+    ``SchedulerConfig`` that knows only FCFS: a pydantic ``ValidationError``) builds nothing,
+    with a warning; a required one raises ``ConfigError``.
     """
     for class_name in (spec.class_name, *spec.fallbacks):
         cls = getattr(namespace, class_name, None)
@@ -84,8 +128,9 @@ def build_class_spec(spec: ClassSpec, namespace: Any) -> Any | None:
             break
     else:
         if spec.optional:
+            log.warning("this TensorRT-LLM release has no %s; running without it", spec.class_name)
             return None
-        raise EngineError(f"this TensorRT-LLM release has no {spec.class_name}")
+        raise ConfigError(f"this TensorRT-LLM release has no {spec.class_name}")
     names = supported_names(cls)
     kwargs = dict(spec.kwargs)
     if "speculative_model" in kwargs and "speculative_model" not in names:
@@ -95,7 +140,15 @@ def build_class_spec(spec: ClassSpec, namespace: Any) -> Any | None:
         log.warning("%s lacks %s in this TensorRT-LLM release", class_name, dropped)
         if spec.optional and not kept:
             return None
-    return cls(**kept)
+    try:
+        return cls(**kept)
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        reason = str(exc).splitlines()[0]
+        if spec.optional:
+            log.warning("this TensorRT-LLM release rejects %s(%s): %s; running without it",
+                        class_name, kept, reason)
+            return None
+        raise ConfigError(f"this TensorRT-LLM release rejects {class_name}({kept}): {reason}") from exc
 
 
 def build_llm_kwargs(kwargs: Mapping[str, Any], namespace: Any) -> dict[str, Any]:
@@ -108,6 +161,18 @@ def build_llm_kwargs(kwargs: Mapping[str, Any], namespace: Any) -> dict[str, Any
                 continue
         built[key] = value
     return built
+
+
+def _model_max_positions(llm: Any, model: str) -> int | None:
+    config = getattr(llm, "_hf_model_config", None)
+    if config is None:
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError):
+            return None
+    return getattr(config, "max_position_embeddings", None)
 
 
 class TrtllmEngine:
@@ -123,22 +188,38 @@ class TrtllmEngine:
         self._running: dict[str, Any] = {}
         self._generate_params: frozenset[str] = frozenset()
         self._sampling_names: frozenset[str] = frozenset()
+        self.max_seq_len: int | None = None
+        self._spec = SpecCounters()
+        #: Optional config objects the installed release lacks or rejects (left out at start).
+        self.dropped_args: list[str] = []
 
     async def start(self) -> None:
         import tensorrt_llm
         from tensorrt_llm import llmapi
 
-        kwargs = build_llm_kwargs(trtllm_llm_kwargs(self.settings), llmapi)
         try:
+            # Inside the try: a release may reject one of the config objects.
+            wanted = trtllm_llm_kwargs(self.settings)
+            kwargs = build_llm_kwargs(wanted, llmapi)
+            self.dropped_args = sorted(set(wanted) - set(kwargs))
             # Loading builds CUDA graphs and warms up for tens of seconds: off the event loop.
             self._llm = await asyncio.to_thread(lambda: tensorrt_llm.LLM(**kwargs))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:  # LLM() validates its kwargs (pydantic)
+            raise ConfigError(f"TensorRT-LLM rejected the settings: {str(exc).splitlines()[0]}") from exc
         except Exception as exc:
             raise EngineError(f"TensorRT-LLM failed to start: {exc}") from exc
         self._generate_params = supported_names(self._llm.generate_async)
         self._sampling_names = supported_names(tensorrt_llm.SamplingParams)
+        self.max_seq_len = max_sequence_tokens(
+            self.settings.max_model_len, getattr(getattr(self._llm, "args", None), "max_seq_len", None),
+            _model_max_positions(self._llm, self.settings.model))
         if "priority" not in self._generate_params:
             log.warning("this TensorRT-LLM release has no per-request priority; lanes ordering "
                         "still holds in Redis")
+        await warm_up(self)
+        self._spec = SpecCounters()  # count served requests only
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         tokenizer = self._llm.tokenizer
@@ -150,43 +231,61 @@ class TrtllmEngine:
     def _submit(self, request: EngineRequest, prompt_ids: list[int]) -> Any:
         import tensorrt_llm
 
-        sampling, _ = filter_supported(trtllm_sampling_kwargs(request), self._sampling_names)
+        inputs = prompt_ids + list(request.resume_token_ids)
+        max_tokens = fit_max_tokens(len(inputs), remaining_tokens(request), self.max_seq_len)
+        sampling, _ = filter_supported(trtllm_sampling_kwargs(request, max_tokens), self._sampling_names)
         extra: dict[str, Any] = {}
         if "priority" in self._generate_params:
             extra["priority"] = trtllm_priority(request.lane)
         if "trace_headers" in self._generate_params and request.trace_headers:
             extra["trace_headers"] = dict(request.trace_headers)
         return self._llm.generate_async(
-            prompt_ids + list(request.resume_token_ids),
-            sampling_params=tensorrt_llm.SamplingParams(**sampling), streaming=True, **extra)
+            inputs, sampling_params=tensorrt_llm.SamplingParams(**sampling), streaming=True, **extra)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        if self._llm is None:
-            raise EngineDead("TensorRT-LLM engine is not started")
+        if engine_is_dead(self._llm):
+            raise EngineDead("TensorRT-LLM engine is not running")
         prompt_ids = self._prompt_ids(request)
         if remaining_tokens(request) == 0:
             yield EngineDelta((), "", FinishReason.LENGTH, len(prompt_ids))
             return
         try:
             result = self._submit(request, prompt_ids)  # inside the loop (see module doc)
+        except RequestRejected:
+            raise
         except Exception as exc:
-            raise error_from_exception(exc) from exc
+            raise error_from_exception(exc, dead=engine_is_dead(self._llm)) from exc
         self._running[request.id] = result
+        cursor = StreamCursor(len(prompt_ids), request.stop)
         finished = False
         try:
             async for output in result:
-                delta = delta_from_output(output, len(prompt_ids))
+                delta = cursor.step(output)
                 if delta is not None:
                     finished = delta.finish_reason is not None
+                    if finished:
+                        self._observe_spec(output)
                     yield delta
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            raise error_from_exception(exc) from exc
+            raise error_from_exception(exc, dead=engine_is_dead(self._llm)) from exc
         finally:
             self._running.pop(request.id, None)
-            if not finished and not result.finished:
+            if not finished and not result.finished and not engine_is_dead(self._llm):
                 result.abort()  # the consumer went away: free the slot and KV blocks
+
+    def _observe_spec(self, output: Any) -> None:
+        """Acceptance from a finished request: TRT-LLM reports its decoding iterations
+        (``RequestOutput.decoding_iter``), and each iteration yields one token plus the drafts it
+        accepted. Drafted tokens are counted as ``max_draft_len`` per iteration, so the rate is
+        a lower bound when the n-gram drafter finds no match; the mean length is exact."""
+        num_iters = int(getattr(output, "decoding_iter", 0) or 0)
+        if self.settings.spec_method == "none" or num_iters <= 0 or not output.outputs:
+            return
+        num_tokens = len(output.outputs[0].token_ids)
+        k = self.settings.num_speculative_tokens
+        self._spec.observe(num_iters, num_iters * k, max(0, num_tokens - num_iters))
 
     async def abort(self, request_id: str) -> None:
         result = self._running.get(request_id)
@@ -196,8 +295,11 @@ class TrtllmEngine:
     def stats(self) -> dict[str, Any]:
         """Requests this adapter has in flight; engine iteration stats need
         ``return_perf_metrics`` / ``get_stats_async`` and are left to trtllm-serve's /metrics."""
-        return {"engine": self.name, "active_requests": len(self._running),
-                "spec_method": self.settings.spec_method}
+        out: dict[str, Any] = {"engine": self.name, "active_requests": len(self._running),
+                               "spec_method": self.settings.spec_method}
+        if self.settings.spec_method != "none":
+            out.update(self._spec.as_dict())
+        return out
 
     async def close(self) -> None:
         for result in list(self._running.values()):
@@ -208,5 +310,5 @@ class TrtllmEngine:
             await asyncio.to_thread(llm.shutdown)
 
 
-__all__ = ["TrtllmEngine", "build_class_spec", "build_llm_kwargs", "delta_from_output",
-           "error_from_exception"]
+__all__ = ["StreamCursor", "TrtllmEngine", "build_class_spec", "build_llm_kwargs", "engine_is_dead",
+           "error_from_exception", "holds_stop_prefix"]

@@ -21,7 +21,8 @@ from typing import Any
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import vllm_priority
 from lanes.workers.engines.base import (
-    EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected,
+    ConfigError, EngineBusy, EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected,
+    warm_up,
 )
 from lanes.workers.engines.engine_config import (
     SpecCounters, filter_supported, map_finish_reason, remaining_tokens, supported_names,
@@ -51,22 +52,43 @@ def delta_from_output(output: Any, prompt_tokens: int) -> EngineDelta | None:
     return EngineDelta(token_ids, text, finish, prompt_tokens)
 
 
+#: Admission-control rejections of a full engine queue (``vllm/exceptions.py``): HTTP 503,
+#: "try again later". Only these names exist upstream; there is no ``MaxPendingTokensError``.
+_BUSY_ERRORS = frozenset({"QueueOverflowError", "MaxQueuedTokensError"})
+_CLIENT_ERRORS = frozenset({"VLLMValidationError", "VLLMClientError", "ValueError", "TypeError"})
+
+
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes: ``AsyncLLM.generate`` wraps unexpected errors as
+    ``raise EngineGenerateError() from e`` (no message of its own)."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__  # type: ignore[assignment]
+    return chain
+
+
 def error_from_exception(exc: BaseException) -> EngineError:
     """Map a vLLM exception to our tree by class name (so no vllm import is needed).
 
-    ``EngineDeadError`` → EngineDead; ``QueueOverflowError`` (engine queue cap) → rejected as
-    ``overloaded``; validation errors (``VLLMValidationError``, ``VLLMClientError``,
-    ``ValueError``) → ``prompt_too_long`` or ``invalid_request``; anything else → EngineError.
+    Matches ``vllm/v1/engine/exceptions.py`` and ``vllm/exceptions.py`` from 0.11 to today:
+    ``EngineDeadError`` → EngineDead; a full engine queue (``QueueOverflowError``,
+    ``MaxQueuedTokensError``: ``GracefulHTTPError`` subclasses, which derive from ``VLLMError``
+    today and from ``ValueError`` in older releases, and may arrive as the cause of an
+    ``EngineGenerateError``) → EngineBusy, so the worker hands the request back to its lane;
+    request validation (``VLLMClientError``/``VLLMValidationError`` today, ``ValueError`` in
+    0.11) → ``prompt_too_long`` or ``invalid_request``; anything else → EngineError.
     """
     if isinstance(exc, EngineError):
         return exc
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    message = str(exc) or type(exc).__name__
+    chain = _cause_chain(exc)
+    names = {cls.__name__ for err in chain for cls in type(err).__mro__}
+    message = next((str(err) for err in chain if str(err)), type(exc).__name__)
     if "EngineDeadError" in names:
         return EngineDead(message)
-    if "QueueOverflowError" in names or "MaxPendingTokensError" in names:
-        return RequestRejected("overloaded", message)
-    if names & {"VLLMValidationError", "VLLMClientError", "ValueError", "TypeError"}:
+    if names & _BUSY_ERRORS:
+        return EngineBusy(message)
+    if {cls.__name__ for cls in type(exc).__mro__} & _CLIENT_ERRORS:
         lowered = message.lower()
         if any(hint in lowered for hint in _PROMPT_TOO_LONG_HINTS):
             return RequestRejected("prompt_too_long", message)
@@ -145,6 +167,8 @@ class VllmEngine:
         self._relays: dict[str, DeltaRelay] = {}
         self._scheduler_stats: Any = None
         self._spec = SpecCounters()
+        #: Engine arguments the installed vLLM lacks (dropped at start, with a warning).
+        self.dropped_args: list[str] = []
 
     async def start(self) -> None:
         from vllm import SamplingParams, TokensPrompt  # noqa: F401 - fail early if missing
@@ -153,15 +177,20 @@ class VllmEngine:
 
         kwargs, dropped = filter_supported(vllm_engine_kwargs(self.settings),
                                            supported_names(AsyncEngineArgs))
+        self.dropped_args = dropped
         if dropped:
             log.warning("this vLLM release lacks engine args %s; running without them", dropped)
         try:
             self._engine = AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger_factory()])
-        except Exception as exc:  # bad model path, unsupported config...
+        except (ValueError, TypeError, NotImplementedError) as exc:  # a config vLLM rejects
+            raise ConfigError(f"vLLM rejected the settings: {str(exc).splitlines()[0]}") from exc
+        except Exception as exc:  # out of GPU memory, CUDA errors...
             raise EngineError(f"vLLM failed to start: {exc}") from exc
         tokenizer = self._engine.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
+        await warm_up(self)
+        self._spec = SpecCounters()  # count served requests only
 
     def _stat_logger_factory(self) -> Any:
         """A ``StatLoggerFactory`` whose logger keeps the latest scheduler stats for ``stats()``."""
@@ -195,8 +224,9 @@ class VllmEngine:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        if self._engine is None:
-            raise EngineDead("vLLM engine is not started")
+        # ``AsyncLLM.errored``: the engine core died or the output handler stopped (shutdown).
+        if self._engine is None or getattr(self._engine, "errored", False):
+            raise EngineDead("vLLM engine is not running")
         prompt_ids = self._prompt_ids(request)
         if remaining_tokens(request) == 0:  # a resumed request that had already finished
             yield EngineDelta((), "", FinishReason.LENGTH, len(prompt_ids))
@@ -229,6 +259,8 @@ class VllmEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if self._engine is None or getattr(self._engine, "errored", False):
+                raise EngineDead(f"vLLM engine is not running ({type(exc).__name__})") from exc
             raise error_from_exception(exc) from exc
 
     async def abort(self, request_id: str) -> None:

@@ -1,11 +1,16 @@
 """Where the models live: the shipped demo model, and how a ``--model`` setting is resolved.
 
 Kept free of torch and transformers so that settings code and the CLI can import it cheaply.
+``check_model`` turns the two usual mistakes (a directory that does not exist, a hub id that
+is not in the offline cache) into a ``ConfigError`` at start-up instead of a loader traceback.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from lanes.workers.engines.base import ConfigError
 
 #: The trained demo model shipped in the package (``lanes model train-demo`` writes it).
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo"
@@ -39,3 +44,33 @@ def resolve_draft(spec: str, model_spec: str) -> str:
     if not model_spec or Path(model_spec).expanduser().resolve() == DEMO_TARGET_DIR:
         return str(DEMO_DRAFT_DIR)
     return ""
+
+
+def looks_like_path(spec: str) -> bool:
+    """A setting meant as a local directory: absolute, relative (``./x``), ``~`` or with
+    more than one ``/`` (a hub id is ``name`` or ``org/name``)."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
+
+
+def check_model(spec: str, setting: str = "--model / LANES_MODEL") -> None:
+    """Raise ``ConfigError`` naming ``setting`` if ``spec`` (already resolved) cannot load:
+    a missing directory, a malformed hub id, or (offline) a hub id absent from the cache."""
+    if Path(spec).expanduser().is_dir():
+        return
+    if looks_like_path(spec):
+        raise ConfigError(f"model directory {spec} does not exist ({setting}): give a Hugging Face "
+                          "model directory, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        raise ConfigError(f"model {spec!r} is neither a directory nor a Hugging Face hub id "
+                          f"({setting})") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        raise ConfigError(
+            f"model {spec} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"HF_HUB_OFFLINE=1 forbids downloading it ({setting}): download it first "
+            f"(`hf download {spec}`), unset HF_HUB_OFFLINE, or give a local model directory")

@@ -53,12 +53,15 @@ def build_tiny(
     num_draft_layers: int = 1,
     seed: int = 0,
     draft_equals_target: bool = False,
+    dtype: str = "float32",
 ) -> TinyModelPaths:
     """Build and save a random target Llama and its draft under ``out_dir/{target,draft}``.
 
     The draft is the target truncated to its first ``num_draft_layers`` layers (sharing the
     embeddings, final norm and tied head), or an exact copy when ``draft_equals_target``.
-    ``hidden_size`` must be a multiple of 4 (4 attention heads, 2 KV heads).
+    ``hidden_size`` must be a multiple of 4 (4 attention heads, 2 KV heads): the head dim is
+    ``hidden_size / 4``. GPU engines want a head dim of 64 or more and bf16 weights
+    (``hidden_size=256, dtype="bfloat16"``).
     """
     tokenizer = train_tokenizer(pydoc_topics(), vocab_size=vocab_size)
     torch.manual_seed(seed)
@@ -67,7 +70,8 @@ def build_tiny(
         num_kv_heads=2, intermediate_size=3 * hidden_size, initializer_range=0.1,
     ))
     draft = truncated_copy(target, num_layers if draft_equals_target else num_draft_layers)
-    return save_pair(Path(out_dir), tokenizer, target, draft)
+    torch_dtype = getattr(torch, dtype)
+    return save_pair(Path(out_dir), tokenizer, target.to(torch_dtype), draft.to(torch_dtype))
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int) -> PreTrainedTokenizerFast:

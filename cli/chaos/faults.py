@@ -12,8 +12,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from lanes.cli.chaos_cluster import Cluster, cpu_seconds
-from lanes.cli.chaos_load import Ledger, LoadClient, Tally, until
+from lanes.cli.chaos.load import Ledger, LoadClient, Tally, until
+from lanes.cli.chaos.rig import Rig, cpu_seconds
 
 #: How long a fault waits for its requests to end before counting the rest as lost.
 END_TIMEOUT_S = 90.0
@@ -43,33 +43,29 @@ def _streaming(ledger: Ledger, ids: list[str], min_deltas: int = 2) -> int:
     return sum(len(ledger[rid].seqs) >= min_deltas and ledger[rid].end is None for rid in ids)
 
 
-async def _holders(cluster: Cluster, ids: list[str]) -> dict[str, list[str]]:
+async def _holders(rig: Rig, ids: list[str]) -> dict[str, list[str]]:
     """Worker id -> the running requests it holds (from the request hashes)."""
-    client = cluster.client()
-    try:
-        held: dict[str, list[str]] = {}
-        for rid in ids:
-            state, worker = await client.hmget(f"{cluster.prefix}:{{q}}:req:{rid}", "state", "worker")
-            if state == b"running" and worker:
-                held.setdefault(worker.decode(), []).append(rid)
-        return held
-    finally:
-        await client.aclose()
+    held: dict[str, list[str]] = {}
+    for rid, (state, worker) in (await rig.request_states(ids)).items():
+        if state == "running" and worker:
+            held.setdefault(worker, []).append(rid)
+    return held
 
 
-async def worker_kill(cluster: Cluster) -> FaultReport:
+async def worker_kill(rig: Rig) -> FaultReport:
     """SIGKILL the busiest worker mid-answer; a replacement is started once the fault is over.
 
     The load fills under two thirds of the slots, so the survivors have room for the dead
     worker's requests and the measured recovery is the lease + reaper path, not a wait in line.
     """
+    cluster = rig.cluster
     ledger = Ledger()
     client = await LoadClient.connect(cluster.edge_urls["edge_a"], ledger)
     num_workers = cluster.num_workers()
-    count = (num_workers - 1) * cluster.slots_per_worker - 1
+    count = (num_workers - 1) * rig.slots_per_worker - 1
     ids = await _send(client, "wk", count, max_tokens=150)
     await until(lambda: _streaming(ledger, ids, 3) >= count * 2 // 3, 30)
-    held = await _holders(cluster, ids)
+    held = await _holders(rig, ids)
     victim = max(held, key=lambda w: len(held[w]))
     killed_at = time.monotonic()
     cluster.kill(victim.removeprefix(f"{cluster.prefix}-"))
@@ -79,15 +75,16 @@ async def worker_kill(cluster: Cluster) -> FaultReport:
     await client.close()
     recovered = sorted(ledger[rid].delta_arrivals[n] - killed_at for rid, n in before.items()
                        if len(ledger[rid].delta_arrivals) > n)
-    cluster.start_worker(f"{victim.removeprefix(cluster.prefix + '-')}r")
+    rig.start_worker(f"{victim.removeprefix(cluster.prefix + '-')}r")
     notes: dict[str, float | int | str] = {"killed_holding": len(before)}
     if recovered:
         notes |= {"recovery_first_s": round(recovered[0], 2), "recovery_last_s": round(recovered[-1], 2)}
     return FaultReport("worker kill -9", ledger.tally(ids), notes)
 
 
-async def client_cancel(cluster: Cluster) -> FaultReport:
+async def client_cancel(rig: Rig) -> FaultReport:
     """Cancel queued and running requests; a second client disconnects for good."""
+    cluster = rig.cluster
     ledger = Ledger()
     stays = await LoadClient.connect(cluster.edge_urls["edge_a"], ledger)
     leaves = await LoadClient.connect(cluster.edge_urls["edge_b"], ledger)
@@ -104,7 +101,7 @@ async def client_cancel(cluster: Cluster) -> FaultReport:
         ledger[rid].departed = True
     await leaves.close()
     await _wait_ended(ledger, ids)
-    await _confirm_departed_cancelled(cluster, ledger, gone)
+    await _confirm_departed_cancelled(rig, ledger, gone)
     await stays.close()
     abort_ms = [(ledger[r].ended_at - sent_at[r]) * 1000 for r in running if ledger[r].ended_at]
     notes: dict[str, float | int | str] = {"cancelled_running": len(running),
@@ -116,24 +113,21 @@ async def client_cancel(cluster: Cluster) -> FaultReport:
     return FaultReport("client cancel/disconnect", ledger.tally(ids + gone), notes)
 
 
-async def _confirm_departed_cancelled(cluster: Cluster, ledger: Ledger, ids: list[str]) -> None:
+async def _confirm_departed_cancelled(rig: Rig, ledger: Ledger, ids: list[str]) -> None:
     """A departed client's requests count as cancelled only if Redis says so (else lost)."""
-    client = cluster.client()
-    try:
-        states: list[bytes | None] = []
-        for _ in range(50):
-            states = [await client.hget(f"{cluster.prefix}:{{q}}:req:{rid}", "state") for rid in ids]
-            if all(s == b"cancelled" for s in states):
-                break
-            await asyncio.sleep(0.1)
-        for rid, state in zip(ids, states):
-            ledger[rid].departed_cancelled = state == b"cancelled"
-    finally:
-        await client.aclose()
+    states: dict[str, tuple[str, str]] = {}
+    for _ in range(50):
+        states = await rig.request_states(ids)
+        if all(state == "cancelled" for state, _ in states.values()):
+            break
+        await asyncio.sleep(0.1)
+    for rid, (state, _) in states.items():
+        ledger[rid].departed_cancelled = state == "cancelled"
 
 
-async def edge_kill(cluster: Cluster) -> FaultReport:
+async def edge_kill(rig: Rig) -> FaultReport:
     """SIGKILL the client's edge mid-answer; it resumes every request on the other edge."""
+    cluster = rig.cluster
     ledger = Ledger()
     first = await LoadClient.connect(cluster.edge_urls["edge_a"], ledger)
     ids = await _send(first, "ek", 40, max_tokens=200)
@@ -148,14 +142,15 @@ async def edge_kill(cluster: Cluster) -> FaultReport:
         await second.resume(rid)
     await _wait_ended(ledger, ids)
     await second.close()
-    cluster.start_edge("edge_a")  # back for the next faults (a new port, the same edge id)
+    await asyncio.to_thread(cluster.start_edge, "edge_a")  # back for the next faults (new port, same id)
     last_end = max((ledger[r].ended_at or resumed_at) for r in resumed) if resumed else resumed_at
     return FaultReport("edge kill -9 + resume", ledger.tally(ids),
                        {"resumed": len(resumed), "all_ended_after_resume_s": round(last_end - resumed_at, 2)})
 
 
-async def overload(cluster: Cluster, capacity: int) -> FaultReport:
+async def overload(rig: Rig, capacity: int) -> FaultReport:
     """A burst of ~10x the slots at once over several connections and both edges."""
+    cluster = rig.cluster
     ledger = Ledger()
     num_clients, total = 8, 10 * capacity
     urls = [cluster.edge_urls["edge_a"], cluster.edge_urls["edge_b"]]
@@ -172,8 +167,9 @@ async def overload(cluster: Cluster, capacity: int) -> FaultReport:
                        {"burst": len(ids), "slots": capacity, "drained_s": round(drained_s, 2)})
 
 
-async def redis_restart(cluster: Cluster, num_workers: int, outage_s: float = 2.0) -> FaultReport:
+async def redis_restart(rig: Rig, num_workers: int, outage_s: float = 2.0) -> FaultReport:
     """Stop redis-server under load, start it again (empty) on the same port."""
+    cluster = rig.cluster
     ledger = Ledger()
     client = await LoadClient.connect(cluster.edge_urls["edge_a"], ledger)
     ids = await _send(client, "rr", 20, max_tokens=300)
@@ -190,7 +186,7 @@ async def redis_restart(cluster: Cluster, num_workers: int, outage_s: float = 2.
     await _wait_ended(ledger, ids + during)
     in_flight_ended_s = time.monotonic() - restarted_at
     try:
-        await cluster.wait_workers(num_workers, 30)
+        await rig.wait_workers(num_workers, 30)
     except (TimeoutError, RuntimeError):
         pass  # the requests below then show it
     after = await _send(client, "ra", 10, max_tokens=40)
@@ -202,21 +198,21 @@ async def redis_restart(cluster: Cluster, num_workers: int, outage_s: float = 2.
     })
 
 
-async def run_all(cluster: Cluster, num_workers: int) -> list[FaultReport]:
+async def run_all(rig: Rig, num_workers: int) -> list[FaultReport]:
     """Start the processes, then every fault in turn (Redis last: it empties the state)."""
-    cluster.start_redis()
+    cluster = rig.cluster
     cluster.start_scheduler()
-    cluster.start_edge("edge_a")
-    cluster.start_edge("edge_b")
+    for name in ("edge_a", "edge_b"):
+        await asyncio.to_thread(cluster.start_edge, name)
     for i in range(num_workers):
-        cluster.start_worker(f"w{i}")
-    await cluster.wait_workers(num_workers)
-    capacity = num_workers * cluster.slots_per_worker
-    reports = [await worker_kill(cluster)]
-    await cluster.wait_workers(num_workers)
-    reports.append(await client_cancel(cluster))
-    reports.append(await edge_kill(cluster))
-    reports.append(await overload(cluster, capacity))
-    reports.append(await redis_restart(cluster, num_workers))
+        rig.start_worker(f"w{i}")
+    await rig.wait_workers(num_workers)
+    capacity = num_workers * rig.slots_per_worker
+    reports = [await worker_kill(rig)]
+    await rig.wait_workers(num_workers)
+    reports.append(await client_cancel(rig))
+    reports.append(await edge_kill(rig))
+    reports.append(await overload(rig, capacity))
+    reports.append(await redis_restart(rig, num_workers))
     return reports
 

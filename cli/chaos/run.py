@@ -20,9 +20,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lanes.cli.chaos_cluster import Cluster
-from lanes.cli.chaos_faults import FaultReport, run_all
-from lanes.cli.chaos_load import Tally
+from lanes.cli.chaos.faults import FaultReport, run_all
+from lanes.cli.chaos.load import Tally
+from lanes.cli.chaos.rig import Rig
 
 
 def totals(reports: list[FaultReport]) -> Tally:
@@ -59,14 +59,14 @@ def run_chaos(*, as_json: bool, workers: int, slots: int, time_scale: float) -> 
     """Run every fault; exit status 1 if any request was lost, duplicated or gapped."""
     console = Console(stderr=as_json, width=110)
     log_dir = Path(tempfile.mkdtemp(prefix="lanes-chaos-"))
-    cluster = Cluster(log_dir, time_scale=time_scale, slots_per_worker=slots, max_depth=2 * workers * slots)
+    rig = Rig.create(log_dir, time_scale=time_scale, slots_per_worker=slots, max_depth=2 * workers * slots)
     config = {"workers": workers, "slots_per_worker": slots, "sim_time_scale": time_scale, "edges": 2,
-              "lease_ms": 1500, "heartbeat_s": 0.3, "max_depth_per_lane": cluster.max_depth}
+              "lease_ms": 1500, "heartbeat_s": 0.3, "max_depth_per_lane": rig.max_depth}
     started = time.monotonic()
     try:
-        reports = asyncio.run(run_all(cluster, workers))
+        reports = asyncio.run(run_all(rig, workers))
     finally:
-        cluster.close()
+        rig.close()
     elapsed_s = time.monotonic() - started
     if as_json:
         print(json.dumps(to_json(reports, config, elapsed_s)))

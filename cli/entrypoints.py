@@ -1,0 +1,156 @@
+"""Entry points of the three process types (``lanes edge|worker|scheduler``).
+
+Each parses its settings once, checks what it depends on before anything slow (Redis at
+``LANES_REDIS_URL``; for a worker its settings and model; for an edge its port), sets up
+logging and tracing, and runs until SIGINT/SIGTERM. What it cannot fix is raised as a
+``ConfigFailure`` / ``ConfigError``: the command line prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from prometheus_client import start_http_server
+from redis.exceptions import AuthenticationError, RedisError
+
+from lanes.cli.failures import ConfigFailure, safe_url
+from lanes.queue.plane import QueuePlane
+from lanes.queue.settings import RedisSettings
+from lanes.telemetry.logs import setup_logging
+from lanes.telemetry.tracing import setup_tracing
+
+log = logging.getLogger(__name__)
+
+#: How long a process waits for Redis to answer at start-up before it gives up (exit 2).
+REDIS_CHECK_TIMEOUT_S = 5.0
+
+
+def run_until_signal(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main``; SIGTERM/SIGINT cancel it so ``finally`` blocks release leases and sockets."""
+
+    async def runner() -> None:
+        task = asyncio.ensure_future(main)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            log.info("stopped by signal")
+
+    asyncio.run(runner())
+
+
+async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_S) -> None:
+    """One round trip to Redis; ``ConfigFailure`` naming ``LANES_REDIS_URL`` and the address
+    tried (never the password) if it does not answer."""
+    url = safe_url(plane.settings.redis_url)
+    try:
+        await asyncio.wait_for(plane.server_time_ms(), timeout_s)
+    except AuthenticationError as exc:
+        raise ConfigFailure(f"Redis at {url} refused the login ({exc}): fix the password in "
+                            "LANES_REDIS_URL (redis://:PASSWORD@host:port/db)") from None
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        reason = _unreachable_reason(exc, timeout_s)
+        raise ConfigFailure(
+            f"cannot reach Redis at {url} (LANES_REDIS_URL): {reason}. Start Redis there or "
+            "point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL starts its own)"
+        ) from None
+
+
+def _unreachable_reason(exc: BaseException, timeout_s: float) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    lowered = text.lower()
+    if not text or isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within {timeout_s:.0f} s"
+    if "connection refused" in lowered or "connect call failed" in lowered:
+        return "connection refused"
+    if "name or service not known" in lowered or "name resolution" in lowered or "nodename" in lowered:
+        return "unknown host"
+    return text.rstrip(".")
+
+
+def _setup(settings: RedisSettings, process: str) -> QueuePlane:
+    setup_logging(settings.log_level, process)
+    setup_tracing(f"lanes-{process}", settings.otel_exporter)
+    return QueuePlane.from_settings(settings)
+
+
+def _serve(plane: QueuePlane, body: Callable[[], Awaitable[None]]) -> None:
+    """Check Redis, then run ``body`` until a signal; the plane is closed either way."""
+
+    async def main() -> None:
+        try:
+            await check_redis(plane)
+            await body()
+        finally:
+            await plane.close()
+
+    run_until_signal(main())
+
+
+def run_edge(overrides: dict[str, Any]) -> None:
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+
+    settings = EdgeSettings(**overrides)
+    plane = _setup(settings, "edge")
+
+    async def body() -> None:
+        try:
+            await Edge(settings, plane).serve()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ConfigFailure(
+                f"port {settings.port} on {settings.host} is already in use (--port / LANES_PORT): "
+                "stop what listens there or choose another port") from None
+
+    _serve(plane, body)
+
+
+def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: int = 0) -> None:
+    from lanes.workers.factory import build_engine
+    from lanes.workers.settings import WorkerSettings
+    from lanes.workers.worker import Worker
+
+    # torch runs on the batching thread, not the main one; with libgomp's default active
+    # wait its idle OpenMP threads spin and starve prefill on small machines (p99 TTFT 910 ms
+    # -> 32 ms with PASSIVE: benchmarks/RESULTS.md). Must be set before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    settings = WorkerSettings(**overrides)
+    if settings.engine in ("vllm", "trtllm"):
+        # Both engines take the GPU they can see; one worker process per GPU.
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(settings.gpu_index))
+    plane = _setup(settings, "worker")
+    # ConfigError here (bad combination, missing model): one line, exit 2, before Redis is
+    # even asked. The model loads (and warms up) in ``Worker.serve``, after the Redis check.
+    engine = build_engine(settings)
+    if metrics_port:
+        start_http_server(metrics_port, addr="127.0.0.1")
+
+    async def body() -> None:
+        await Worker(settings, plane, engine).serve(burst=burst)
+
+    _serve(plane, body)
+
+
+def run_scheduler(overrides: dict[str, Any]) -> None:
+    from lanes.scheduler.service import Scheduler
+    from lanes.scheduler.settings import SchedulerSettings
+
+    settings = SchedulerSettings(**overrides)
+    plane = _setup(settings, "scheduler")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr="127.0.0.1")
+
+    async def body() -> None:
+        await Scheduler(settings, plane).serve()
+
+    _serve(plane, body)

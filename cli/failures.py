@@ -1,0 +1,82 @@
+"""Expected failures of the command line, and how they reach the user: one or two lines that
+name the cause and the fix (the setting, the flag, the path), and an exit status.
+
+Exit statuses (``lanes up`` and the process harness rely on them)::
+
+    1   a failure that may pass by itself (a crash, a server that went away): restart it
+    2   a configuration error: restarting cannot help, the user must change something
+    130 interrupted (Ctrl-C)
+
+Tracebacks are for bugs: an expected failure prints one only with ``--debug`` or
+``LANES_DEBUG=1``.
+
+Exception tree::
+
+    Failure                 exit 1
+    └── ConfigFailure       exit 2 (as is ``workers.engines.base.ConfigError``)
+"""
+
+from __future__ import annotations
+
+import sys
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+
+class Failure(Exception):
+    """An expected failure; ``str()`` is the whole message the user sees."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigFailure(Failure):
+    """A setting, flag or path must change; retrying as it is cannot work."""
+
+    exit_code = EXIT_CONFIG
+
+
+class CliSettings(BaseSettings):
+    """What the command line itself reads from the environment (prefix ``LANES_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LANES_", extra="ignore")
+
+    #: Show tracebacks for expected failures too (same as ``--debug``).
+    debug: bool = False
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password (``redis://:secret@h:1/0`` -> ``redis://:***@h:1/0``)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def exit_code_for(exc: BaseException) -> int | None:
+    """The exit status of an expected failure, or None for anything else (a bug)."""
+    from lanes.workers.engines.base import ConfigError
+
+    if isinstance(exc, Failure):
+        return exc.exit_code
+    if isinstance(exc, ConfigError):
+        return EXIT_CONFIG
+    return None
+
+
+def report(exc: BaseException) -> int | None:
+    """Print an expected failure as one message on stderr; returns its exit status, or None
+    (print nothing) when ``exc`` is not an expected failure."""
+    code = exit_code_for(exc)
+    if code is None:
+        return None
+    prefix = "configuration error" if code == EXIT_CONFIG else "error"
+    print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
+    return code

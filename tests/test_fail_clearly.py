@@ -1,0 +1,106 @@
+"""Every expected failure of a lanes process ends in one line that names the cause and the fix,
+with exit status 2 for a configuration error, and no traceback unless ``--debug`` /
+``LANES_DEBUG=1`` asks for one. Real processes, real sockets, a real (unreachable) Redis URL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from lanes.cli.failures import safe_url
+
+REFUSED_REDIS = "redis://:hunter2@127.0.0.1:1/0"
+
+
+def lanes(*args: str, timeout_s: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lanes.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+
+def no_traceback(out: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_edge_on_a_taken_port_exits_2_naming_the_port(redis_url: str, taken_port: int) -> None:
+    out = lanes("edge", "--port", str(taken_port), LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"configuration error: port {taken_port} on 127.0.0.1 is already in use (--port / LANES_PORT): "
+        "stop what listens there or choose another port")
+    no_traceback(out)
+
+
+@pytest.mark.parametrize("command", [["edge", "--port", "0"], ["worker", "--engine", "sim"], ["scheduler"]])
+def test_unreachable_redis_is_one_line_naming_the_setting_and_address(command: list[str]) -> None:
+    out = lanes(*command, LANES_REDIS_URL=REFUSED_REDIS)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "configuration error: cannot reach Redis at redis://:***@127.0.0.1:1/0 (LANES_REDIS_URL): connection "
+        "refused. Start Redis there or point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL "
+        "starts its own)")
+    assert "hunter2" not in out.stderr + out.stdout
+    no_traceback(out)
+
+
+def test_a_missing_model_directory_exits_2_before_loading(redis_url: str) -> None:
+    out = lanes("worker", "--model", "/nonexistent/model", LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2
+    assert "configuration error: model directory /nonexistent/model does not exist (--model / LANES_MODEL)" \
+        in out.stderr
+    no_traceback(out)
+
+
+def test_a_hub_id_missing_from_the_offline_cache_exits_2(redis_url: str, tmp_path) -> None:
+    out = lanes("worker", "--model", "example-org/not-cached-model", LANES_REDIS_URL=redis_url,
+                HF_HUB_CACHE=str(tmp_path), HF_HOME=str(tmp_path))
+    assert out.returncode == 2
+    assert "model example-org/not-cached-model is not in the Hugging Face cache" in out.stderr
+    assert "HF_HUB_OFFLINE=1 forbids downloading it (--model / LANES_MODEL)" in out.stderr
+    no_traceback(out)
+
+
+def test_a_directory_that_is_not_a_model_exits_2_naming_it(redis_url: str, tmp_path) -> None:
+    out = lanes("worker", "--model", str(tmp_path), LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2
+    assert f"configuration error: cannot load the model {tmp_path} (--model / LANES_MODEL)" in out.stderr
+    no_traceback(out)
+
+
+def test_chat_to_a_closed_port_is_one_line() -> None:
+    with socket.socket() as sock:  # bound, not listening: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        url = f"ws://127.0.0.1:{sock.getsockname()[1]}/v1/chat"
+        out = lanes("chat", "--url", url, "hello")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"error: cannot connect to {url}: connection refused; is `lanes up` (or `lanes edge`) running there? (--url)"]
+    no_traceback(out)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(how: str) -> None:
+    args = ["--debug"] if how == "flag" else []
+    env = {"LANES_DEBUG": "1"} if how == "env" else {}
+    out = lanes(*args, "chat", "--url", "ws://127.0.0.1:1/v1/chat", "hello", **env)
+    assert out.returncode != 0 and "Traceback" in out.stderr
+    assert "cannot connect to ws://127.0.0.1:1/v1/chat" in out.stderr
+
+
+def test_safe_url_hides_only_the_password() -> None:
+    assert safe_url("redis://:s3cret@10.0.0.5:6380/2") == "redis://:***@10.0.0.5:6380/2"
+    assert safe_url("rediss://user:s3cret@h:1/0") == "rediss://user:***@h:1/0"
+    assert safe_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert safe_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
