@@ -10,7 +10,7 @@ import pytest
 
 from lanes.scheduler.router.complexity import ComplexityModel, ComplexityModelError
 from lanes.scheduler.router.evaluate import auc, dataset_folds, held_out_complexity, prompt_folds, routing_point
-from lanes.scheduler.router.features import NUM_CUES, cue_values, word_slots
+from lanes.scheduler.router.features import FEATURE_VERSION, NUM_CUES, cue_values, word_slots
 from lanes.scheduler.router.policy import RouteReason, UnknownPoolError, route
 from lanes.scheduler.router.rules import RoutingRules, RulesError, Tier, load_rules, parse_rules
 
@@ -184,7 +184,7 @@ def test_corrupt_or_foreign_weights_are_clear_errors(tmp_path: Path) -> None:
     foreign = tmp_path / "other.npz"
     header = json.dumps({"kind": "router-complexity", "feature_version": 999, "intercept": 0.0})
     np.savez(foreign, header=np.frombuffer(header.encode(), dtype=np.uint8))
-    with pytest.raises(ComplexityModelError, match="v999, need router-complexity v1"):
+    with pytest.raises(ComplexityModelError, match=f"v999, need router-complexity v{FEATURE_VERSION}"):
         ComplexityModel.load(foreign)
 
 

@@ -19,13 +19,16 @@ import zlib
 import numpy as np
 
 #: Bumped whenever ``word_slots`` or ``cue_values`` change meaning; stored with the weights.
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 NUM_BUCKETS_LOG2 = 14
 NUM_BUCKETS = 1 << NUM_BUCKETS_LOG2
 #: Words read from each end of a prompt: the instruction is almost always at one end, and the
 #: cap bounds latency on pasted documents.
 MAX_HEAD_WORDS, MAX_TAIL_WORDS = 160, 64
-MAX_HEAD_CHARS, MAX_TAIL_CHARS = 2048, 512
+#: Characters read from each end before words are split (a bound on work for pasted documents).
+MAX_WORD_HEAD_CHARS, MAX_WORD_TAIL_CHARS = 2048, 512
+#: Characters the cue regexes read from each end: their cost grows with the text (~0.5 us/char).
+MAX_HEAD_CHARS, MAX_TAIL_CHARS = 1024, 256
 
 _WORD_RE = re.compile(r"[^\W_]+|[^\w\s]")
 _SENTENCE_END_RE = re.compile(r"[.!?](\s|$)")
@@ -41,13 +44,13 @@ CUE_PATTERNS: tuple[tuple[str, str], ...] = (
     ("how_why", r"^\W*(how|why)\b"),
     ("advice", r"\b(should i|how (do|can) i|help me|advice|recommend|suggest|tips|best way)\b"),
     ("list", r"\b(list|ideas|examples|steps|ways|reasons|options|names)\b"),
-    ("code", r"(```|\bdef |\bfunction\b|\bcode\b|\bpython\b|\bjavascript\b|\bsql\b|\bjava\b|\bc\+\+|\bregex"
-     r"|\bprogram\b|[{};]\s*$)"),
-    ("math", r"(\d+\s*[-+*/^=x×]\s*\d+|\bsolve\b|\bcalculate\b|\bequation\b|\bprobability\b|\bproof\b|\bprove\b)"),
+    ("code", r"```|\b(?:def |function\b|code\b|python\b|javascript\b|sql\b|java\b|c\+\+|regex|program\b)"
+     r"|[{};][^\S\n]*$"),
+    ("math", r"\d\s*[-+*/^=x×]\s*\d|\b(?:solve|calculate|equation|probability|proof|prove)\b"),
     ("reasoning", r"\b(step[- ]by[- ]step|reason|logic|puzzle|riddle|trick|why does|what if)\b"),
     ("brief", r"\b(brief|briefly|short|concise|one sentence|one word|in a few words|summary)\b"),
     ("detail", r"\b(in detail|detailed|comprehensive|thorough|in depth|in-depth|complete guide)\b"),
-    ("has_input", r"(\binput\b\s*:|\btext\b\s*:|\bsentence\b\s*:|:\s*\n|\"[^\"]{40,}\")"),
+    ("has_input", r"\b(?:input|text|sentence)\b\s*:|:\s*\n|\"[^\"]{40,}\""),
     ("opinion", r"\b(you think|your opinion|do you|are you|would you|feel about)\b"),
 )
 _CUE_RES = tuple(re.compile(pattern, re.IGNORECASE | re.MULTILINE) for _, pattern in CUE_PATTERNS)
@@ -59,10 +62,10 @@ CUE_NAMES: tuple[str, ...] = (
 NUM_CUES = len(CUE_NAMES)
 
 
-def _clip(text: str) -> str:
-    if len(text) <= MAX_HEAD_CHARS + MAX_TAIL_CHARS:
+def _clip(text: str, head: int, tail: int) -> str:
+    if len(text) <= head + tail:
         return text
-    return text[:MAX_HEAD_CHARS] + "\n" + text[-MAX_TAIL_CHARS:]
+    return text[:head] + "\n" + text[-tail:]
 
 
 def word_slots(text: str) -> np.ndarray:
@@ -70,7 +73,7 @@ def word_slots(text: str) -> np.ndarray:
 
     crc32, not ``hash()``: slots must be the same in every process (PYTHONHASHSEED).
     """
-    words = _WORD_RE.findall(text.lower())
+    words = _WORD_RE.findall(_clip(text, MAX_WORD_HEAD_CHARS, MAX_WORD_TAIL_CHARS).lower())
     if len(words) > MAX_HEAD_WORDS + MAX_TAIL_WORDS:
         words = words[:MAX_HEAD_WORDS] + words[-MAX_TAIL_WORDS:]
     grams = ["<s> " + words[0]] if words else []
@@ -83,11 +86,13 @@ def word_slots(text: str) -> np.ndarray:
 def cue_values(text: str) -> np.ndarray:
     """The ``NUM_CUES`` raw cue values of a prompt (float64), before standardisation."""
     stripped = text.strip()
-    clipped = _clip(stripped).lower()
+    clipped = _clip(stripped, MAX_HEAD_CHARS, MAX_TAIL_CHARS).lower()
     num_chars = max(len(stripped), 1)
+    # Words of the clipped text, scaled up to the whole: split() of a pasted book costs ms.
+    num_words = len(clipped.split()) * len(stripped) / max(len(clipped), 1)
     values = [
         math.log1p(len(stripped)),
-        math.log1p(len(stripped.split())),
+        math.log1p(num_words),
         math.log1p(stripped.count("\n")),
         float(stripped.endswith("?")),
         math.log1p(len(_SENTENCE_END_RE.findall(clipped))),
