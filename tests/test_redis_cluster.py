@@ -24,8 +24,8 @@ from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.cluster import key_slot
 from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 
-pytestmark = [pytest.mark.skipif(bool(cluster_skip_reason()), reason=cluster_skip_reason() or "ok"),
-              pytest.mark.slow]
+_SKIP = cluster_skip_reason()
+pytestmark = [pytest.mark.skipif(bool(_SKIP), reason=_SKIP), pytest.mark.slow]
 
 # One pool's queue-plane keys share the hash tag {q:<pool>} (DESIGN.md's {q}, per pool).
 LANE = "lanes:{q:small}:pending:short"
