@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lanes.cli import bench, keys, model, predictor
+from lanes.cli import bench, keys, model, predictor, router
 from lanes.cli.failures import EXIT_INTERRUPTED, CliSettings, report
 
 app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes", no_args_is_help=True,
@@ -19,6 +19,7 @@ app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes
 app.add_typer(model.app, name="model", help="Build or train the small offline models.")
 app.add_typer(predictor.app, name="predictor", help="Train and evaluate the length predictor.")
 app.add_typer(bench.app, name="bench", help="Benchmarks and the policy simulator.")
+app.add_typer(router.app, name="router", help="Routing between model pools: train, evaluate, try.")
 app.add_typer(keys.app, name="keys", help="API keys: create (shown once, stored hashed), list, revoke.")
 
 

@@ -39,3 +39,4 @@ TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per sec
 LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["lane"])
 LANE_OLDEST = Gauge("lanes_lane_oldest_wait_seconds", "Age of the oldest waiting request", ["lane"])
 REAPED = Counter("lanes_reaped_total", "Watch entries handled by the reaper, by action", ["action"])
+DESIRED_WORKERS = Gauge("lanes_desired_workers", "Workers a pool needs for its wait target (autoscale.py)", ["pool"])

@@ -1,0 +1,81 @@
+"""How many workers a pool needs to keep its lane wait under a target (pure; the autoscaling signal).
+
+Units: rates in requests per second, waits in seconds, counts in requests / workers.
+
+    lambda = arrival_rps                   requests/s entering the pool's lanes
+    mu     = service_rps_per_worker        requests/s one busy worker completes (measured)
+    L      = depth                         requests waiting now
+    T      = target_wait_s
+
+By Little's law a request that arrives now waits about ``L / (n * mu)`` behind the ``L`` ahead of
+it; keeping that under ``T`` while new arrivals keep coming needs a throughput of
+``lambda + L / T`` (serve the arrivals and drain the backlog within ``T``)::
+
+    need(n) = (1 + headroom) * (lambda + L / T) / mu        workers, a real number
+    up      = ceil(need)                                     scale up to this at once
+    down    = ceil(need * (1 + down_band))                   scale down only to this
+
+Hysteresis: with ``current`` workers the answer is ``up`` when ``up > current``, ``down`` when
+``down < current``, else ``current``. Between the two (a band of ``down_band`` of the load) the
+answer does not move, so demand hovering near a boundary does not flap; KEDA / the HPA add a
+time window on top (``deploy/keda/``). The result is clamped to ``[min_workers, max_workers]``,
+and is at least 1 when anything waits or arrives (scale from zero). With no measured service rate
+yet (``mu == 0``) it keeps ``current`` (or 1 from zero) rather than guess.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _check(name: str, value: float, *, positive: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def predicted_wait_s(depth: int, service_rps_per_worker: float, workers: int) -> float:
+    """Little's-law wait (s) of a request arriving behind ``depth`` others; inf with no capacity."""
+    capacity_rps = service_rps_per_worker * workers
+    if depth == 0:
+        return 0.0
+    return depth / capacity_rps if capacity_rps > 0 else math.inf
+
+
+def desired_workers(
+    arrival_rps: float,
+    service_rps_per_worker: float,
+    depth: int,
+    target_wait_s: float,
+    headroom: float,
+    min_workers: int,
+    max_workers: int,
+    current: int,
+    down_band: float = 0.25,
+) -> int:
+    """Workers the pool should have (see the module docstring for the formula and hysteresis).
+
+    Raises ValueError for negative or non-finite inputs, ``target_wait_s <= 0``, or
+    ``min_workers > max_workers``.
+    """
+    for name, value in (("arrival_rps", arrival_rps), ("service_rps_per_worker", service_rps_per_worker),
+                        ("depth", depth), ("headroom", headroom), ("down_band", down_band),
+                        ("min_workers", min_workers), ("current", current)):
+        _check(name, value)
+    _check("target_wait_s", target_wait_s, positive=True)
+    if max_workers < min_workers:
+        raise ValueError(f"max_workers ({max_workers}) < min_workers ({min_workers})")
+    busy = arrival_rps > 0 or depth > 0
+    floor = max(min_workers, 1 if busy else 0)
+    if service_rps_per_worker == 0:
+        return min(max(current, floor), max_workers)
+    need = (1.0 + headroom) * (arrival_rps + depth / target_wait_s) / service_rps_per_worker
+    # A hair of tolerance so that need == 3.0000000001 from float noise does not ask for 4.
+    up = math.ceil(need - 1e-9)
+    down = math.ceil(need * (1.0 + down_band) - 1e-9)
+    if up > current:
+        wanted = up
+    elif down < current:
+        wanted = down
+    else:
+        wanted = current
+    return min(max(wanted, floor), max_workers)

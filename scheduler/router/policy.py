@@ -1,0 +1,81 @@
+"""Which pool serves a request: a pure decision from the request's ``model``, key and prompt.
+
+Order (first that applies wins)::
+
+    1. the API key has an override in rules.keys       -> that pool            KEY_OVERRIDE
+    2. model names a pool                              -> that pool            REQUESTED
+    3. model is absent ("" / None)                     -> rules.default_pool   DEFAULT
+    4. model == "auto": first tier the prompt fits     -> the tier's pool      COMPLEXITY
+       (complexity <= max_complexity, length <= max_prompt_chars)
+    5. "auto" and no tier fits                         -> rules.default_pool   NO_TIER
+
+The complexity estimate (~0.1-0.3 ms) is computed only in case 4. Whether a chosen pool has live
+workers is the edge's business: this module knows only the operator's rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from lanes.scheduler.router.rules import AUTO, RoutingRules
+
+
+class RouteReason(StrEnum):
+    KEY_OVERRIDE = "key_override"
+    REQUESTED = "requested"
+    DEFAULT = "default"
+    COMPLEXITY = "complexity"
+    NO_TIER = "no_tier"
+
+
+class UnknownPoolError(ValueError):
+    """``model`` names a pool the rules do not enable. ``reason`` goes in the error frame."""
+
+    reason = "unknown_model"
+
+    def __init__(self, model: str, pools: frozenset[str]) -> None:
+        self.model = model
+        self.pools = pools
+        super().__init__(f"unknown model {model!r}: use {AUTO!r} or one of {sorted(pools)}")
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    pool: str
+    reason: RouteReason
+    #: The prompt's complexity (0 easiest .. 1 hardest) when it was estimated, else None.
+    score: float | None = None
+
+
+def route(
+    prompt: str,
+    key_id: str | None,
+    rules: RoutingRules,
+    model: str | None,
+    complexity: Callable[[str], float] | float | None = None,
+) -> RouteDecision:
+    """Pick the pool for one request.
+
+    ``complexity`` is the estimator (``ComplexityModel.complexity``) or an already computed score;
+    it is needed only for ``model == "auto"`` with tiers (ValueError when missing then).
+    Raises ``UnknownPoolError`` when ``model`` names a pool that ``rules.pools`` does not enable.
+    """
+    if key_id and key_id in rules.key_pools:
+        return RouteDecision(rules.key_pools[key_id], RouteReason.KEY_OVERRIDE)
+    if not model:
+        return RouteDecision(rules.default_pool, RouteReason.DEFAULT)
+    if model != AUTO:
+        if model not in rules.pools:
+            raise UnknownPoolError(model, rules.pools)
+        return RouteDecision(model, RouteReason.REQUESTED)
+    if not rules.tiers:
+        return RouteDecision(rules.default_pool, RouteReason.NO_TIER)
+    if complexity is None:
+        raise ValueError("model 'auto' with tiers needs a complexity estimator or score")
+    score = complexity if isinstance(complexity, float | int) else complexity(prompt)
+    for tier in rules.tiers:
+        if score <= tier.max_complexity and (tier.max_prompt_chars is None or len(prompt) <= tier.max_prompt_chars):
+            return RouteDecision(tier.pool, RouteReason.COMPLEXITY, float(score))
+    return RouteDecision(rules.default_pool, RouteReason.NO_TIER, float(score))
