@@ -79,11 +79,14 @@ def chat_level(data: Path) -> float:
     return float(np.mean([np.mean(values) for values in by_source.values()]))
 
 
-def generalization_report(observations: list[Observation], num_folds: int = 5) -> dict[str, object]:
+def generalization_report(
+    observations: list[Observation], num_folds: int = 5, scores_out: Path | None = None
+) -> dict[str, object]:
     """Leave-one-source-out and in-source k-fold Kendall taus, per source and averaged.
 
     LOSO: the model scoring a source never saw any of its prompts. In-source: pooled k-fold CV
     (each fold's model trained on the other folds of every source), tau within each source.
+    ``scores_out`` receives every prompt's out-of-fold predicted tokens (JSON, row-aligned).
     """
     sources = np.array([o.source for o in observations])
     names = sorted(set(sources.tolist()))
@@ -94,6 +97,9 @@ def generalization_report(observations: list[Observation], num_folds: int = 5) -
     cv = out_of_fold_scores(observations, fold_ids(len(observations), num_folds, seed=0))
     loso_tau = {s: kendall_tau(loso[sources == s], tokens[sources == s]) for s in names}
     cv_tau = {s: kendall_tau(cv[sources == s], tokens[sources == s]) for s in names}
+    if scores_out is not None:
+        scores_out.write_text(json.dumps({"loso_tokens": np.expm1(loso).round(1).tolist(),
+                                          "cv_tokens": np.expm1(cv).round(1).tolist()}))
     return {
         "num_examples": len(observations),
         "num_examples_per_source": {s: int((sources == s).sum()) for s in names},
@@ -149,9 +155,10 @@ def train_command(
 def cv_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set (.jsonl.gz) or a JSON list with sources"),
     folds: int = typer.Option(5, help="in-source CV folds"),
+    scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)"),
 ) -> None:
     """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
-    typer.echo(json.dumps(generalization_report(load_observations(data), folds), indent=2))
+    typer.echo(json.dumps(generalization_report(load_observations(data), folds, scores), indent=2))
 
 
 @app.command("eval")
