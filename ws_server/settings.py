@@ -27,11 +27,11 @@ class EdgeSettings(RedisSettings):
     #: A client that disconnects has this long to ``resume`` (from any connection, same key)
     #: before its requests are cancelled; 0 cancels at once.
     resume_grace_s: float = 15.0
-    #: Lane thresholds in the predictor's units (tokens). The shipped lexical predictor's
-    #: outputs bunch around the mean (5-95 % within 136-500 tokens), so 200/480 give ~16 % short,
-    #: ~7 % long with 0-0.9 % of truly short requests misrouted long (benchmarks/RESULTS.md).
-    short_max_tokens: int = 200
-    medium_max_tokens: int = 480
+    #: Lane thresholds in the predictor's units (Llama-3 tokens). For the shipped predictor, 150/750
+    #: give ~12 % short, ~2 % long, with 0.9 % of truly short answers (of 213 models, on sources
+    #: the predictor never saw) routed long (benchmarks/RESULTS.md, "Length predictor (issue 9)").
+    short_max_tokens: int = 150
+    medium_max_tokens: int = 750
     #: Admission: most requests a lane may hold before new ones are refused (``overloaded``).
     max_depth_short: int = 2000
     max_depth_medium: int = 2000

@@ -1,6 +1,6 @@
 """Lexical length model: hashed word and character n-grams, TF-IDF, length cues, a linear model.
 
-Pure and numpy-only: the default model (5-fold CV Kendall tau 0.41 on AlpacaEval, p50 ~0.2 ms).
+Pure and numpy-only: the shipped model (benchmarks/RESULTS.md, "Length predictor (issue 9)").
 
 Model, for a prompt ``p``::
 
@@ -12,7 +12,7 @@ Each block holds sublinear term frequencies (1 + ln tf) times a per-slot IDF lea
 time; slots never seen in training get the largest IDF. ``cues`` are hand-written, source-agnostic
 features (prompt size, question marks, instruction type, requested-length words such as "briefly"
 or "in detail"; ``CUE_PATTERNS``), standardised with training-set statistics. They are what lifts
-CV tau from 0.38 to 0.41 (benchmarks/RESULTS.md, "Improving tau"). ``predictor_train`` fits
+CV tau from 0.38 to 0.41 on AlpacaEval alone. ``train`` fits
 ``w`` and ``v`` and refreshes them from observed lengths. A model with ``cue_weight == 0`` (weights
 written before cues existed) has no cue block and scores exactly as it did.
 """

