@@ -33,6 +33,7 @@ from lanes.queue.settings import RedisSettings
 from redis.exceptions import NoScriptError
 
 _event_decoder = msgspec.json.Decoder(TokenEvent)
+_json = msgspec.json.encode
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
 
 
@@ -70,6 +71,8 @@ class QueuePlane:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.fleet = Fleet(client, self.keys)
+        #: Keys of different hash slots cannot meet in one script on a Redis Cluster.
+        self.cluster = False
         self._enqueue = client.register_script(scripts.ENQUEUE)
         self._claim = client.register_script(scripts.CLAIM)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
@@ -77,6 +80,7 @@ class QueuePlane:
         self._cancel = client.register_script(scripts.CANCEL)
         self._requeue = client.register_script(scripts.REQUEUE)
         self._append = client.register_script(scripts.APPEND)
+        self._append_publish = client.register_script(scripts.APPEND_PUBLISH)
         self._fence = client.register_script(scripts.FENCE)
         self._repoint = client.register_script(scripts.REPOINT)
         self._release = client.register_script(scripts.RELEASE)
@@ -233,6 +237,33 @@ class QueuePlane:
             for call in calls:
                 pipe.evalsha(self._append.sha, 2, *call)
             return await pipe.execute()
+
+    async def append_publish(self, worker_id: str, events_by_request: dict[str, list[TokenEvent]],
+                             edge_of: dict[str, str]) -> tuple[dict[str, int], dict[str, int]]:
+        """``append`` then ``publish`` of one engine step in one round trip (single Redis only:
+        the keys span hash slots). Each event is encoded once, for its stream and its batch.
+
+        Returns (per request: appended, -1 stale or -2 seq taken; per edge: subscribers).
+        """
+        k = self.keys
+        edges = list(dict.fromkeys(edge_of[rid] for rid in events_by_request))
+        edge_index = {edge: i + 1 for i, edge in enumerate(edges)}
+        keys: list[str] = []
+        args: list[object] = [STREAM_MAXLEN, REQUEST_TTL_S, _json(worker_id), len(edges),
+                              *(k.edge_channel(e) for e in edges)]
+        for request_id, events in events_by_request.items():
+            keys += (k.stream(request_id), k.fence(request_id))
+            args += (edge_index[edge_of[request_id]], events[0].attempt, len(events))
+            for event in events:
+                args += (event.seq, encode(event))
+        try:
+            out = await self.redis.evalsha(self._append_publish.sha, len(keys), *keys, *args)
+        except NoScriptError:  # Redis restarted and lost its script cache
+            await self.redis.script_load(scripts.APPEND_PUBLISH)
+            out = await self.redis.evalsha(self._append_publish.sha, len(keys), *keys, *args)
+        num = len(events_by_request)
+        return (dict(zip(events_by_request, (int(n) for n in out[:num]))),
+                dict(zip(edges, (int(n) for n in out[num:]))))
 
     async def publish(self, batches: dict[str, TokenBatch]) -> dict[str, int]:
         """One PUBLISH per edge, pipelined; returns how many subscribers each edge channel had."""

@@ -140,6 +140,52 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return n
 """
 
+#: KEYS: stream_1, fence_1, ..., stream_n, fence_n (two per request).
+#: ARGV: maxlen, ttl_s, worker (JSON string), num_edges, channel_1 .. channel_m, then per request
+#: in KEYS order: edge_index, attempt, num_events, seq_1, event_1, ..., seq_k, event_k.
+#: One engine step in one round trip on a single Redis: appends each request's events (fenced
+#: by attempt, explicit ids ``<seq+1>-0``, as APPEND) and publishes per edge one ``TokenBatch``
+#: (``[worker,[event,...]]``) built from the same encoded events. Returns {appended_1 .. appended_n,
+#: receivers_1 .. receivers_m}; appended -1 (stale) or -2 (seq taken) publishes nothing for it.
+#: Its keys span hash slots, so a Redis Cluster takes APPEND then PUBLISH instead.
+APPEND_PUBLISH = """
+local maxlen, ttl, worker, num_edges = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local batches = {}
+for e = 1, num_edges do batches[e] = {} end
+local out = {}
+local a = 5 + num_edges
+for i = 1, #KEYS / 2 do
+  local stream, fence = KEYS[2 * i - 1], KEYS[2 * i]
+  local edge, attempt, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local first = a + 3
+  a = first + 2 * n
+  local result = 0
+  if attempt < tonumber(redis.call('GET', fence) or '0') then
+    result = -1
+  else
+    for j = first, first + 2 * n - 1, 2 do
+      local ok = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, (tonumber(ARGV[j]) + 1) .. '-0', 'e', ARGV[j + 1])
+      if type(ok) == 'table' and ok.err then result = -2; break end
+      result = result + 1
+    end
+    if result > 0 then
+      redis.call('EXPIRE', stream, ttl)
+      local batch = batches[edge]
+      for j = first, first + 2 * result - 1, 2 do batch[#batch + 1] = ARGV[j + 1] end
+    end
+  end
+  out[i] = result
+end
+for e = 1, num_edges do
+  local receivers = 0
+  if #batches[e] > 0 then
+    receivers = redis.call('PUBLISH', ARGV[4 + e], '[' .. worker .. ',[' .. table.concat(batches[e], ',') .. ']]')
+  end
+  out[#out + 1] = receivers
+end
+return out
+"""
+
 #: KEYS: fence, stream. ARGV: attempt, ttl_s. Raises the fence to ``attempt`` (never lowers it).
 FENCE = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')

@@ -215,3 +215,18 @@ def test_nothing_is_left_behind_after_many_requests() -> None:
         d.tokens([tok(f"r{i}", 0, "", FinishReason.STOP)], float(i))
         d.disconnected(conn, float(i))
     assert d.entries == {} and not d.per_conn and not d.per_key
+
+
+def test_a_cancelled_request_whose_worker_has_not_ended_it_is_not_lost() -> None:
+    """Redis says ``cancelled`` before the worker wrote the end: the answer ends as cancelled,
+    never as ``request_lost``."""
+    d = Delivery(EDGE, DeliveryConfig(cancel_grace_s=10.0, quiet_s=3.0))
+    open_accepted(d, 1, "r")
+    d.tokens([tok("r", 0)], 0.1)
+    d.cancel(1, "r", 0.2)
+    assert d.cancel_result("r", "running", 0.3) == []
+    assert CheckRequests(("r",)) in d.tick(3.5)
+    out = d.checked({"r": (EDGE, "cancelled")}, 3.6)
+    assert ReadStream("r", 0, with_last=True) in out
+    out = d.stream_read("r", [], tok("r", 0), 3.7)
+    assert frames(out) == [frames(out)[0]] and frames(out)[0]["finish_reason"] == "cancelled"

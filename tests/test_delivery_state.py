@@ -47,6 +47,13 @@ class World:
     edge: str = EDGE
     events: list[TokenEvent] = field(default_factory=list)
     cancel_asked: bool = False
+    #: Cancelled while running: Redis says cancelled, but the worker has yet to write the end.
+    ending: bool = False
+
+    @property
+    def live(self) -> bool:
+        """A worker may still write tokens and the end."""
+        return self.state in ("queued", "running") or self.ending
 
 
 @dataclass
@@ -65,7 +72,7 @@ class Episode:
 class DeliveryMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
-        self.core = Delivery(EDGE, DeliveryConfig(resume_grace_s=GRACE_S, cancel_grace_s=1.0, refill_after_s=0.5,
+        self.core = Delivery(EDGE, DeliveryConfig(resume_grace_s=GRACE_S, cancel_grace_s=3.0, refill_after_s=0.5,
                                                   quiet_s=2.0, max_in_flight_per_connection=8))
         self.now = 0.0
         self.world: dict[str, World] = {}
@@ -112,6 +119,8 @@ class DeliveryMachine(RuleBasedStateMachine):
             assert frame["type"] in (opening, "error"), f"first frame of a {episode.kind} was {frame}"
         else:
             assert frame["type"] not in ("accepted", "resumed"), frame
+        if frame.get("code") == "request_lost":  # only a request that Redis really lost
+            assert world is None, f"{rid} reported lost while Redis holds it ({world.state})"
         if frame["type"] == "delta":
             seqs = [f["seq"] for f in episode.frames if f["type"] == "delta"]
             expected = seqs[-1] + 1 if seqs else episode.start_seq
@@ -187,9 +196,10 @@ class DeliveryMachine(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(IDS), dup=st.booleans())
     def token(self, rid: str, dup: bool) -> None:
         w = self.world.get(rid)
-        if w is None or w.state not in ("queued", "running"):
+        if w is None or not w.live:
             return
-        w.state = "running"
+        if w.state == "queued":
+            w.state = "running"
         seq = len(w.events)
         self._publish(rid, TokenEvent(rid, 1, seq, f"<{rid}:{seq}>", (seq,)))
         if dup and w.edge == EDGE:  # a retry or replay overlapping what was sent
@@ -198,10 +208,10 @@ class DeliveryMachine(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(IDS))
     def finish(self, rid: str) -> None:
         w = self.world.get(rid)
-        if w is None or w.state not in ("queued", "running"):
+        if w is None or not w.live:
             return
         reason = FinishReason.CANCELLED if w.cancel_asked else FinishReason.STOP
-        w.state = "cancelled" if w.cancel_asked else "done"
+        w.state, w.ending = ("cancelled" if w.cancel_asked else "done"), False
         seq = len(w.events)
         self._publish(rid, TokenEvent(rid, 1, seq, "", (), Finish(reason, Usage(1, seq))))
 
@@ -225,8 +235,8 @@ class DeliveryMachine(RuleBasedStateMachine):
             previous = "absent" if w is None else "moved" if w.edge != EDGE else w.state
             if w is not None and w.edge == EDGE and w.state in ("queued", "running"):
                 w.cancel_asked = True
-                if w.state == "queued":
-                    w.state = "cancelled"
+                w.ending = w.state == "running"  # its worker writes the end; a queued one has none
+                w.state = "cancelled"
             if action.report:
                 self._carry(self.core.cancel_result(action.request_id, previous, self.now))
         elif isinstance(action, Repoint):
@@ -263,7 +273,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             return
         for _ in range(12):
             for rid, w in self.world.items():
-                if w.state in ("queued", "running"):
+                if w.live:
                     self.finish(rid)
             for rid in list(self.core.entries):
                 if self.core.entries[rid].phase.value == "opening":

@@ -16,7 +16,8 @@ from lanes.workers.runs import FlushResult, Run
 
 
 async def flush(plane: QueuePlane, worker_id: str, batch: list[tuple[Run, TokenEvent]]) -> FlushResult:
-    """Append ``batch`` to the streams (fenced by attempt), then publish what was accepted.
+    """Append ``batch`` to the streams (fenced by attempt), then publish what was accepted: one
+    round trip on a single Redis (``APPEND_PUBLISH``), two on a cluster.
 
     Raises ``QueueUnavailable``; nothing is published unless its append succeeded.
     """
@@ -25,6 +26,10 @@ async def flush(plane: QueuePlane, worker_id: str, batch: list[tuple[Run, TokenE
     for run, event in batch:
         by_request[run.id].append(event)
         edge_of[run.id] = run.edge
+    metrics.BATCH_SIZE.observe(len(by_request))
+    if not plane.cluster:
+        appended, receivers = await plane.append_publish(worker_id, by_request, edge_of)
+        return FlushResult(appended, receivers)
     appended = await plane.append(by_request)
     by_edge: dict[str, list[TokenEvent]] = defaultdict(list)
     for request_id, num in appended.items():
@@ -33,5 +38,4 @@ async def flush(plane: QueuePlane, worker_id: str, batch: list[tuple[Run, TokenE
     receivers = {}
     if by_edge:
         receivers = await plane.publish({edge: TokenBatch(worker_id, tuple(evs)) for edge, evs in by_edge.items()})
-    metrics.BATCH_SIZE.observe(len(by_request))
     return FlushResult(appended, receivers)

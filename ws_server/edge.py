@@ -328,6 +328,8 @@ class Edge:
 
 
 def _record(finished: delivery.Finished) -> None:
+    if finished.outcome == ErrorCode.REQUEST_LOST:
+        log.warning("request %s vanished from Redis (restarted without persistence, or flushed)", finished.request_id)
     metrics.REQUESTS.labels(finished.lane, finished.outcome).inc()
     if finished.e2e_s is not None:
         metrics.E2E.labels(finished.lane).observe(finished.e2e_s)

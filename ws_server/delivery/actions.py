@@ -59,8 +59,9 @@ class FirstToken:
 
 @dataclass(frozen=True)
 class Finished:
-    """A request ended on this edge (for metrics)."""
+    """A request ended on this edge (for metrics and logs)."""
 
+    request_id: str
     lane: str
     outcome: str
     e2e_s: float | None = None

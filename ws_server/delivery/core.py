@@ -105,7 +105,7 @@ class Delivery:
         if entry is None or entry.phase is not Phase.OPENING:
             return []
         self._remove(entry)
-        actions: list[Action] = [Finished(lane, str(code))]
+        actions: list[Action] = [Finished(request_id, lane, str(code))]
         if entry.conn is not None:
             actions.append(_send_error(entry.conn, code, message, request_id, **extra))
         return actions
@@ -156,17 +156,18 @@ class Delivery:
             self._remove(entry)
             return [] if entry.conn is None else [_unknown(entry.conn, request_id)]
         entry.phase, entry.last_heard_at = Phase.ACTIVE, now
-        entry.ended_in_redis = state in _TERMINAL_STATES
+        entry.redis_state = state
         actions: list[Action] = []
         if entry.conn is not None and not entry.announced:
             entry.announced = True
             actions.append(Send(entry.conn, protocol.resumed_frame(request_id, entry.next_seq - 1)))
-        if not entry.ended_in_redis:
+        ended = state in _TERMINAL_STATES
+        if not ended:
             entry.refill_at = now + self.config.refill_after_s
         actions += self._drain(entry, now)
         if request_id in self.entries:
             entry.filling = True
-            actions.append(ReadStream(request_id, entry.next_seq - 1, with_last=entry.ended_in_redis))
+            actions.append(ReadStream(request_id, entry.next_seq - 1, with_last=ended))
         return actions
 
     # -- tokens ------------------------------------------------------------------------
@@ -192,10 +193,16 @@ class Delivery:
             actions += self._deliver(entry, event, now, fill=False)
             if request_id not in self.entries:
                 return actions
-        if entry.ended_in_redis and entry.phase is Phase.ACTIVE:
+        if entry.redis_state in _TERMINAL_STATES and entry.phase is Phase.ACTIVE:
             if last is not None and last.finish is not None:
                 return actions + self._end(entry, last.finish, now)
-            return actions + self._lost(entry, now)
+            if entry.redis_state == "cancelled":
+                # Cancelled while queued (no worker ever wrote to its stream), or its worker
+                # has not written the end yet: either way the answer ends as cancelled.
+                return actions + self._end(entry, Finish(FinishReason.CANCELLED, Usage(0, entry.num_tokens)), now)
+            if entry.redis_state == "done":
+                return actions + self._lost(entry, now)  # done is set only after the end is written
+            # failed: the scheduler writes the end right after; the next check reads it
         return actions
 
     def stream_failed(self, request_id: str) -> None:
@@ -280,10 +287,10 @@ class Delivery:
             if edge != self.edge_id:  # resumed on another edge: this connection lost it
                 actions += self._moved(entry)
             elif state != "queued":  # tokens may have gone to another edge, or the end was missed
-                entry.ended_in_redis = state in _TERMINAL_STATES
+                entry.redis_state = state
                 if not entry.filling:
                     entry.filling = True
-                    actions.append(ReadStream(request_id, entry.next_seq - 1, with_last=entry.ended_in_redis))
+                    actions.append(ReadStream(request_id, entry.next_seq - 1, with_last=state in _TERMINAL_STATES))
         return actions
 
     def resubscribed(self) -> list[Action]:
@@ -385,7 +392,7 @@ class Delivery:
         self._remove(entry)
         ttft = None if entry.first_token_at is None else entry.first_token_at - entry.received_at
         outcome = finish.reason.value if finish.reason is not FinishReason.ERROR else (finish.error_code or "error")
-        actions: list[Action] = [Finished(entry.lane, outcome, now - entry.received_at, finish.queue_ms)]
+        actions: list[Action] = [Finished(entry.id, entry.lane, outcome, now - entry.received_at, finish.queue_ms)]
         if entry.conn is None:
             return actions
         if finish.reason is FinishReason.ERROR:
@@ -404,7 +411,7 @@ class Delivery:
 
     def _moved(self, entry: Entry) -> list[Action]:
         self._remove(entry)
-        actions: list[Action] = [Finished(entry.lane, ErrorCode.RESUMED_ELSEWHERE.value)]
+        actions: list[Action] = [Finished(entry.id, entry.lane, ErrorCode.RESUMED_ELSEWHERE.value)]
         if entry.conn is not None:
             actions.append(_send_error(entry.conn, ErrorCode.RESUMED_ELSEWHERE,
                                        f"request {entry.id} was resumed on another edge", entry.id))
@@ -413,7 +420,7 @@ class Delivery:
     def _expire(self, entry: Entry) -> list[Action]:
         """The grace ran out with nobody resuming: stop the request."""
         self._remove(entry)
-        return [CancelRequest(entry.id), Finished(entry.lane, DISCONNECTED)]
+        return [CancelRequest(entry.id), Finished(entry.id, entry.lane, DISCONNECTED)]
 
 
 def _decrement(counter: Counter[int] | Counter[str], key: object) -> None:

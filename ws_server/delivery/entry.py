@@ -56,8 +56,8 @@ class Entry:
     refill_at: float | None = None
     #: A cancel arrived before the enqueue finished: cancel once accepted.
     cancel_pending: bool = False
-    #: Redis said the request had already ended when it was resumed.
-    ended_in_redis: bool = False
+    #: The request's state in Redis when last looked up (re-point or check), "" before.
+    redis_state: str = ""
     #: A resume took over this chat before its enqueue returned: announce with ``resumed``
     #: (after this seq) instead of ``accepted`` once it is accepted.
     resumed_after: int | None = None

@@ -1,0 +1,121 @@
+"""What every live benchmark shares: CPU time of processes, percentiles, a progress bar, the
+table, JSON and PNG outputs, and the machine's load (recorded beside every result)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+console = Console(stderr=True)
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100, nearest rank); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def machine_load() -> dict[str, float]:
+    """The 1-minute load average and core count, recorded beside each result (this machine is shared)."""
+    return {"loadavg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count() or 0}
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds of named processes between ``start`` and ``stop``."""
+
+    pids: dict[str, int]
+
+    def start(self) -> None:
+        self._start = {name: cpu_s(pid) for name, pid in self.pids.items()}
+        self._own = time.process_time()
+
+    def stop(self) -> dict[str, float]:
+        used = {name: cpu_s(pid) - self._start[name] for name, pid in self.pids.items()}
+        used["client"] = time.process_time() - self._own
+        return used
+
+
+@contextmanager
+def progress(description: str, total: float) -> Iterator[Any]:
+    """A progress bar (stderr) for anything that takes more than a few seconds."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda advance=1.0: bar.update(task, advance=advance)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+
+
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    """``--json``: print to stdout (path None) or write to a file."""
+    text = json.dumps(result, indent=2)
+    if path is None:
+        print(text)
+    else:
+        path.write_text(text + "\n")
+
+
+def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list[float], list[float]]],
+               logy: bool = False) -> None:
+    """One PNG with a line per series (``--plot``); needs matplotlib (the ``dev`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib: pip install -e '.[dev]' ({exc})") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,159 @@
+"""``lanes bench fanout``: tokens per second one edge and one Redis deliver, and the server CPU
+each 1,000 tokens costs (edge, workers, Redis), at a few concurrencies.
+
+Real processes: an embedded redis-server, a scheduler, one edge and ``--workers`` sim workers
+(a cost model far faster than real time, so tokens come as fast as the CPU allows). Lean
+clients (``wsclient.py``) keep ``concurrency`` long answers in flight, starting a new one as
+each ends; after a warm-up, a window of ``--seconds`` counts the deltas received and the CPU
+every process used. Every stream is checked gap-free (seqs contiguous) and every request must
+end with ``done``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lanes.bench.common import CpuMeter, machine_load, progress
+from lanes.bench.wsclient import LeanClient, Stream
+from lanes.cli.cluster import Cluster
+
+MAX_TOKENS = 4000
+PROMPT = "Write a very long story about the sea."
+
+
+@dataclass
+class Load:
+    """Keeps ``concurrency`` requests in flight over ``clients``; counts what arrives."""
+
+    clients: list[LeanClient]
+    per_client: int
+    max_tokens: int
+    ids: itertools.count = field(default_factory=itertools.count)
+    #: Ids are unique per run: reusing one would be (rightly) refused as a duplicate.
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    running: bool = True
+    num_done: int = 0
+    num_bad: int = 0
+    num_gaps: int = 0
+
+    def start(self) -> None:
+        for client in self.clients:
+            for _ in range(self.per_client):
+                self._send(client)
+
+    def _send(self, client: LeanClient) -> None:
+        client.chat(f"f{self.tag}-{next(self.ids)}", PROMPT, self.max_tokens, temperature=0.0)
+
+    def ended(self, client: LeanClient, rid: str, stream: Stream) -> None:
+        self.num_gaps += stream.gaps
+        if stream.end is not None and stream.end.type == "done":
+            self.num_done += 1
+        else:
+            self.num_bad += 1
+        del client.streams[rid]
+        if self.running:
+            self._send(client)
+
+    def in_flight(self) -> int:
+        return sum(len(c.streams) for c in self.clients)
+
+    def deltas(self) -> int:
+        return sum(c.num_frames for c in self.clients)
+
+
+async def _connect(host: str, port: int, num: int) -> list[LeanClient]:
+    clients: list[LeanClient] = []
+    for _ in range(num):
+        client = await LeanClient.connect(host, port)
+        clients.append(client)
+    return clients
+
+
+async def measure(host: str, port: int, pids: dict[str, int], concurrency: int, seconds: float,
+                  warmup_s: float, tick: Any) -> dict[str, Any]:
+    num_clients = min(concurrency, 32)
+    clients = await _connect(host, port, num_clients)
+    load = Load(clients, concurrency // num_clients, MAX_TOKENS)
+    for client in clients:
+        client.on_end = lambda rid, stream, c=client: load.ended(c, rid, stream)
+    load.start()
+    await asyncio.sleep(warmup_s)
+    meter = CpuMeter(pids)
+    frames_before, started = load.deltas(), time.perf_counter()
+    meter.start()
+    for _ in range(int(seconds * 10)):
+        await asyncio.sleep(0.1)
+        tick(0.1)
+    used = meter.stop()
+    elapsed = time.perf_counter() - started
+    frames = load.deltas() - frames_before
+    load.running = False
+    for client in clients:  # end the rest quickly: cancel, then wait for their last frames
+        for rid in list(client.streams):
+            client.send_json(b'{"type":"cancel","id":"%s"}' % rid.encode())
+    deadline = time.monotonic() + 30
+    while load.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    stuck = [s for c in clients for s in c.streams.values()]
+    for client in clients:
+        client.close()
+    tokens_per_s = frames / elapsed
+    per_1k = {name: 1000 * cpu / max(frames, 1) * 1000 for name, cpu in used.items()}
+    server = sum(v for k, v in per_1k.items() if k != "client")
+    return {
+        "concurrency": concurrency, "tokens_per_s": round(tokens_per_s), "window_s": round(elapsed, 2),
+        "server_cpu_ms_per_1k_tokens": round(server, 2),
+        "cpu_ms_per_1k_tokens": {k: round(v, 2) for k, v in per_1k.items()},
+        "cpu_cores_used": {k: round(v / elapsed, 2) for k, v in used.items()},
+        "gaps": load.num_gaps, "completed": load.num_done, "not_done": load.num_bad + len(stuck),
+        "stuck": {"accepted": sum(s.accepted_at is not None for s in stuck),
+                  "streaming": sum(s.num_deltas > 0 for s in stuck)},
+    }
+
+
+def run(concurrencies: list[int], seconds: float = 8.0, warmup_s: float = 2.0, workers: int = 2,
+        slots: int = 128, time_scale: float = 200.0) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="lanes-fanout-") as logs, \
+            Cluster.embedded(f"fan{uuid.uuid4().hex[:6]}", Path(logs)) as cluster:
+        cluster.start_scheduler()
+        big = str(100_000)
+        cluster.start_edge("edge", LANES_MAX_DEPTH_SHORT=big, LANES_MAX_DEPTH_MEDIUM=big, LANES_MAX_DEPTH_LONG=big,
+                           LANES_MAX_IN_FLIGHT_PER_CONNECTION="1000")
+        for i in range(workers):
+            cluster.start_worker(f"w{i}", "", "--engine", "sim", "--sim-time-scale", str(time_scale),
+                                 "--max-slots", str(slots), LANES_MAX_LONG_SLOTS=str(slots),
+                                 LANES_MAX_MEDIUM_LONG_SLOTS=str(slots), LANES_REPORT_OBSERVATIONS="false")
+        cluster.wait_workers(workers)
+        assert cluster.redis is not None and cluster.redis.process is not None
+        pids = {"edge": cluster.procs["edge"].pid, "redis": cluster.redis.process.pid}
+        pids |= {"workers": 0}
+        worker_pids = [cluster.procs[f"w{i}"].pid for i in range(workers)]
+        results = []
+        with progress("fanout", len(concurrencies) * seconds) as tick:
+            for concurrency in concurrencies:
+                results.append(asyncio.run(_measure_all(cluster, pids, worker_pids, concurrency, seconds,
+                                                        warmup_s, tick)))
+    return {"workers": workers, "slots_per_worker": slots, "sim_time_scale": time_scale, "runs": results,
+            "machine": machine_load(), **_best(results)}
+
+
+async def _measure_all(cluster: Cluster, pids: dict[str, int], worker_pids: list[int], concurrency: int,
+                       seconds: float, warmup_s: float, tick: Any) -> dict[str, Any]:
+    named = {k: v for k, v in pids.items() if v} | {f"worker{i}": pid for i, pid in enumerate(worker_pids)}
+    result = await measure(cluster.edge_hosts["edge"], cluster.edge_ports["edge"], named, concurrency, seconds,
+                           warmup_s, tick)
+    per_1k = result["cpu_ms_per_1k_tokens"]
+    per_1k["workers"] = round(sum(v for k, v in per_1k.items() if k.startswith("worker")), 2)
+    return result
+
+
+def _best(results: list[dict[str, Any]]) -> dict[str, Any]:
+    best = max(results, key=lambda r: r["tokens_per_s"])
+    return {"tokens_per_s": best["tokens_per_s"], "server_cpu_ms_per_1k_tokens": best["server_cpu_ms_per_1k_tokens"]}
