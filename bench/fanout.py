@@ -62,7 +62,7 @@ class Load:
             self._send(client)
 
     def in_flight(self) -> int:
-        return sum(len(c.streams) for c in self.clients)
+        return sum(len(c.streams) for c in self.clients if not c.closed)
 
     def deltas(self) -> int:
         return sum(c.num_frames for c in self.clients)
@@ -101,7 +101,8 @@ async def measure(host: str, port: int, pids: dict[str, int], concurrency: int, 
     deadline = time.monotonic() + 30
     while load.in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    stuck = [s for c in clients for s in c.streams.values()]
+    stuck = [s for c in clients if not c.closed for s in c.streams.values()]
+    closed = [c.close_code for c in clients if c.closed]
     for client in clients:
         client.close()
     tokens_per_s = frames / elapsed
@@ -115,6 +116,8 @@ async def measure(host: str, port: int, pids: dict[str, int], concurrency: int, 
         "gaps": load.num_gaps, "completed": load.num_done, "not_done": load.num_bad + len(stuck),
         "stuck": {"accepted": sum(s.accepted_at is not None for s in stuck),
                   "streaming": sum(s.num_deltas > 0 for s in stuck)},
+        #: Load clients the edge closed (4008: the client read too slowly, its requests cancelled).
+        "clients_closed": closed,
     }
 
 

@@ -66,6 +66,9 @@ class LeanClient(asyncio.Protocol):
     on_end: Callable[[str, Stream], None] = lambda rid, stream: None
     streams: dict[str, Stream] = field(default_factory=dict)
     num_frames: int = 0
+    #: The server's close code, once it closed the connection (4008: this client read too slowly).
+    close_code: int | None = None
+    closed: bool = False
     _buf: bytearray = field(default_factory=bytearray)
     _open: asyncio.Future[None] | None = None
     _transport: asyncio.Transport | None = None
@@ -91,6 +94,7 @@ class LeanClient(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
         if self._open is not None and not self._open.done():
             self._open.set_exception(ConnectionError(f"connection lost during the handshake: {exc}"))
 
@@ -144,6 +148,8 @@ class LeanClient(asyncio.Protocol):
                 self._on_text(payload, now)
             elif opcode == 0x9 and self._transport is not None:  # ping -> pong
                 self._transport.write(_frame(0xA, payload))
+            elif opcode == 0x8:
+                self.close_code = struct.unpack_from("!H", payload)[0] if len(payload) >= 2 else 1005
         del buf[:pos]
 
     def _on_text(self, payload: bytes, now: float) -> None:

@@ -220,7 +220,8 @@ def test_http_paths_refuse_other_methods(system: tuple[System, str], method: str
     """Defect 6: plain-HTTP paths answer 405 to methods they do not serve."""
     sys_, _ = system
     for path in ("/dashboard", "/healthz", "/metrics"):
-        request = urllib.request.Request(f"http://127.0.0.1:{sys_.edge_ports['edge']}{path}", method=method)
+        request = urllib.request.Request(f"http://127.0.0.1:{sys_.edge_ports['edge']}{path}", method=method,
+                                         data=None if method == "DELETE" else b'{"a": 1}')
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=5)
-        assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET"
+        assert refused.value.code == 405 and "GET" in refused.value.headers["Allow"]

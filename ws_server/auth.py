@@ -16,7 +16,6 @@ Handshake refusals (HTTP status, ``lanes_errors_total{code}``)::
 
     401 unauthorized     no key, malformed ``Authorization``, unknown or revoked key
     403 forbidden_origin a browser ``Origin`` not in ``LANES_ALLOWED_ORIGINS``
-    405 method_not_allowed  anything but GET
     503 auth_unavailable Redis (the key store) did not answer
 """
 
@@ -26,8 +25,10 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Protocol
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
@@ -35,8 +36,6 @@ from lanes.queue.plane import QueuePlane
 from lanes.telemetry import metrics
 from lanes.ws_server.ratelimit import UNLIMITED, KeyLimits
 from lanes.ws_server.settings import EdgeSettings
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +64,17 @@ def parse_csv(text: str, *, lower: bool = False) -> frozenset[str]:
     return frozenset(item.lower() if lower else item for item in items if item)
 
 
-def bearer_token(headers: Headers) -> str | None:
+class HeaderLookup(Protocol):
+    """Request headers, case-insensitive (Starlette's ``Headers``)."""
+
+    def get(self, key: str, default: str | None = None) -> str | None: ...
+
+    def getlist(self, key: str) -> Sequence[str]: ...
+
+
+def bearer_token(headers: HeaderLookup) -> str | None:
     """The key from exactly one ``Authorization: Bearer <key>`` header, else None."""
-    values = headers.get_all("Authorization")
+    values = headers.getlist("Authorization")
     if len(values) != 1:
         return None
     scheme, _, token = values[0].strip().partition(" ")
@@ -138,41 +145,46 @@ def limits_for(record: KeyRecord | None, settings: EdgeSettings) -> KeyLimits:
     return KeyLimits(rate_per_s=float(rate), burst=int(burst), max_in_flight=int(cap))
 
 
-def _refusal(status: HTTPStatus, code: str, text: str, allow: str | None = None) -> Response:
+@dataclass(frozen=True)
+class Refusal:
+    """A request or handshake refused before it reaches the edge; the shell renders it (HTTP
+    status, or the WebSocket handshake's denial response)."""
+
+    status: HTTPStatus
+    code: str
+    message: str
+
+    def headers(self) -> dict[str, str]:
+        extra = {"WWW-Authenticate": 'Bearer realm="lanes"'} if self.status is HTTPStatus.UNAUTHORIZED else {}
+        return {"Cache-Control": "no-store", **extra}
+
+
+def _refusal(status: HTTPStatus, code: str, text: str) -> Refusal:
     metrics.ERRORS.labels(code).inc()
-    body = f"{text}\n".encode()
-    headers = Headers([("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store")])
-    if status is HTTPStatus.UNAUTHORIZED:
-        headers["WWW-Authenticate"] = 'Bearer realm="lanes"'
-    if allow is not None:
-        headers["Allow"] = allow
-    return Response(status.value, status.phrase, headers, body)
+    return Refusal(status, code, text)
 
 
 class Gate:
     """Decides each HTTP request / handshake on the edge's port: an ``Identity`` or a refusal."""
 
-    def __init__(self, settings: EdgeSettings, plane: QueuePlane, chat_path: str) -> None:
+    def __init__(self, settings: EdgeSettings, plane: QueuePlane, chat_paths: frozenset[str]) -> None:
         self.settings = settings
         self.plane = plane
-        self.chat_path = chat_path
+        #: Paths that serve chats: they need a key (when auth is on) and an allowed Origin.
+        self.key_paths = self.browser_paths = chat_paths
         self.static_hashes = parse_csv(settings.api_key_hashes, lower=True)
         self.allowed_origins = parse_csv(settings.allowed_origins, lower=True)
         #: Setting hashes without ``auth_required`` still turns auth on: never fail open.
         self.enabled = settings.auth_required or bool(self.static_hashes)
 
-    async def check(self, request: Request) -> Identity | Response:
-        path = request.path.split("?", 1)[0]
-        if request.method != "GET":  # every path on this port (WebSocket handshake included) is GET-only
-            return _refusal(HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed",
-                            f"{request.method} is not allowed on {path}; use GET", allow="GET")
-        if path == self.chat_path and not origin_allowed(request.headers.get("Origin"), self.allowed_origins):
+    async def check(self, path: str, headers: HeaderLookup) -> Identity | Refusal:
+        """Who a request to ``path`` comes from, or why it is refused (origin, key)."""
+        if path in self.browser_paths and not origin_allowed(headers.get("Origin"), self.allowed_origins):
             return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
-        needs_key = path == self.chat_path or (path in METRICS_PATHS and self.settings.protect_metrics)
+        needs_key = path in self.key_paths or (path in METRICS_PATHS and self.settings.protect_metrics)
         if not self.enabled or not needs_key:
             return ANONYMOUS
-        key = bearer_token(request.headers)
+        key = bearer_token(headers)
         if key is None:
             return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized",
                             "missing API key: send 'Authorization: Bearer <key>'")

@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
-import websockets
 from lanes.queue.backoff import Backoff
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.messages import RequestPayload, TokenBatch
@@ -33,15 +31,14 @@ from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
-from lanes.ws_server.auth import Gate, Identity
+from lanes.ws_server.asgi import EdgeApp, listen_socket, serve_app
+from lanes.ws_server.auth import Gate, Identity, Refusal
 from lanes.ws_server.delivery import Delivery
-from lanes.ws_server.http import http_response
 from lanes.ws_server.keyguard import KeyGuard
 from lanes.ws_server.lengths import LengthEstimator
 from lanes.ws_server.session import Session
 from lanes.ws_server.settings import EdgeSettings
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.http11 import Request, Response
+from starlette.datastructures import Headers
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +62,8 @@ class Edge:
         self.core = Delivery(self.edge_id, settings.delivery())
         self.sessions: dict[int, Session] = {}
         self.shutting_down = False
-        self.gate = Gate(settings, plane, CHAT_PATH)
+        self.chat_path = CHAT_PATH
+        self.gate = Gate(settings, plane, frozenset({CHAT_PATH}))
         self.keys = KeyGuard(plane, fleet_rate=settings.rate_limit_scope == "fleet")
         self.port = settings.port
         self._conn_ids = itertools.count(1)
@@ -174,18 +172,28 @@ class Edge:
 
     # -- socket side ---------------------------------------------------------------------
 
-    async def handle(self, ws: ServerConnection) -> None:
+    async def handle_ws(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """One chat WebSocket (ASGI): the handshake's checks, then frames until it closes."""
+        verdict = await self.gate.check(scope["path"], Headers(scope=scope))
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if isinstance(verdict, Refusal):  # an HTTP answer instead of 101 (401, 403, 503)
+            await _deny(send, verdict)
+            return
+        await send({"type": "websocket.accept"})
         conn = next(self._conn_ids)
-        session = Session(ws, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s)
+        session = Session(send, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s,
+                          self.settings.client_send_buffer_bytes)
         self.sessions[conn] = session
-        _limit_send_buffer(ws, self.settings.client_send_buffer_bytes)
         writer = asyncio.create_task(session.writer())
         metrics.CONNECTIONS.inc()
         try:
-            async for data in ws:
-                await self.on_frame(conn, ws, data)
-        except websockets.ConnectionClosed:
-            pass
+            while True:
+                message = await receive()
+                if message["type"] != "websocket.receive":
+                    break  # websocket.disconnect
+                text = message.get("text")
+                await self.on_frame(conn, verdict, text if text is not None else message.get("bytes") or b"")
         finally:
             metrics.CONNECTIONS.dec()
             session.closed = True
@@ -194,7 +202,7 @@ class Edge:
             del self.sessions[conn]
             writer.cancel()
 
-    async def on_frame(self, conn: int, ws: ServerConnection, data: str | bytes) -> None:
+    async def on_frame(self, conn: int, identity: Identity, data: str | bytes) -> None:
         try:
             frame = protocol.parse_client_frame(data, self.limits)
         except protocol.ProtocolError as err:
@@ -202,15 +210,14 @@ class Edge:
             return
         now = time.monotonic()
         if isinstance(frame, protocol.ChatFrame):
-            await self.on_chat(conn, ws, frame)
+            await self.on_chat(conn, identity, frame)
         elif isinstance(frame, protocol.CancelFrame):
             self.carry(self.core.cancel(conn, frame.id, now))
         else:
-            self.carry(self.core.resume(conn, frame.id, frame.last_seq, self.keys.identity(ws).key_id, now))
+            self.carry(self.core.resume(conn, frame.id, frame.last_seq, identity.key_id, now))
 
-    async def on_chat(self, conn: int, ws: ServerConnection, frame: protocol.ChatFrame) -> None:
+    async def on_chat(self, conn: int, identity: Identity, frame: protocol.ChatFrame) -> None:
         request_id = frame.id or uuid.uuid4().hex
-        identity = self.keys.identity(ws)
         registered, actions = self.core.open_chat(conn, request_id, identity.key_id, identity.limits.max_in_flight,
                                                   time.monotonic())
         self.carry(actions)
@@ -283,48 +290,43 @@ class Edge:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    async def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
-        verdict = await self.gate.check(request)  # method, origin allowlist, API key (ws_server/auth.py)
-        if isinstance(verdict, Response):
-            return verdict
-        if request.path.split("?", 1)[0] == CHAT_PATH:
-            self.keys.identities[conn] = verdict
-            return None
-        return await http_response(self, conn, request)
-
     async def serve(self, ready: asyncio.Event | None = None) -> None:
-        """Serve until cancelled; raises what stopped it (e.g. ``OSError`` when the port is taken)."""
+        """Serve until cancelled; raises what stopped it (``OSError`` when the port is taken)."""
+        sock = listen_socket(self.settings.host, self.settings.port)  # fail now, not after the subscription
+        self.port = sock.getsockname()[1]
         try:
             async with asyncio.TaskGroup() as group:
                 for loop in (self.read_tokens(), self.tick(), self.reload_predictor()):
                     group.create_task(loop)
-                await self._ready.wait()
+                await self._ready.wait()  # subscribed before the first connection is accepted
+                log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port,
+                         self.chat_path)
+                log.info("API keys %s", "required" if self.gate.enabled else "OFF (LANES_AUTH_REQUIRED=false): "
+                         "anyone who reaches this port can chat")
+                if ready is not None:
+                    ready.set()
                 try:
-                    await self._listen(ready)
+                    await serve_app(EdgeApp(self), sock, max_frame_bytes=self.limits.max_frame_bytes * 4,
+                                    compression=self.settings.ws_compression)
                 finally:
                     # Closing connections now is a restart, not a client leaving: keep their
-                    # requests running so the clients can resume on another edge (close 1001).
+                    # requests running so the clients can resume on another edge.
                     self.shutting_down = True
         except BaseExceptionGroup as failed:
             if len(failed.exceptions) == 1:
                 raise failed.exceptions[0] from None
             raise
+        finally:
+            sock.close()
 
-    async def _listen(self, ready: asyncio.Event | None) -> None:
-        async with serve(
-            self.handle, self.settings.host, self.settings.port,
-            max_size=self.limits.max_frame_bytes * 4,  # beyond this, close 1009; below, an error frame
-            process_request=self.process_request, ping_interval=20, ping_timeout=20,
-            close_timeout=2,  # at shutdown, do not wait 10 s per client for the close handshake
-            compression="deflate" if self.settings.ws_compression else None,
-        ) as server:
-            self.port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
-            log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port, CHAT_PATH)
-            log.info("API keys %s", "required" if self.gate.enabled else "OFF (LANES_AUTH_REQUIRED=false): anyone "
-                     "who reaches this port can chat")
-            if ready is not None:
-                ready.set()
-            await asyncio.Future()
+
+async def _deny(send: Any, refusal: Refusal) -> None:
+    """Refuse a WebSocket handshake with an HTTP status and a one-line reason."""
+    body = (refusal.message + "\n").encode()
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in refusal.headers().items())]
+    await send({"type": "websocket.http.response.start", "status": refusal.status.value, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body})
 
 
 def _record(finished: delivery.Finished) -> None:
@@ -335,12 +337,3 @@ def _record(finished: delivery.Finished) -> None:
         metrics.E2E.labels(finished.lane).observe(finished.e2e_s)
     if finished.queue_ms is not None:
         metrics.QUEUE_WAIT.labels(finished.lane).observe(finished.queue_ms / 1000)
-
-
-def _limit_send_buffer(ws: ServerConnection, num_bytes: int) -> None:
-    """Cap the kernel's send buffer for one client: with Linux autotuning (up to 4 MiB) a client
-    that stops reading would park that much in the kernel before the edge's bounded queue
-    filled and the 4008 close could happen."""
-    sock = ws.transport.get_extra_info("socket")
-    if num_bytes > 0 and sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)

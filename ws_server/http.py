@@ -1,56 +1,86 @@
-"""Plain HTTP on the edge's port: health, Prometheus metrics, lane depths and the dashboard."""
+"""Plain HTTP on the edge's port (Starlette routes): health, Prometheus metrics, lane depths,
+workers and the dashboard. A path answers the methods it serves and 405 (with ``Allow``) to
+the others."""
 
 from __future__ import annotations
 
 import json
-from http import HTTPStatus
 from importlib import resources
 from typing import TYPE_CHECKING
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
+from lanes.ws_server.auth import Refusal
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from websockets.asyncio.server import ServerConnection
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
 
 if TYPE_CHECKING:
     from lanes.ws_server.edge import Edge
 
-
-def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store")])
-    return Response(status.value, status.phrase, headers, body)
+_NO_STORE = {"Cache-Control": "no-store"}
 
 
-async def http_response(edge: Edge, conn: ServerConnection, request: Request) -> Response:
-    path = request.path.split("?", 1)[0]
-    if path == "/healthz":
-        # JSON naming this edge, so a supervisor can tell its own edge from another server
-        # that answers on the same port.
-        # ``workers``: warm workers per the scheduler's latest snapshot (None: no snapshot yet).
+def refusal_response(refusal: Refusal) -> Response:
+    return PlainTextResponse(refusal.message + "\n", refusal.status.value, headers=refusal.headers())
+
+
+def _json(body: bytes, status: int = 200) -> Response:
+    return Response(body, status, media_type="application/json", headers=_NO_STORE)
+
+
+def routes(edge: Edge) -> list[BaseRoute]:
+    async def guarded(request: Request) -> Refusal | None:
+        verdict = await edge.gate.check(request.url.path, request.headers)
+        return verdict if isinstance(verdict, Refusal) else None
+
+    async def healthz(request: Request) -> Response:
+        # JSON naming this edge, so a supervisor can tell its own edge from another server on
+        # the port; ``workers``: warm workers per the scheduler's latest snapshot (None: none yet).
         health = {"status": "ok", "edge_id": edge.edge_id, "workers": edge.admission.num_workers()}
         try:
             await edge.plane.ping()
         except QueueUnavailable:
             health["status"] = "redis_unreachable"
-            return _response(HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(health).encode(), "application/json")
-        return _response(HTTPStatus.OK, json.dumps(health).encode(), "application/json")
-    if path == "/metrics":
-        return _response(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
-    if path == "/v1/depths":
+            return _json(json.dumps(health).encode(), 503)
+        return _json(json.dumps(health).encode())
+
+    async def prometheus(request: Request) -> Response:
+        if refusal := await guarded(request):
+            return refusal_response(refusal)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST, headers=_NO_STORE)
+
+    async def depths(request: Request) -> Response:
+        if refusal := await guarded(request):
+            return refusal_response(refusal)
         try:
-            snapshot = await edge.plane.fleet.depths_json()
+            return _json(await edge.plane.fleet.depths_json() or b"{}")
         except QueueUnavailable:
-            return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
-        return _response(HTTPStatus.OK, snapshot or b"{}", "application/json")
-    if path == "/v1/workers":
+            return _json(b'{"error":"redis unreachable"}', 503)
+
+    async def workers(request: Request) -> Response:
+        if refusal := await guarded(request):
+            return refusal_response(refusal)
         try:
-            return _response(HTTPStatus.OK, msgspec.json.encode(await edge.plane.fleet.reports()), "application/json")
+            return _json(msgspec.json.encode(await edge.plane.fleet.reports()))
         except QueueUnavailable:
-            return _response(HTTPStatus.SERVICE_UNAVAILABLE, b'{"error":"redis unreachable"}', "application/json")
-    if path in ("/", "/dashboard"):
+            return _json(b'{"error":"redis unreachable"}', 503)
+
+    async def dashboard(request: Request) -> Response:
         page = resources.files("lanes.ws_server").joinpath("static/dashboard.html").read_bytes()
-        return _response(HTTPStatus.OK, page, "text/html; charset=utf-8")
-    return _response(HTTPStatus.NOT_FOUND, b"not found; the chat WebSocket is at /v1/chat\n", "text/plain")
+        return Response(page, media_type="text/html; charset=utf-8", headers=_NO_STORE)
+
+    async def chat_over_http(request: Request) -> Response:
+        return PlainTextResponse("the chat endpoint is a WebSocket: connect with ws:// (Upgrade: websocket)\n",
+                                 426, headers={"Upgrade": "websocket", **_NO_STORE})
+
+    return [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/v1/depths", depths, methods=["GET"]),
+        Route("/v1/workers", workers, methods=["GET"]),
+        Route("/v1/chat", chat_over_http, methods=["GET"]),
+        Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/", dashboard, methods=["GET"]),
+    ]

@@ -1,17 +1,14 @@
-"""Per-connection API-key bookkeeping at the edge: who each handshake authenticated as, and
-whether a key may start one more request now (its rate). The in-flight cap is counted by the
-delivery core, which owns every request (``delivery.py``)."""
+"""Whether an API key may start one more request now (its rate, per edge or fleet-wide). The
+in-flight cap is counted by the delivery core, which owns every request (``delivery/``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 
 from lanes.queue.plane import QueuePlane
 from lanes.ws_server.auth import ANONYMOUS, Identity
 from lanes.ws_server.ratelimit import KeyLimiter, Refusal, RefusalCode
-from websockets.asyncio.server import ServerConnection
 
 
 class KeyGuard:
@@ -20,11 +17,6 @@ class KeyGuard:
         #: True: a key's rate is one token bucket in Redis shared by every edge.
         self.fleet_rate = fleet_rate
         self.limiter = KeyLimiter()
-        #: Who each handshake authenticated as (weak: a handshake that fails later leaves nothing).
-        self.identities: weakref.WeakKeyDictionary[ServerConnection, Identity] = weakref.WeakKeyDictionary()
-
-    def identity(self, ws: ServerConnection) -> Identity:
-        return self.identities.get(ws, ANONYMOUS)
 
     async def rate_refusal(self, identity: Identity) -> Refusal | None:
         """Why this key may not start another request now (over its rate), or None."""

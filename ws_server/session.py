@@ -1,14 +1,23 @@
-"""The outgoing side of one WebSocket connection: a bounded frame queue and its writer.
+"""The outgoing side of one WebSocket connection: a bounded list of frames and its writer.
 
-The Redis reader never awaits a socket: the delivery core's ``Send`` actions only put frames
-on the session's bounded queue. A client that does not read fills its queue and is closed
-(close code 4008), so one slow client cannot stall token delivery for the others.
+The Redis reader never awaits a socket: the delivery core's ``Send`` actions only append to
+the session's list. The writer sends everything waiting in one socket write, so a token batch
+costs one write per client, not one per frame (each write on loopback runs the kernel's TCP
+stack). A client that does not read lets frames pile up until ``max_queue_frames``, and is then
+closed (4008), so one slow client cannot stall delivery for the others.
+
+Under uvicorn's sans-I/O WebSocket protocol the writer drives the connection's protocol object
+directly (the ASGI ``send`` is that object's bound method): ``send_text`` for each frame, then
+one ``transport.write``, with the same flow control as ``send``. Any other ASGI server gets one
+``websocket.send`` per frame.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lanes.telemetry import metrics
@@ -16,21 +25,28 @@ from lanes.telemetry import metrics
 log = logging.getLogger(__name__)
 
 SLOW_CLIENT_CLOSE_CODE = 4008
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The connection closed under the writer."""
 
 
 class Session:
-    """Outgoing side of one connection: frames wait in a list; the writer sends everything
-    that is waiting in one socket write."""
+    """Outgoing side of one connection."""
 
-    def __init__(self, ws: Any, max_queue_frames: int, close_timeout_s: float = 5.0) -> None:
-        self.ws = ws
+    def __init__(self, send: Send, max_queue_frames: int, close_timeout_s: float = 5.0,
+                 send_buffer_bytes: int = 0) -> None:
+        self._send = send
+        self._proto = _sansio_protocol(send)
         self.pending: list[bytes] = []
         self.max_queue_frames = max_queue_frames
         self.closed = False
         #: How long a too-slow client gets to read up to the 4008 close frame.
         self.close_timeout_s = close_timeout_s
         self._wake = asyncio.Event()
-        self._closer: asyncio.Task[None] | None = None
+        if send_buffer_bytes > 0 and self._proto is not None:
+            _limit_send_buffer(self._proto.transport, send_buffer_bytes)
 
     def send(self, frame: bytes) -> None:
         """Queue a frame without waiting; too many unsent frames mark the client as too slow."""
@@ -39,43 +55,74 @@ class Session:
         if len(self.pending) >= self.max_queue_frames:
             metrics.SLOW_CLIENTS.inc()
             self.closed = True
-            self._closer = asyncio.get_running_loop().create_task(self._close_slow())
+            self.pending = []
+            asyncio.get_running_loop().create_task(self._close_slow())
             return
         self.pending.append(frame)
         self._wake.set()
 
-    async def _close_slow(self) -> None:
-        """Close with 4008; drop the TCP connection if that does not finish in time.
-
-        ``close()`` first waits for the socket to drain, which a client that stopped reading
-        never lets happen, so without the timeout the connection (and its running requests)
-        would live on until the keepalive ping gave up.
-        """
-        closing = self.ws.close(SLOW_CLIENT_CLOSE_CODE, "client too slow: output buffer full")
-        try:
-            await asyncio.wait_for(closing, self.close_timeout_s)
-        except TimeoutError:
-            self.ws.transport.abort()
-
     async def writer(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            frames, self.pending = self.pending, []
-            if frames:
-                await send_frames(self.ws, frames)
+        """Send what is pending, batch by batch, until the connection goes."""
+        try:
+            while not self.closed:
+                await self._wake.wait()
+                self._wake.clear()
+                frames, self.pending = self.pending, []
+                if frames:
+                    await self._write(frames)
+        except ClientGone:
+            self.closed = True
 
-
-async def send_frames(ws: Any, frames: list[bytes]) -> None:
-    """Send text ``frames`` in one socket write: one syscall per client per token batch, not per
-    frame (each write on loopback costs a kernel round of the TCP stack).
-
-    Drives the connection's sans-I/O protocol directly inside its ``send_context`` (which checks
-    the state and applies flow control on exit, as ``send`` does); frames are never fragmented,
-    so nothing else interleaves. Raises ``ConnectionClosed`` like ``send``.
-    """
-    async with ws.send_context():
-        protocol = ws.protocol
+    async def _write(self, frames: list[bytes]) -> None:
+        proto = self._proto
+        if proto is None:
+            for frame in frames:
+                await self._send({"type": "websocket.send", "text": frame.decode()})
+            return
+        await proto.writable.wait()  # flow control: the transport's buffer is over its high mark
+        if proto.disconnected or proto.close_sent:
+            raise ClientGone
+        conn = proto.conn
         for frame in frames:
-            protocol.send_text(frame)
-        ws.transport.write(b"".join(protocol.data_to_send()))
+            conn.send_text(frame)
+        proto.transport.write(b"".join(conn.data_to_send()))
+
+    async def _close_slow(self) -> None:
+        """Close with 4008; drop the TCP connection if the client has not read up to the close
+        frame in time (a client that stopped reading never would, and its requests would live
+        on until the keepalive ping gave up)."""
+        reason = "client too slow: output buffer full"
+        proto = self._proto
+        if proto is None:
+            try:
+                await asyncio.wait_for(self._send({"type": "websocket.close", "code": SLOW_CLIENT_CLOSE_CODE,
+                                                   "reason": reason}), self.close_timeout_s)
+            except (TimeoutError, OSError, RuntimeError):
+                pass
+            return
+        if not proto.close_sent and not proto.transport.is_closing():
+            proto.conn.send_close(SLOW_CLIENT_CLOSE_CODE, reason)
+            proto.transport.write(b"".join(proto.conn.data_to_send()))
+            proto.close_sent = True
+        await asyncio.sleep(self.close_timeout_s)
+        if not proto.disconnected:
+            proto.transport.abort()
+
+
+def _sansio_protocol(send: Send) -> Any | None:
+    """uvicorn's sans-I/O WebSocket protocol behind ``send``, if that is what serves us."""
+    proto = getattr(send, "__self__", None)
+    conn = getattr(proto, "conn", None)
+    if all(hasattr(proto, a) for a in ("transport", "writable", "disconnected", "close_sent")) and \
+            hasattr(conn, "send_text") and hasattr(conn, "data_to_send"):
+        return proto
+    return None
+
+
+def _limit_send_buffer(transport: asyncio.Transport, num_bytes: int) -> None:
+    """Cap the kernel's send buffer for one client: with Linux autotuning (up to 4 MiB) a client
+    that stops reading would park that much in the kernel before the pending list filled and
+    the 4008 close could happen."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)

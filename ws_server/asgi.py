@@ -1,0 +1,87 @@
+"""The edge's one port: an ASGI app served by uvicorn (WebSockets on the ``websockets``
+library's sans-I/O protocol, HTTP by httptools), so the chat WebSocket, the OpenAI-style HTTP
+API, the pages and the metrics share one listener.
+
+The chat WebSocket goes straight to the edge (no framework between a frame and the delivery
+core); every HTTP path goes through Starlette's router. The listening socket is bound by the
+caller, so a taken port fails with ``OSError`` at once instead of inside uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from lanes.ws_server import http
+from starlette.applications import Starlette
+
+if TYPE_CHECKING:
+    from lanes.ws_server.edge import Edge
+
+log = logging.getLogger(__name__)
+
+
+class EdgeApp:
+    """ASGI: ``/v1/chat`` WebSockets to the edge, HTTP to Starlette's routes."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+        self.http = Starlette(routes=http.routes(edge))
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            if scope["path"] == self.edge.chat_path:
+                await self.edge.handle_ws(scope, receive, send)
+            else:
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008, "reason": "no WebSocket at this path"})
+        elif scope["type"] == "http":
+            await self.http(scope, receive, send)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen now; raises ``OSError`` (e.g. EADDRINUSE) for the caller to report."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's runner owns SIGTERM/SIGINT and
+    stops us by cancelling ``serve_app``."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_app(app: EdgeApp, sock: socket.socket, *, max_frame_bytes: int, compression: bool,
+                    graceful_s: float = 2.0) -> None:
+    """Serve ``app`` on ``sock`` until cancelled; then close connections within ``graceful_s``."""
+    config = uvicorn.Config(
+        app, ws="websockets-sansio", http="httptools", lifespan="off", log_config=None, access_log=False,
+        ws_max_size=max_frame_bytes, ws_per_message_deflate=compression, ws_ping_interval=20.0,
+        ws_ping_timeout=20.0, timeout_graceful_shutdown=int(graceful_s), server_header=False,
+    )
+    server = _Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, graceful_s + 3)
+        raise
