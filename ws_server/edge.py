@@ -214,7 +214,13 @@ class Edge:
         elif isinstance(frame, protocol.CancelFrame):
             self.carry(self.core.cancel(conn, frame.id, now))
         else:
-            self.carry(self.core.resume(conn, frame.id, frame.last_seq, identity.key_id, now))
+            # The re-point is awaited here, like a chat's enqueue: a connection's answers to its
+            # control frames come back in the order it sent them.
+            actions = self.core.resume(conn, frame.id, frame.last_seq, identity.key_id, now)
+            self.carry([a for a in actions if not isinstance(a, delivery.Repoint)])
+            for action in actions:
+                if isinstance(action, delivery.Repoint):
+                    await self._repoint(action)
 
     async def on_chat(self, conn: int, identity: Identity, frame: protocol.ChatFrame) -> None:
         request_id = frame.id or uuid.uuid4().hex
