@@ -51,3 +51,32 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._prefix)
         self._prefix = self._read = len(self.ids)
         return full_text[len(prefix_text) :]
+
+
+class StopMatcher:
+    """Cuts a stream of text deltas at the first stop string, for engines that do not (the
+    transformers continuous-batching manager). Text that could be the start of a stop string
+    is held back until the next delta settles it, so no part of a stop string is ever sent."""
+
+    def __init__(self, stop: tuple[str, ...] | list[str]) -> None:
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Add a delta; return the text that is now safe to send (sets ``stopped`` at a stop)."""
+        if self.stopped or not self._stop:
+            return "" if self.stopped else text
+        text = self._held + text
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self._held = True, ""
+            return text[:cut]
+        keep = max((k for s in self._stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """At the end, held-back text was not a stop string after all."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

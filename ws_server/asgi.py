@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from lanes.ws_server import http
+from lanes.ws_server import completions, http
 from starlette.applications import Starlette
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class EdgeApp:
 
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
-        self.http = Starlette(routes=http.routes(edge))
+        self.http = Starlette(routes=http.routes(edge) + completions.routes(edge))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":

@@ -33,6 +33,7 @@ from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.asgi import EdgeApp, listen_socket, serve_app
 from lanes.ws_server.auth import Gate, Identity, Refusal
+from lanes.ws_server.completions import COMPLETIONS_PATH, MODELS_PATH
 from lanes.ws_server.delivery import Delivery
 from lanes.ws_server.keyguard import KeyGuard
 from lanes.ws_server.lengths import LengthEstimator
@@ -63,7 +64,7 @@ class Edge:
         self.sessions: dict[int, Session] = {}
         self.shutting_down = False
         self.chat_path = CHAT_PATH
-        self.gate = Gate(settings, plane, frozenset({CHAT_PATH}))
+        self.gate = Gate(settings, plane, frozenset({CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH}))
         self.keys = KeyGuard(plane, fleet_rate=settings.rate_limit_scope == "fleet")
         self.port = settings.port
         self._conn_ids = itertools.count(1)
@@ -263,7 +264,8 @@ class Edge:
         }):
             payload = RequestPayload(
                 id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
-                top_p=frame.top_p, seed=frame.seed, lane=lane, predicted_tokens=predicted, trace=inject_context(),
+                top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
+                trace=inject_context(),
             )
             enqueued = await self.plane.enqueue(payload, self.edge_id, owner=owner)
         if not enqueued.created:
@@ -271,6 +273,27 @@ class Edge:
                                     f"request {request_id} already exists ({enqueued.existing_state}); use resume")
         self.admission.enqueued(lane)
         return self.core.accepted(request_id, lane.value, predicted, time.monotonic())
+
+    # -- connections that are not WebSockets (one HTTP request each) -----------------------
+
+    def open_session(self, session: Any) -> int:
+        """Register a non-WebSocket connection (``completions.HttpSession``); returns its id."""
+        conn = next(self._conn_ids)
+        self.sessions[conn] = session
+        return conn
+
+    def close_session(self, conn: int, *, abandoned: bool) -> None:
+        """The HTTP exchange is over; ``abandoned``: its client left first, so its request is
+        cancelled now (there is no resume over HTTP)."""
+        session = self.sessions.pop(conn, None)
+        if session is not None:
+            session.closed = True
+        self.carry(self.core.disconnected(conn, time.monotonic(), grace_s=0.0 if abandoned else None))
+
+    async def model_names(self) -> list[str]:
+        """What ``GET /v1/models`` lists: the pools with live workers."""
+        reports = await self.plane.fleet.reports()
+        return sorted({r.pool for r in reports} or {"default"})
 
     def _send_error(self, conn: int, code: ErrorCode, message: str, request_id: str | None) -> None:
         metrics.ERRORS.labels(code.value).inc()

@@ -30,6 +30,10 @@ from lanes.queue.messages import ChatMessage, FinishReason, Usage
 ROLES = frozenset({"system", "user", "assistant"})
 #: Used with ``fullmatch``: ``$`` would let a trailing newline into Redis keys and logs.
 _ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+_MODEL_RE = re.compile(r"[A-Za-z0-9_.:/@\-]{1,128}")
+#: Stop sequences per request, and characters per sequence (OpenAI's API allows 4).
+MAX_STOP = 4
+MAX_STOP_CHARS = 64
 #: Client text quoted back in an error message is cut to this many characters.
 _MAX_ECHO_CHARS = 40
 
@@ -64,6 +68,10 @@ class ChatFrame:
     seed: int | None
     #: How long the client will wait for the first token before the answer is useless (ms).
     deadline_ms: int | None
+    #: Stop sequences: the answer ends (finish ``stop``) before the first one it would contain.
+    stop: tuple[str, ...] = ()
+    #: The model pool to serve it (``auto``: the router picks); None: the default pool.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,22 +200,50 @@ def _parse_chat(obj: dict[str, Any], rid: str | None, limits: Limits) -> ChatFra
                 ErrorCode.INVALID_FIELD, f"messages[{i}] must be {{'role': system|user|assistant, 'content': string}}", rid
             )
         messages.append(ChatMessage(role, m["content"]))
+    return chat_frame(obj, rid, tuple(messages), limits)
+
+
+def chat_frame(obj: dict[str, Any], rid: str | None, messages: tuple[ChatMessage, ...], limits: Limits, *,
+               max_tokens_field: str = "max_tokens", default_temperature: float = 0.7) -> ChatFrame:
+    """Validate a chat's fields other than its messages (shared with the OpenAI-style API)."""
     if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
         raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"messages exceed {limits.max_prompt_chars} characters", rid)
-    max_tokens = obj.get("max_tokens", limits.default_max_tokens)
+    max_tokens = obj.get(max_tokens_field, limits.default_max_tokens)
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens_limit:
-        raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens must be at most {limits.max_tokens_limit}", rid)
+        raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE,
+                            f"{max_tokens_field} must be at most {limits.max_tokens_limit}", rid)
     seed = obj.get("seed")
     deadline = obj.get("deadline_ms")
     return ChatFrame(
         id=rid,
-        messages=tuple(messages),
-        max_tokens=_int(obj, "max_tokens", rid, 1, limits.max_tokens_limit, limits.default_max_tokens),
-        temperature=_float(obj, "temperature", rid, 0.0, 2.0, 0.7),
+        messages=messages,
+        max_tokens=_int(obj, max_tokens_field, rid, 1, limits.max_tokens_limit, limits.default_max_tokens),
+        temperature=_float(obj, "temperature", rid, 0.0, 2.0, default_temperature),
         top_p=_float(obj, "top_p", rid, 1e-6, 1.0, 1.0),
         seed=None if seed is None else _int(obj, "seed", rid, 0, 2**63 - 1, None),
         deadline_ms=None if deadline is None else _int(obj, "deadline_ms", rid, 1, 3_600_000, None),
+        stop=_stop(obj.get("stop"), rid),
+        model=_model(obj.get("model"), rid),
     )
+
+
+def _stop(value: object, rid: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP or \
+            not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in items):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"field 'stop' must be a string or a list of at most {MAX_STOP} "
+                            f"strings of 1-{MAX_STOP_CHARS} characters", rid)
+    return tuple(items)
+
+
+def _model(value: object, rid: str | None) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _MODEL_RE.fullmatch(value):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "field 'model' must be 1-128 characters of [A-Za-z0-9_.:/@-]", rid)
+    return value
 
 
 # -- server frames -------------------------------------------------------------------

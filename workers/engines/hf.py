@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lanes.queue.messages import FinishReason
-from lanes.workers.detokenize import IncrementalDetokenizer
+from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from lanes.workers.engines.base import (
     ConfigError, EngineDead, EngineDelta, EngineRequest, RequestRejected, warm_up,
 )
@@ -118,6 +118,7 @@ class HFEngine:
         resume = list(request.resume_token_ids)
         max_new = min(request.max_tokens - len(resume), self._max_model_len - len(prompt_ids) - len(resume))
         detok = IncrementalDetokenizer(self.tokenizer, resume)
+        stops = StopMatcher(request.stop)  # the CB manager knows no stop strings: we cut the text
         if max_new <= 0:
             yield EngineDelta((), detok.flush(), FinishReason.LENGTH, len(prompt_ids))
             return
@@ -162,6 +163,12 @@ class HFEngine:
                     new_ids_text = detok.push(new_ids[:-1]) + detok.flush()
                 else:
                     new_ids_text = detok.push(new_ids) + (detok.flush() if finished else "")
+                new_ids_text = stops.push(new_ids_text)
+                if stops.stopped:  # a stop string: the answer ends before it; free the slot now
+                    finished, reason = True, FinishReason.STOP
+                    self._release(request.id)
+                elif finished:
+                    new_ids_text += stops.flush()
                 self._counters["generated_tokens"] += len(new_ids)
                 if new_ids or finished:
                     yield EngineDelta(tuple(new_ids), new_ids_text, reason, len(prompt_ids))

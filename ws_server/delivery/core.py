@@ -240,14 +240,16 @@ class Delivery:
         """Redis did not take the cancel: stop delivering after the cancel grace all the same."""
         return self.cancel_result(request_id, "running", now)
 
-    def disconnected(self, conn: int, now: float) -> list[Action]:
-        """A connection closed: its requests keep running for the resume grace."""
+    def disconnected(self, conn: int, now: float, grace_s: float | None = None) -> list[Action]:
+        """A connection closed: its requests keep running for the resume grace (``grace_s``
+        instead when given: 0 for a client that cannot resume, as over HTTP)."""
+        grace_s = self.config.resume_grace_s if grace_s is None else grace_s
         actions: list[Action] = []
         for entry in [e for e in self.entries.values() if e.conn == conn]:
             entry.conn, entry.announced = None, False
-            entry.grace_until = now + self.config.resume_grace_s
+            entry.grace_until = now + grace_s
             entry.buffered = {s: e for s, e in entry.buffered.items() if e.finish is not None}
-            if self.config.resume_grace_s <= 0:
+            if grace_s <= 0:
                 actions += self._expire(entry)
         self.per_conn.pop(conn, None)
         return actions

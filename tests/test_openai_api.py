@@ -1,0 +1,177 @@
+"""The OpenAI-compatible API, driven by the official ``openai`` package and by ``curl -N``
+against real processes (edge, scheduler, a worker on the tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+
+import http.client
+import urllib.error
+import urllib.request
+import openai
+import pytest
+
+from e2e_support import System
+from lanes.ws_server.auth import generate_key, hash_key
+
+pytestmark = pytest.mark.e2e
+
+KEY = generate_key()
+QUESTION = "What does a class definition do?"
+
+
+@pytest.fixture(scope="module")
+def system(make_cluster) -> System:
+    sys_ = make_cluster(workers=1, worker_args=("--max-slots", "4"))
+    sys_.start_edge("keyed", LANES_API_KEY_HASHES=hash_key(KEY), LANES_KEY_RATE_PER_S="0.5", LANES_KEY_BURST="1")
+    sys_.start_edge("full", LANES_MAX_DEPTH_SHORT="0", LANES_MAX_DEPTH_MEDIUM="0", LANES_MAX_DEPTH_LONG="0")
+    return sys_
+
+
+def base(sys_: System, edge: str = "edge") -> str:
+    return f"http://127.0.0.1:{sys_.edge_ports[edge]}/v1"
+
+
+def client(sys_: System, edge: str = "edge", key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base(sys_, edge), api_key=key, max_retries=0, timeout=60)
+
+
+def ask(**extra: object) -> dict[str, object]:
+    return {"model": "default", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+            "max_tokens": 24, **extra}
+
+
+def test_non_streaming_completion_is_the_greedy_answer(system: System, greedy_reference) -> None:
+    ref = greedy_reference(QUESTION, 24)
+    raw = client(system).chat.completions.with_raw_response.create(**ask())
+    answer = raw.parse()
+    assert raw.headers["x-lanes-lane"] in ("short", "medium", "long")
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    assert answer.choices[0].message.role == "assistant" and answer.choices[0].message.content == ref.text
+    assert answer.choices[0].finish_reason == ("stop" if len(ref.ids) < 24 else "length")
+    assert answer.usage is not None and answer.usage.completion_tokens == len(ref.ids)
+    assert answer.usage.prompt_tokens == ref.prompt_tokens
+    assert answer.usage.total_tokens == ref.prompt_tokens + len(ref.ids)
+
+
+def test_streaming_with_usage(system: System, greedy_reference) -> None:
+    ref = greedy_reference(QUESTION, 24)
+    chunks = list(client(system).chat.completions.create(**ask(stream=True, stream_options={"include_usage": True})))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop" if len(ref.ids) < 24 else "length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(ref.ids)
+
+
+async def test_async_client_streaming_and_not(system: System, greedy_reference) -> None:
+    ref = greedy_reference(QUESTION, 24)
+    aclient = openai.AsyncOpenAI(base_url=base(system), api_key="none", max_retries=0, timeout=60)
+    whole = await aclient.chat.completions.create(**ask())
+    stream = await aclient.chat.completions.create(**ask(stream=True))
+    parts = [c.choices[0].delta.content or "" async for c in stream]
+    assert whole.choices[0].message.content == "".join(parts) == ref.text
+    await aclient.close()
+
+
+def test_stop_sequence_ends_the_answer_before_it(system: System, greedy_reference) -> None:
+    ref = greedy_reference(QUESTION, 24)
+    words = ref.text.split()
+    assert len(words) > 3, ref.text
+    stop = " " + words[len(words) // 2]
+    expected = ref.text[: ref.text.index(stop)]
+    answer = client(system).chat.completions.create(**ask(stop=[stop]))
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_models_lists_the_pools(system: System) -> None:
+    models = client(system).models.list()
+    assert [m.id for m in models.data] == ["default"]
+
+
+@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"temperature": 5}, "temperature"),
+                                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                         ({"max_tokens": 10**6}, "max_tokens")])
+def test_bad_requests_are_400_naming_the_field(system: System, extra: dict[str, object], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(system).chat.completions.create(**ask(**extra))
+    assert refused.value.status_code == 400 and param in str(refused.value.body)
+
+
+def test_wrong_key_is_401_and_the_rate_limit_429(system: System) -> None:
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client(system, "keyed", "lanes_wrong").chat.completions.create(**ask())
+    assert refused.value.body["code"] == "invalid_api_key"
+    good = client(system, "keyed", KEY)
+    assert good.chat.completions.create(**ask()).choices[0].message.content  # the burst of 1
+    with pytest.raises(openai.RateLimitError) as limited:
+        good.chat.completions.create(**ask())
+    assert limited.value.body["code"] == "rate_limited" and int(limited.value.response.headers["retry-after"]) >= 1
+
+
+def test_overload_is_429_with_retry_after(system: System) -> None:
+    time.sleep(1.0)  # the edge acts on the scheduler's depth snapshots
+    with pytest.raises(openai.RateLimitError) as refused:
+        client(system, "full").chat.completions.create(**ask())
+    assert refused.value.body["code"] == "overloaded" and "retry-after" in refused.value.response.headers
+
+
+def test_no_worker_is_503(make_cluster) -> None:
+    bare = make_cluster(workers=0)
+    time.sleep(1.0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client(bare).chat.completions.create(**ask())
+    assert refused.value.status_code == 503 and refused.value.body["code"] == "unavailable"
+
+
+def test_a_client_that_disconnects_cancels_its_request(system: System) -> None:
+    body = ask(stream=True, max_tokens=2000, messages=[{"role": "user", "content": "Explain it all, slowly."}])
+    conn = http.client.HTTPConnection("127.0.0.1", system.edge_ports["edge"], timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    request_id = resp.getheader("x-request-id")
+    while not (line := resp.readline().decode()).startswith("data: ") or '"content":""' in line:
+        pass  # until the first chunk with text
+    conn.sock.shutdown(2)  # streaming: now hang up
+    conn.close()
+    deadline = time.monotonic() + 10
+    while system.query(lambda plane: plane.request_status(request_id))[0] != "cancelled":
+        assert time.monotonic() < deadline, "the request was not cancelled after the client left"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_server_sent_events(system: System) -> None:
+    out = subprocess.run(["curl", "-sN", f"{base(system)}/chat/completions", "-H", "Content-Type: application/json",
+                          "-d", json.dumps(ask(stream=True))], capture_output=True, text=True, timeout=60)
+    events = [line[len("data: "):] for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+
+
+async def test_concurrent_completions_and_websocket_chats_share_the_lanes(system: System) -> None:
+    aclient = openai.AsyncOpenAI(base_url=base(system), api_key="none", max_retries=0, timeout=60)
+    answers = await asyncio.gather(*(aclient.chat.completions.create(**ask(max_tokens=8, seed=i)) for i in range(6)))
+    assert all(a.choices[0].message.content for a in answers)
+    assert len({a.id for a in answers}) == 6
+    await aclient.close()
+
+
+def test_a_body_that_is_not_json_is_400(system: System) -> None:
+    post = urllib.request.Request(f"{base(system)}/chat/completions", data=b"{nope",
+                                  headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(post, timeout=10)
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["code"] == "invalid_json"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{base(system)}/chat/completions", timeout=10)
+    assert refused.value.code == 405

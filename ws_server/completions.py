@@ -1,0 +1,175 @@
+"""``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI chat API on the edge's port.
+
+A completion takes the same path as a WebSocket chat: the delivery core registers it on a
+connection of its own (one request), then limits, prediction, lane, admission and the enqueue
+run as for any chat. The core's frames for that connection go to an ``HttpSession``, which the
+response reads: server-sent ``chat.completion.chunk`` events (``stream: true``), or one
+``chat.completion`` at the end. The lane is in the ``x-lanes-lane`` header. A client that goes
+away cancels its request at once (there is no resume over HTTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from lanes.ws_server import openai_compat as oai
+from lanes.ws_server.auth import Identity, Refusal
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+if TYPE_CHECKING:
+    from lanes.ws_server.edge import Edge
+
+COMPLETIONS_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+_decode_frame = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+class HttpSession:
+    """The frames of one HTTP request's connection, decoded, for its response to read."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.frames: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    def send(self, frame: bytes) -> None:
+        if not self.closed:
+            self.frames.put_nowait(_decode_frame(frame))
+
+
+def _error(error: oai.APIError) -> Response:
+    return Response(error.body(), error.status, media_type="application/json", headers=error.headers())
+
+
+def _refused(refusal: Refusal) -> Response:
+    code = {401: "invalid_api_key", 403: "forbidden_origin"}.get(refusal.status.value, refusal.code)
+    kind = "invalid_request_error" if refusal.status.value < 500 else "server_error"
+    error = oai.APIError(refusal.status.value, refusal.message, kind, code)
+    return Response(error.body(), error.status, media_type="application/json",
+                    headers={**refusal.headers(), **({"Retry-After": "1"} if refusal.status.value == 503 else {})})
+
+
+def routes(edge: Edge) -> list[BaseRoute]:
+    async def chat_completions(request: Request) -> Response:
+        verdict = await edge.gate.check(COMPLETIONS_PATH, request.headers)
+        if isinstance(verdict, Refusal):
+            return _refused(verdict)
+        if int(request.headers.get("content-length") or 0) > edge.limits.max_frame_bytes:
+            return _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
+                                       code="frame_too_large"))
+        raw = await request.body()
+        if len(raw) > edge.limits.max_frame_bytes:
+            return _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
+                                       code="frame_too_large"))
+        try:
+            parsed = oai.parse_request(msgspec.json.decode(raw), edge.limits)
+        except (msgspec.DecodeError, RecursionError, UnicodeError):
+            return _error(oai.APIError(400, "the body is not valid JSON", code="invalid_json"))
+        except oai.APIError as error:
+            return _error(error)
+        return await _complete(edge, request, verdict, parsed)
+
+    async def list_models(request: Request) -> Response:
+        verdict = await edge.gate.check(MODELS_PATH, request.headers)
+        if isinstance(verdict, Refusal):
+            return _refused(verdict)
+        return Response(oai.models(await edge.model_names(), int(time.time())), media_type="application/json")
+
+    return [Route(COMPLETIONS_PATH, chat_completions, methods=["POST"]),
+            Route(MODELS_PATH, list_models, methods=["GET"])]
+
+
+async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oai.CompletionRequest) -> Response:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created, model = int(time.time()), parsed.frame.model or "default"
+    session = HttpSession()
+    conn = edge.open_session(session)
+    finished = False
+    try:
+        await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id))
+        first = await session.frames.get()  # accepted, or the error that refused it (already queued)
+        if first["type"] == "error":
+            finished = True
+            return _error(oai.error_from_frame(first))
+        headers = {"x-lanes-lane": str(first.get("lane", "")), "x-request-id": request_id,
+                   "Cache-Control": "no-cache"}
+        if parsed.stream:
+            finished = True  # the stream's own ``finally`` closes the session from here on
+            return StreamingResponse(_events(edge, conn, session, request_id, created, model, parsed.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        body = await _until_done_or_gone(request, session, request_id, created, model)
+        finished = body is not None
+        if body is None:
+            return Response(status_code=499)  # nobody is listening any more
+        status, payload = body
+        return Response(payload, status, media_type="application/json", headers=headers)
+    finally:
+        if not finished:
+            edge.close_session(conn, abandoned=True)
+        elif not parsed.stream:
+            edge.close_session(conn, abandoned=False)
+
+
+async def _events(edge: Edge, conn: int, session: HttpSession, request_id: str, created: int, model: str,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    ended = False
+    try:
+        yield oai.chunk(request_id, created, model, {"role": "assistant", "content": ""}, with_usage=include_usage)
+        while True:
+            frame = await session.frames.get()
+            kind = frame["type"]
+            if kind == "delta":
+                yield oai.chunk(request_id, created, model, {"content": frame["text"]}, with_usage=include_usage)
+            elif kind == "done":
+                ended = True
+                yield oai.chunk(request_id, created, model, {}, oai.finish_reason(frame), with_usage=include_usage)
+                if include_usage:
+                    yield oai.usage_chunk(request_id, created, model, oai.usage(frame))
+                yield oai.DONE
+                return
+            elif kind == "error":
+                ended = True
+                yield oai.error_event(oai.error_from_frame(frame))
+                yield oai.DONE
+                return
+    finally:  # also when the client went away (Starlette cancels the stream)
+        edge.close_session(conn, abandoned=not ended)
+
+
+async def _until_done_or_gone(request: Request, session: HttpSession, request_id: str, created: int,
+                              model: str) -> tuple[int, bytes] | None:
+    """The whole answer as one ``chat.completion`` (or the error it ended with); None if the
+    client disconnected first."""
+
+    async def collect() -> tuple[int, bytes]:
+        parts: list[str] = []
+        while True:
+            frame = await session.frames.get()
+            if frame["type"] == "delta":
+                parts.append(frame["text"])
+            elif frame["type"] == "done":
+                return 200, oai.completion(request_id, created, model, "".join(parts), oai.finish_reason(frame),
+                                           oai.usage(frame))
+            elif frame["type"] == "error":
+                error = oai.error_from_frame(frame)
+                return error.status, error.body()
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({answer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not answer.done():
+            answer.cancel()
+    return answer.result() if answer.done() and not answer.cancelled() else None

@@ -1,0 +1,206 @@
+"""The OpenAI chat API's wire format, sans-I/O: a ``/v1/chat/completions`` body in, a
+``ChatFrame`` (or an ``APIError`` in OpenAI's shape) out; our frames in, OpenAI chunks and
+responses out.
+
+Accepted: ``messages`` (string content, or a list of ``{"type": "text"}`` parts; roles system,
+developer (as system), user, assistant), ``model``, ``max_tokens`` / ``max_completion_tokens``,
+``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``,
+``user``. Refused with 400: ``n`` other than 1, ``tools`` / ``functions`` (and their choice
+fields), non-text content parts, ``tool`` messages. Other fields are ignored, as OpenAI's own
+servers ignore unknown ones.
+
+Errors (``{"error": {"message", "type", "code", "param"}}``)::
+
+    400 invalid_request_error   the body, a field (``param`` names it), unsupported features
+    401 invalid_request_error   missing or invalid API key (code invalid_api_key)
+    404 invalid_request_error   an unknown model (code model_not_found)
+    429 rate_limit_error        rate_limited, too_many_in_flight, overloaded (+ Retry-After)
+    500 server_error            the request failed while running (worker_failed, engine_error...)
+    503 server_error            Redis or workers unavailable (+ Retry-After)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from lanes.queue.errors import ErrorCode
+from lanes.queue.messages import ChatMessage
+from lanes.ws_server.protocol import ChatFrame, Limits, ProtocolError, chat_frame
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+_enc = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> bytes:
+        return _enc.encode({"error": {"message": self.message, "type": self.type, "code": self.code,
+                                      "param": self.param}})
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    frame: ChatFrame
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: object, limits: Limits) -> CompletionRequest:
+    """Validate a ``/v1/chat/completions`` body; raises ``APIError`` (400) naming the field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, [], "none"):
+            raise APIError(400, f"'{name}' is not supported: this server serves plain chat completions",
+                           param=name, code="unsupported_parameter")
+    if body.get("n", 1) != 1:
+        raise APIError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
+    if "max_completion_tokens" in body and "max_tokens" in body:
+        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "'stream' must be a boolean", param="stream")
+    if not isinstance(body.get("model"), str):
+        raise APIError(400, "'model' is required (a pool name, or 'auto')", param="model")
+    try:
+        frame = chat_frame(body, None, _messages(body.get("messages"), limits), limits,
+                           max_tokens_field=max_tokens_field, default_temperature=1.0)
+    except ProtocolError as err:
+        raise APIError(400, err.message, code=err.code.value, param=_param(err.message)) from None
+    return CompletionRequest(frame, stream, bool(options and options.get("include_usage")))
+
+
+def _messages(raw: object, limits: Limits) -> tuple[ChatMessage, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    if len(raw) > limits.max_messages:
+        raise APIError(400, f"at most {limits.max_messages} messages per request", param="messages",
+                       code=ErrorCode.TOO_MANY_MESSAGES.value)
+    messages = []
+    for i, m in enumerate(raw):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in _ROLES:
+            raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant",
+                           param=f"messages[{i}].role")
+        messages.append(ChatMessage(_ROLES[role], _content(m.get("content"), i)))
+    return tuple(messages)
+
+
+def _content(content: object, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                           param=f"messages[{i}].content", code="unsupported_content")
+        return "".join(p["text"] for p in content)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+def _param(message: str) -> str | None:
+    """The field a protocol error names (``field 'x' ...``), for OpenAI's ``param``."""
+    if "'" in message:
+        return message.split("'")[1]
+    return None
+
+
+# -- our error codes in OpenAI's shape ---------------------------------------------------
+
+_TOO_MANY = {ErrorCode.RATE_LIMITED, ErrorCode.TOO_MANY_IN_FLIGHT, ErrorCode.OVERLOADED}
+_CLIENT = {c for c in ErrorCode if c.value in (
+    "binary_frame", "frame_too_large", "invalid_json", "invalid_frame", "unknown_type", "missing_field",
+    "invalid_field", "too_many_messages", "prompt_too_long", "max_tokens_too_large", "bad_max_tokens",
+    "invalid_request", "duplicate_id")}
+
+
+def error_from_frame(frame: dict[str, Any]) -> APIError:
+    """An ``error`` frame of ours as an OpenAI error with the right status."""
+    code, message = str(frame.get("code", "internal")), str(frame.get("message", "error"))
+    retry_ms = frame.get("retry_after_ms")
+    retry_s = None if not isinstance(retry_ms, (int, float)) else max(1, math.ceil(retry_ms / 1000))
+    if code == "model_not_found":
+        return APIError(404, message, code=code, param="model")
+    if code in _TOO_MANY:
+        return APIError(429, message, "rate_limit_error", code, retry_after_s=retry_s or 1)
+    if code == ErrorCode.UNAVAILABLE:
+        return APIError(503, message, "server_error", code, retry_after_s=retry_s or 1)
+    if code in _CLIENT:
+        return APIError(400, message, code=code)
+    return APIError(500, message, "server_error", code)
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def usage(frame: dict[str, Any]) -> dict[str, int]:
+    u = frame.get("usage") or {}
+    prompt, completion = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(frame: dict[str, Any]) -> str:
+    """``length`` stays ``length``; a stop (or our own cancel) is ``stop``."""
+    return "length" if frame.get("finish_reason") == "length" else "stop"
+
+
+def chunk(request_id: str, created: int, model: str, delta: dict[str, str], finish: str | None = None,
+          usage_: dict[str, int] | None = None, with_usage: bool = False) -> bytes:
+    """One ``chat.completion.chunk`` as a server-sent event."""
+    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "system_fingerprint": None,
+                            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    if with_usage:
+        body["usage"] = usage_
+    return b"data: " + _enc.encode(body) + b"\n\n"
+
+
+def usage_chunk(request_id: str, created: int, model: str, usage_: dict[str, int]) -> bytes:
+    """The last chunk with ``stream_options.include_usage``: no choices, the whole usage."""
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None, "choices": [], "usage": usage_}
+    return b"data: " + _enc.encode(body) + b"\n\n"
+
+
+def error_event(error: APIError) -> bytes:
+    """A mid-stream failure: the SDKs raise ``APIError`` on a chunk carrying ``error``."""
+    return b"data: " + error.body() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def completion(request_id: str, created: int, model: str, text: str, finish: str,
+               usage_: dict[str, int]) -> bytes:
+    return _enc.encode({
+        "id": request_id, "object": "chat.completion", "created": created, "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": finish}],
+        "usage": usage_,
+    })
+
+
+def models(names: list[str], created: int) -> bytes:
+    return _enc.encode({"object": "list", "data": [{"id": n, "object": "model", "created": created,
+                                                    "owned_by": "lanes"} for n in names]})
