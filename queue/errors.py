@@ -16,7 +16,8 @@ Codes by where they arise::
     ├── duplicate_id        an id already in flight here, or still known to Redis
     ├── unknown_id          no such request for this key (another key's ids look the same)
     ├── too_many_in_flight  per connection or per API key
-    └── resumed_elsewhere   a resume on another connection took the request over
+    ├── resumed_elsewhere   a resume on another connection took the request over
+    └── model_not_found     ``model`` names no pool of this deployment (the message lists them)
     admission and limits
     ├── overloaded          (with retry_after_ms, reason)
     ├── rate_limited        (with retry_after_ms)
@@ -51,6 +52,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_ID = "unknown_id"
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
     RESUMED_ELSEWHERE = "resumed_elsewhere"
+    MODEL_NOT_FOUND = "model_not_found"
     OVERLOADED = "overloaded"
     RATE_LIMITED = "rate_limited"
     UNAVAILABLE = "unavailable"

@@ -42,9 +42,11 @@ class Fleet:
             _, names = await pipe.execute()
         return [n.decode() for n in names]
 
-    async def num_workers(self) -> int:
-        """Registered workers (the scheduler drops silent ones within seconds)."""
-        return int(await self.redis.zcard(self.keys.workers))
+    async def num_workers(self, pool: str | None = None) -> int:
+        """Registered workers, of ``pool`` or of all (the scheduler drops silent ones within seconds)."""
+        if pool is None:
+            return int(await self.redis.zcard(self.keys.workers))
+        return sum(1 for report in await self.reports() if report.pool == pool)
 
     async def reports(self, workers: list[str] | None = None) -> list[WorkerReport]:
         """The latest report of each registered (or each given) worker; expired ones are skipped."""
@@ -61,23 +63,28 @@ class Fleet:
                     continue  # a foreign or older report: not worth failing the dashboard for
         return found
 
-    async def claim_counts(self) -> dict[str, int]:
-        """Claims so far per lane (service rates derive from its growth)."""
-        return {lane.decode(): int(n) for lane, n in (await self.redis.hgetall(self.keys.claims)).items()}
+    async def counters(self, pool: str) -> tuple[dict[str, int], dict[str, int]]:
+        """Claims and arrivals so far per lane of ``pool`` (service and arrival rates derive
+        from their growth)."""
+        k = self.keys.for_pool(pool)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(k.claims)
+            pipe.hgetall(k.arrivals)
+            claims, arrivals = await pipe.execute()
+        return ({lane.decode(): int(n) for lane, n in claims.items()},
+                {lane.decode(): int(n) for lane, n in arrivals.items()})
 
     # -- depth snapshots -----------------------------------------------------------------
 
     async def publish_depths(self, snapshot: DepthSnapshot, ttl_ms: int = 10_000) -> None:
-        """Keep the newest snapshot (for ``/v1/depths``) and publish it (edges, workers)."""
+        """Keep the newest snapshot of its pool (for ``/v1/depths``) and publish it (edges, workers)."""
         data = encode(snapshot)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.depths, data, px=ttl_ms)
-            pipe.publish(self.keys.depth_channel, data)
-            await pipe.execute()
+        await self.redis.set(self.keys.for_pool(snapshot.pool).depths, data, px=ttl_ms)
+        await self.redis.publish(self.keys.depth_channel, data)
 
-    async def depths_json(self) -> bytes | None:
-        """The newest snapshot as stored (JSON), None when the scheduler has published none lately."""
-        return await self.redis.get(self.keys.depths)
+    async def depths_json(self, pool: str) -> bytes | None:
+        """``pool``'s newest snapshot as stored (JSON), None when none was published lately."""
+        return await self.redis.get(self.keys.for_pool(pool).depths)
 
     # -- observations and the predictor --------------------------------------------------
 

@@ -1,8 +1,11 @@
 """Every Redis key, channel and TTL that lanes uses, in one place.
 
-Queue-plane keys share the hash tag ``{q}`` so that Lua scripts and the multi-key
-``BZPOPMIN`` stay in one cluster slot. Token streams are tagged per request
-(``{r:<id>}``) so they spread over a cluster.
+Each model pool's queue-plane keys (lanes, request hashes, the watch set, claim and arrival
+counters, its depth snapshot) share one hash tag, ``{q}`` for the default pool and
+``{q:<pool>}`` for the others, so that Lua scripts and the multi-key ``BZPOPMIN`` stay in one
+cluster slot per pool. Fleet keys (worker registry and reports, API keys, observations) use
+``{q}`` whatever the pool. Token streams are tagged per request (``{r:<id>}``) so they spread
+over a cluster.
 """
 
 from __future__ import annotations
@@ -20,39 +23,55 @@ REQUEST_TTL_S = 900
 FINISHED_TTL_S = 300
 #: Approximate cap on a token stream's length (``XADD MAXLEN ~``).
 STREAM_MAXLEN = 8192
+#: The pool of workers that set no ``LANES_POOL``, and of requests that name no model.
+DEFAULT_POOL = "default"
 
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names under one prefix (``lanes`` by default; tests use their own)."""
+    """Key names under one prefix (``lanes`` by default; tests use their own), for one pool."""
 
     prefix: str = "lanes"
+    pool: str = DEFAULT_POOL
+
+    @property
+    def tag(self) -> str:
+        """The hash tag of this pool's queue plane."""
+        return "{q}" if self.pool == DEFAULT_POOL else f"{{q:{self.pool}}}"
+
+    def for_pool(self, pool: str) -> Keys:
+        return Keys(self.prefix, pool)
 
     def pending(self, lane: Lane) -> str:
         """ZSET request id -> enqueue ms, one per lane."""
-        return f"{self.prefix}:{{q}}:pending:{lane.value}"
+        return f"{self.prefix}:{self.tag}:pending:{lane.value}"
 
     def pending_all(self) -> list[str]:
         return [self.pending(lane) for lane in LANE_ORDER]
 
     def request(self, request_id: str) -> str:
         """HASH with the request's payload and state."""
-        return f"{self.prefix}:{{q}}:req:{request_id}"
+        return f"{self.prefix}:{self.tag}:req:{request_id}"
 
     @property
     def watch(self) -> str:
         """ZSET request id -> deadline ms (start deadline if queued, lease if running)."""
-        return f"{self.prefix}:{{q}}:watch"
+        return f"{self.prefix}:{self.tag}:watch"
 
     @property
     def claims(self) -> str:
         """HASH lane -> claims so far (the scheduler derives service rates from it)."""
-        return f"{self.prefix}:{{q}}:claims"
+        return f"{self.prefix}:{self.tag}:claims"
+
+    @property
+    def arrivals(self) -> str:
+        """HASH lane -> requests enqueued so far (the autoscaling signal's arrival rate)."""
+        return f"{self.prefix}:{self.tag}:arrivals"
 
     @property
     def depths(self) -> str:
-        """STRING: the scheduler's latest depth snapshot (JSON)."""
-        return f"{self.prefix}:{{q}}:depths"
+        """STRING: the scheduler's latest depth snapshot of this pool (JSON)."""
+        return f"{self.prefix}:{self.tag}:depths"
 
     @property
     def workers(self) -> str:

@@ -110,6 +110,12 @@ class DepthSnapshot(msgspec.Struct, frozen=True):
     workers: int = 0
     #: Claims per second per lane (EWMA): how fast each lane drains.
     service_rps: dict[str, float] = {}
+    #: The model pool these lanes belong to.
+    pool: str = "default"
+    #: Enqueues per second per lane (EWMA).
+    arrival_rps: dict[str, float] = {}
+    #: Workers needed to keep the predicted wait under the target (the autoscaling signal).
+    desired_workers: int = 0
 
 
 class WorkerReport(msgspec.Struct, frozen=True):

@@ -15,6 +15,7 @@ from lanes.queue import scripts
 from lanes.queue.connection import connect
 from lanes.queue.fleet import Fleet
 from lanes.queue.keys import (
+    DEFAULT_POOL,
     FINISHED_TTL_S,
     LANE_ORDER,
     REQUEST_TTL_S,
@@ -66,10 +67,13 @@ class Reaped:
 class QueuePlane:
     """Redis I/O of the request path. Safe to share within one event loop."""
 
-    def __init__(self, client: aioredis.Redis, settings: RedisSettings) -> None:
+    def __init__(self, client: aioredis.Redis, settings: RedisSettings, pool: str = DEFAULT_POOL) -> None:
         self.redis = client
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        #: The model pool whose lanes and request hashes this plane reads and writes.
+        self.pool = pool
+        self.keys = Keys(settings.key_prefix, pool)
+        self._pools: dict[str, QueuePlane] = {pool: self}
         self.fleet = Fleet(client, self.keys)
         #: Keys of different hash slots cannot meet in one script on a Redis Cluster.
         self.cluster = False
@@ -85,6 +89,14 @@ class QueuePlane:
         self._repoint = client.register_script(scripts.REPOINT)
         self._release = client.register_script(scripts.RELEASE)
         self._take_token = client.register_script(scripts.TAKE_TOKEN)
+
+    def for_pool(self, pool: str) -> QueuePlane:
+        """The same connection, on ``pool``'s keys (one per pool, kept)."""
+        plane = self._pools.get(pool)
+        if plane is None:
+            plane = self._pools[pool] = QueuePlane(self.redis, self.settings, pool)
+            plane.fleet, plane.cluster, plane._pools = self.fleet, self.cluster, self._pools
+        return plane
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> QueuePlane:
@@ -102,7 +114,7 @@ class QueuePlane:
         """
         k = self.keys
         created, value = await self._enqueue(
-            keys=[k.request(payload.id), k.pending(payload.lane), k.watch],
+            keys=[k.request(payload.id), k.pending(payload.lane), k.watch, k.arrivals],
             args=[payload.id, encode(payload), payload.lane.value, edge_id,
                   self.settings.start_timeout_ms, REQUEST_TTL_S, owner],
         )

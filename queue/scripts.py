@@ -11,8 +11,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-#: KEYS: req, pending:<lane>, watch. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner.
+#: KEYS: req, pending:<lane>, watch, arrivals. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner.
 #: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op).
+#: ``arrivals`` counts enqueues per lane: the scheduler turns it into the arrival rate.
 ENQUEUE = _NOW + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('HGET', KEYS[1], 'state') or ''}
@@ -22,6 +23,7 @@ redis.call('HSET', KEYS[1], 'p', ARGV[2], 'lane', ARGV[3], 'edge', ARGV[4], 'sta
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])
+redis.call('HINCRBY', KEYS[4], ARGV[3], 1)
 return {1, now}
 """
 

@@ -22,8 +22,10 @@ from lanes.queue.messages import (
     TokenBatch,
     TokenEvent,
     Usage,
+    WorkerReport,
 )
 from lanes.queue.plane import QueuePlane
+from lanes.scheduler.autoscale import desired_workers
 from lanes.scheduler.refresh import refresh_predictor
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
@@ -38,7 +40,10 @@ class Scheduler:
     def __init__(self, settings: SchedulerSettings, plane: QueuePlane) -> None:
         self.settings = settings
         self.plane = plane
-        self.rates = ServiceRates()
+        #: Per pool: claim rates and arrival rates (EWMA).
+        self._rates: dict[str, tuple[ServiceRates, ServiceRates]] = {}
+        self._known_pools: list[str] = settings.pool_names()
+        self._last_reports: dict[str, WorkerReport] = {}
 
     async def serve(self) -> None:
         log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
@@ -85,46 +90,83 @@ class Scheduler:
             backoff.succeeded()
             await asyncio.sleep(interval_s)
 
+    def pools(self, reports: list[WorkerReport]) -> list[str]:
+        """Pools to reap and snapshot: the configured ones and any a live worker serves."""
+        return sorted(set(self.settings.pool_names()) | {r.pool for r in reports})
+
     async def reap_once(self) -> int:
         now_ms = await self.plane.server_time_ms()
-        reaped = await self.plane.reap(now_ms)
-        for item in reaped:
-            metrics.REAPED.labels(item.action).inc()
-            if item.action == "requeued":
-                log.info("lease of %s expired (attempt %d): back in its lane", item.id, item.attempt)
-            elif item.action == "failed":
-                log.warning("%s failed after %d attempts", item.id, item.attempt)
-                await self._notify_failed(item.id, item.edge, item.attempt)
-        return len(reaped)
+        num = 0
+        for pool in self._known_pools:
+            plane = self.plane.for_pool(pool)
+            for item in await plane.reap(now_ms):
+                num += 1
+                metrics.REAPED.labels(item.action).inc()
+                if item.action == "requeued":
+                    log.info("lease of %s expired (attempt %d): back in its lane", item.id, item.attempt)
+                elif item.action == "failed":
+                    log.warning("%s failed after %d attempts", item.id, item.attempt)
+                    await self._notify_failed(plane, item.id, item.edge, item.attempt)
+        return num
 
-    async def _notify_failed(self, request_id: str, edge: str, attempt: int) -> None:
+    async def _notify_failed(self, plane: QueuePlane, request_id: str, edge: str, attempt: int) -> None:
         """End the request at its edge with an error, through the stream (so resume sees it too)."""
-        prior = await self.plane.read_stream(request_id)
+        prior = await plane.read_stream(request_id)
         num_tokens = sum(len(e.token_ids) for e in prior)
         finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code=ErrorCode.WORKER_FAILED,
                         error_message=f"the request's worker died {attempt} times; giving up")
         event = TokenEvent(request_id, attempt + 1, len(prior), "", (), finish)
-        await self.plane.fence(request_id, attempt + 1)
-        await self.plane.append({request_id: [event]})
+        await plane.fence(request_id, attempt + 1)
+        await plane.append({request_id: [event]})
         if edge:
-            await self.plane.publish({edge: TokenBatch("scheduler", (event,))})
+            await plane.publish({edge: TokenBatch("scheduler", (event,))})
 
-    async def snapshot_once(self) -> DepthSnapshot:
+    async def snapshot_once(self) -> list[DepthSnapshot]:
+        """One depth snapshot per pool, published and stored (edges' admission, workers'
+        anti-starvation, the dashboard, the autoscaling signal)."""
         now_ms = await self.plane.server_time_ms()
-        pending, oldest = await self.plane.lane_depths(now_ms)
         fleet = self.plane.fleet
-        workers = await fleet.live_workers(now_ms, max_age_ms=_WORKER_TIMEOUT_MS)
+        live = await fleet.live_workers(now_ms, max_age_ms=_WORKER_TIMEOUT_MS)
+        for report in await fleet.reports(live):
+            self._last_reports[report.worker] = report
+        # A live worker whose newest report expired (a late heartbeat) keeps its last one.
+        self._last_reports = {w: r for w, r in self._last_reports.items() if w in set(live)}
+        reports = list(self._last_reports.values())
+        self._known_pools = self.pools(reports)
+        snapshots = []
+        for pool in self._known_pools:
+            snapshot = await self._snapshot(pool, now_ms, [r for r in reports if r.pool == pool])
+            await fleet.publish_depths(snapshot)
+            snapshots.append(snapshot)
+        return snapshots
+
+    async def _snapshot(self, pool: str, now_ms: int, reports: list[WorkerReport]) -> DepthSnapshot:
+        pending, oldest = await self.plane.for_pool(pool).lane_depths(now_ms)
         running = {lane: 0 for lane in pending}
-        for report in await fleet.reports(workers):
+        for report in reports:
             for lane, n in report.running.items():
                 running[lane] = running.get(lane, 0) + n
-        snapshot = DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
-                                 workers=len(workers), service_rps=self.rates.update(await fleet.claim_counts(), now_ms))
-        await fleet.publish_depths(snapshot)
+        claims, arrivals = await self.plane.fleet.counters(pool)
+        rates = self._rates.setdefault(pool, (ServiceRates(), ServiceRates()))
+        service_rps, arrival_rps = rates[0].update(claims, now_ms), rates[1].update(arrivals, now_ms)
+        desired = self.desired_workers(sum(arrival_rps.values()), sum(service_rps.values()), sum(pending.values()),
+                                       len(reports))
         for lane, n in pending.items():
-            metrics.LANE_DEPTH.labels(lane).set(n)
-            metrics.LANE_OLDEST.labels(lane).set(oldest[lane] / 1000)
-        return snapshot
+            metrics.LANE_DEPTH.labels(pool, lane).set(n)
+            metrics.LANE_OLDEST.labels(pool, lane).set(oldest[lane] / 1000)
+        metrics.DESIRED_WORKERS.labels(pool).set(desired)
+        return DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
+                             workers=len(reports), service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
+                             desired_workers=desired)
+
+    def desired_workers(self, arrival_rps: float, service_rps: float, depth: int, workers: int) -> int:
+        """Workers needed to keep the predicted lane wait under the target (Little's law with
+        headroom, ``scheduler/autoscale.py``). A pool's service rate per worker is what its
+        workers claim per second now; with none measured yet, the current count holds."""
+        s = self.settings
+        per_worker = service_rps / workers if workers else 0.0
+        return desired_workers(arrival_rps, per_worker, depth, s.target_wait_s, s.autoscale_headroom,
+                               s.min_workers, s.max_workers, workers)
 
 
 class ServiceRates:

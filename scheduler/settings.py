@@ -14,3 +14,15 @@ class SchedulerSettings(RedisSettings):
     predictor_refresh_minutes: int = 5
     predictor_min_observations: int = 50
     predictor_max_observations: int = 5000
+    #: Pools to watch even before a worker of theirs is up (comma list); pools of live workers
+    #: are added by themselves.
+    pools: str = "default"
+    #: Autoscaling signal (``lanes_desired_workers{pool}``): keep the predicted lane wait under
+    #: ``target_wait_s`` with ``autoscale_headroom`` spare capacity, between these bounds.
+    target_wait_s: float = 2.0
+    autoscale_headroom: float = 0.2
+    min_workers: int = 1
+    max_workers: int = 64
+
+    def pool_names(self) -> list[str]:
+        return [p.strip() for p in self.pools.split(",") if p.strip()] or ["default"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from lanes.scheduler.simulator import SimResult
 
 #: A request counts as starved when it waits more than this many times its FCFS wait...

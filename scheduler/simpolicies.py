@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-
 from lanes.queue.messages import Lane
 from lanes.scheduler.noise import kendall_tau, noisy_predictions, sigma_for_tau
 from lanes.scheduler.policy import (

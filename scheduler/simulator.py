@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from lanes.queue.messages import Lane
 from lanes.scheduler.costmodel import CostProfile, SpecDecoding
 from lanes.scheduler.policy import LANE_ORDER, SlotConfig, lanes_to_pop

@@ -18,6 +18,7 @@ CONNECTIONS = Gauge("lanes_edge_connections", "Open WebSocket connections")
 TTFT = Histogram("lanes_ttft_seconds", "Time to first token seen by the edge", ["lane"], buckets=_LATENCY_BUCKETS_S)
 E2E = Histogram("lanes_e2e_seconds", "Request received to done", ["lane"], buckets=_LATENCY_BUCKETS_S)
 QUEUE_WAIT = Histogram("lanes_queue_seconds", "Enqueue to claim", ["lane"], buckets=_LATENCY_BUCKETS_S)
+FIXED_ANSWERS = Counter("lanes_fixed_answers_total", "Chats the edge answered from its fixed-answer table", ["name"])
 SLOW_CLIENTS = Counter("lanes_slow_clients_total", "Connections closed for not reading")
 
 # -- worker
@@ -36,7 +37,7 @@ KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache i
 TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat")
 
 # -- scheduler
-LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["lane"])
-LANE_OLDEST = Gauge("lanes_lane_oldest_wait_seconds", "Age of the oldest waiting request", ["lane"])
+LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["pool", "lane"])
+LANE_OLDEST = Gauge("lanes_lane_oldest_wait_seconds", "Age of the oldest waiting request", ["pool", "lane"])
 REAPED = Counter("lanes_reaped_total", "Watch entries handled by the reaper, by action", ["action"])
 DESIRED_WORKERS = Gauge("lanes_desired_workers", "Workers a pool needs for its wait target (autoscale.py)", ["pool"])

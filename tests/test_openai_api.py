@@ -4,17 +4,16 @@ against real processes (edge, scheduler, a worker on the tiny model)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import shutil
 import subprocess
 import time
-
-import http.client
 import urllib.error
 import urllib.request
+
 import openai
 import pytest
-
 from e2e_support import System
 from lanes.ws_server.auth import generate_key, hash_key
 

@@ -23,19 +23,21 @@ _ENGINE_GAUGES = [
 
 
 class Reporter:
-    def __init__(self, plane: QueuePlane, worker_id: str, heartbeat_s: float) -> None:
+    def __init__(self, plane: QueuePlane, worker_id: str, heartbeat_s: float, pool: str) -> None:
         self.plane = plane
         self.worker_id = worker_id
+        self.pool = pool
         self.heartbeat_s = heartbeat_s
         self.num_tokens = 0
         self._rate_mark = (time.monotonic(), 0)
 
     async def report(self, running: dict[str, int], slots: int, finished: dict[str, int],
                      engine_stats: dict[str, Any]) -> None:
-        """One heartbeat's report; it expires after three missed heartbeats."""
+        """One heartbeat's report; it expires after three missed heartbeats (5 s at least: a loaded
+        machine delays heartbeats, and the registry, not the report, says who is alive)."""
         report = WorkerReport(worker=self.worker_id, running=running, slots=slots, finished=finished,
-                              tokens_per_s=self._export(engine_stats), engine=_plain(engine_stats))
-        await self.plane.fleet.report(report, int(time.time() * 1000), ttl_ms=int(self.heartbeat_s * 3000))
+                              tokens_per_s=self._export(engine_stats), engine=_plain(engine_stats), pool=self.pool)
+        await self.plane.fleet.report(report, int(time.time() * 1000), ttl_ms=max(5000, int(self.heartbeat_s * 3000)))
 
     def _export(self, engine_stats: dict[str, Any]) -> float:
         """Engine gauges to Prometheus; returns tokens/s since the previous report."""

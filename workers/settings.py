@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
+from pydantic import Field, model_validator
+
+from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
 from lanes.scheduler.policy import SlotConfig
 
@@ -12,6 +16,10 @@ SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "
 
 
 class WorkerSettings(RedisSettings):
+    #: The model pool this worker serves: it claims only that pool's lanes (``LANES_POOL``).
+    pool: str = Field(DEFAULT_POOL, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    #: Set by honcho for each process (``worker.3``); gives ``gpu_index`` (2) when unset.
+    honcho_process_name: str = Field("", validation_alias="HONCHO_PROCESS_NAME")
     engine: EngineName = "hf"
     #: A local Hugging Face model directory or a hub id; empty = the shipped demo model.
     model: str = ""
@@ -64,6 +72,15 @@ class WorkerSettings(RedisSettings):
     sim_time_scale: float = 1.0
     sim_profile: str = "l70-h100"
     worker_id: str = ""
+
+    @model_validator(mode="after")
+    def _gpu_from_honcho(self) -> WorkerSettings:
+        """``honcho start -c worker=N`` numbers its workers 1..N: worker n takes GPU n-1, so one
+        Procfile line binds each worker to its own GPU without hand-editing."""
+        found = re.fullmatch(r"worker[^.]*\.(\d+)", self.honcho_process_name)
+        if "gpu_index" not in self.model_fields_set and found:
+            self.gpu_index = int(found.group(1)) - 1
+        return self
 
     def slots(self, engine_max_concurrency: int) -> SlotConfig:
         """How this worker's slots are shared among lanes (capped by what the engine runs)."""

@@ -53,14 +53,14 @@ _BUSY_PAUSE_S = 0.2
 class Worker:
     def __init__(self, settings: WorkerSettings, plane: QueuePlane, engine: Engine) -> None:
         self.settings = settings
-        self.plane = plane
+        self.plane = plane.for_pool(settings.pool)  # this worker's lanes and requests
         self.engine = engine
         self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:10]}"
         self.slots = settings.slots(engine.max_concurrency)
         self.table = RunTable(orphan_grace_s=settings.orphan_grace_s)
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
         self.oldest_wait_ms: dict[Lane, float] = {}
-        self.reporter = Reporter(plane, self.worker_id, settings.heartbeat_s)
+        self.reporter = Reporter(plane, self.worker_id, settings.heartbeat_s, settings.pool)
         #: Per-lane token counters, looked up once (a ``labels()`` call per token costs ~1.5 us).
         self._token_counters = {lane: metrics.TOKENS.labels(lane.value) for lane in Lane}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -356,6 +356,8 @@ class Worker:
             try:
                 if channel == depth_channel:
                     snapshot = decode(data, DepthSnapshot)
+                    if snapshot.pool != self.settings.pool:
+                        continue
                     self.oldest_wait_ms = {Lane(lane): float(snapshot.oldest_wait_ms.get(lane, 0))
                                            for lane, n in snapshot.pending.items() if n > 0}
                 else:

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 import msgspec
+from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import DepthSnapshot, Lane
 from lanes.scheduler.admission import AdmissionConfig, AdmissionDecision, admit
 from lanes.ws_server.settings import EdgeSettings
@@ -26,45 +27,58 @@ _STALE_MS = 5_000
 
 
 class EdgeAdmission:
+    """Admission per model pool, from each pool's latest depth snapshot."""
+
     def __init__(self, settings: EdgeSettings) -> None:
         self.config = AdmissionConfig(max_depth={
             Lane.SHORT: settings.max_depth_short, Lane.MEDIUM: settings.max_depth_medium,
             Lane.LONG: settings.max_depth_long,
         })
         self.default_deadline_ms = settings.default_deadline_ms or None
-        self._snapshot: DepthSnapshot | None = None
-        self._received_at = 0.0
-        self._since: Counter[Lane] = Counter()
+        #: Per pool: the latest snapshot and when it arrived (monotonic s).
+        self._snapshots: dict[str, tuple[DepthSnapshot, float]] = {}
+        #: Per pool: what this edge enqueued since that snapshot.
+        self._since: dict[str, Counter[Lane]] = {}
 
     def observe(self, data: bytes) -> None:
         try:
-            self._snapshot = _decoder.decode(data)
+            snapshot = _decoder.decode(data)
         except msgspec.DecodeError:
             log.warning("ignoring malformed depth snapshot")
             return
-        self._received_at = time.monotonic()
-        self._since.clear()
+        self._snapshots[snapshot.pool] = (snapshot, time.monotonic())
+        self._since.pop(snapshot.pool, None)
 
-    def enqueued(self, lane: Lane) -> None:
-        self._since[lane] += 1
+    def enqueued(self, pool: str, lane: Lane) -> None:
+        self._since.setdefault(pool, Counter())[lane] += 1
 
-    def fresh(self) -> DepthSnapshot | None:
-        """The latest snapshot if it is recent enough to act on."""
-        snap = self._snapshot
-        if snap is None or (time.monotonic() - self._received_at) * 1000 > _STALE_MS:
+    def fresh(self, pool: str = DEFAULT_POOL) -> DepthSnapshot | None:
+        """``pool``'s latest snapshot if it is recent enough to act on."""
+        found = self._snapshots.get(pool)
+        if found is None or (time.monotonic() - found[1]) * 1000 > _STALE_MS:
             return None
-        return snap
+        return found[0]
 
-    def num_workers(self) -> int | None:
-        """Live (warm) workers per the latest fresh snapshot; None when unknown (no scheduler)."""
-        snap = self.fresh()
-        return None if snap is None else snap.workers
+    def num_workers(self, pool: str | None = None) -> int | None:
+        """Live (warm) workers of ``pool`` (all pools: None) per the fresh snapshots; None when
+        unknown (no scheduler)."""
+        snapshots = [s for p in (self._snapshots if pool is None else [pool]) if (s := self.fresh(p))]
+        return sum(s.workers for s in snapshots) if snapshots else None
 
-    def decide(self, lane: Lane, deadline_ms: int | None) -> AdmissionDecision:
-        snap = self.fresh()
+    def pools(self) -> list[str]:
+        """Pools the scheduler snapshots (fresh ones)."""
+        return sorted(p for p in self._snapshots if self.fresh(p))
+
+    def live_pools(self) -> list[str]:
+        """Pools whose fresh snapshot counts a live worker."""
+        return sorted(p for p in self._snapshots if (s := self.fresh(p)) and s.workers > 0)
+
+    def decide(self, pool: str, lane: Lane, deadline_ms: int | None) -> AdmissionDecision:
+        snap = self.fresh(pool)
         if snap is None:
             return AdmissionDecision(True, 0.0)
-        depth = {ln: snap.pending.get(ln.value, 0) + self._since[ln] for ln in Lane}
+        since = self._since.get(pool, Counter())
+        depth = {ln: snap.pending.get(ln.value, 0) + since[ln] for ln in Lane}
         rates = {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}
         deadline = deadline_ms if deadline_ms is not None else self.default_deadline_ms
         return admit(lane, deadline, depth, rates, self.config)

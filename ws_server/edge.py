@@ -22,11 +22,20 @@ from typing import Any
 import msgspec
 from lanes.queue.backoff import Backoff
 from lanes.queue.errors import ErrorCode, QueueUnavailable
-from lanes.queue.messages import RequestPayload, TokenBatch
+from lanes.queue.keys import DEFAULT_POOL
+from lanes.queue.messages import (
+    Finish,
+    FinishReason,
+    RequestPayload,
+    TokenBatch,
+    TokenEvent,
+    Usage,
+)
 from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.scheduler.policy import LaneThresholds, choose_lane
 from lanes.scheduler.refresh import load_published
+from lanes.scheduler.router.fixed_answers import FixedAnswer, answer_deltas
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import delivery, protocol
@@ -37,6 +46,7 @@ from lanes.ws_server.completions import COMPLETIONS_PATH, MODELS_PATH
 from lanes.ws_server.delivery import Delivery
 from lanes.ws_server.keyguard import KeyGuard
 from lanes.ws_server.lengths import LengthEstimator
+from lanes.ws_server.routing import PoolRouter, UnknownModel
 from lanes.ws_server.session import Session
 from lanes.ws_server.settings import EdgeSettings
 from starlette.datastructures import Headers
@@ -47,6 +57,8 @@ CHAT_PATH = "/v1/chat"
 _batch_decoder = msgspec.json.Decoder(TokenBatch)
 #: How often the delivery core's timers are checked (s).
 _TICK_S = 0.25
+#: The lane a fixed answer reports (it never waits in one).
+FIXED_LANE = "fixed"
 #: What a client is told to wait when no worker is ready yet (ms).
 _NO_WORKER_RETRY_MS = 1000
 
@@ -60,6 +72,9 @@ class Edge:
         self.thresholds = LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens)
         self.lengths = lengths or LengthEstimator()
         self.admission = EdgeAdmission(settings)
+        self.router = PoolRouter(settings)
+        #: The pool of each request this edge enqueued or resumed (forgotten with its end).
+        self._pool_of: dict[str, str] = {}
         self.core = Delivery(self.edge_id, settings.delivery())
         self.sessions: dict[int, Session] = {}
         self.shutting_down = False
@@ -84,6 +99,7 @@ class Edge:
             elif isinstance(action, delivery.FirstToken):
                 metrics.TTFT.labels(action.lane).observe(action.ttft_s)
             elif isinstance(action, delivery.Finished):
+                self._pool_of.pop(action.request_id, None)
                 _record(action)
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
@@ -110,9 +126,13 @@ class Edge:
             return
         self.carry(self.core.stream_read(action.request_id, events, last, time.monotonic()))
 
+    def _plane_of(self, request_id: str) -> QueuePlane:
+        """The queue plane of the pool a request of ours was enqueued in (or resumed from)."""
+        return self.plane.for_pool(self._pool_of.get(request_id, DEFAULT_POOL))
+
     async def _cancel(self, action: delivery.CancelRequest) -> None:
         try:
-            state, _ = await self.plane.cancel(action.request_id, only_edge=self.edge_id)
+            state, _ = await self._plane_of(action.request_id).cancel(action.request_id, only_edge=self.edge_id)
         except QueueUnavailable as exc:
             log.warning("cancel of %s failed: %s", action.request_id, exc)
             if action.report:
@@ -122,8 +142,14 @@ class Edge:
             self.carry(self.core.cancel_result(action.request_id, state, time.monotonic()))
 
     async def _repoint(self, action: delivery.Repoint) -> None:
+        """Re-point a resumed request at this edge, in whichever pool holds it."""
+        state = None
         try:
-            state = await self.plane.repoint(action.request_id, self.edge_id, owner=action.key)
+            for pool in self._known_pools():
+                state = await self.plane.for_pool(pool).repoint(action.request_id, self.edge_id, owner=action.key)
+                if state is not None:
+                    self._pool_of[action.request_id] = pool
+                    break
         except QueueUnavailable:
             self.carry(self.core.refuse_resume(action.request_id, "queue unavailable; retry the resume shortly"))
             return
@@ -131,8 +157,13 @@ class Edge:
         self.carry(self.core.repointed(action.request_id, None if state == "forbidden" else state, time.monotonic()))
 
     async def _check(self, action: delivery.CheckRequests) -> None:
+        by_pool: dict[str, list[str]] = {}
+        for request_id in action.request_ids:
+            by_pool.setdefault(self._pool_of.get(request_id, DEFAULT_POOL), []).append(request_id)
+        found: dict[str, tuple[str, str] | None] = {}
         try:
-            found = await self.plane.request_records(list(action.request_ids))
+            for pool, ids in by_pool.items():
+                found |= await self.plane.for_pool(pool).request_records(ids)
         except QueueUnavailable:
             self.core.check_failed()  # Redis down: check again once it is back
             return
@@ -246,14 +277,22 @@ class Edge:
         if refusal is not None:
             extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
             return self.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **extra)
-        if self.admission.num_workers() == 0 and await self.plane.fleet.num_workers() == 0:
+        if (fixed := self.router.fixed_answer(frame.messages)) is not None:
+            return self._fixed(request_id, fixed)
+        try:
+            pool = self.router.pool_for(frame.model, identity.key_id, frame.messages, self._known_pools(),
+                                        self.admission.live_pools())
+        except UnknownModel as unknown:
+            return self.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message())
+        plane = self.plane.for_pool(pool)
+        if self.admission.num_workers(pool) in (0, None) and await self.plane.fleet.num_workers(pool) == 0:
             # The snapshot may be half a second old: only a registry with nobody in it refuses.
             return self.core.refuse(request_id, ErrorCode.UNAVAILABLE,
-                                    "no worker is ready yet (starting or all down); retry shortly",
+                                    f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
                                     retry_after_ms=_NO_WORKER_RETRY_MS, reason="no_workers")
         predicted = await self.lengths.predict(frame.messages, frame.max_tokens)
         lane = choose_lane(predicted, self.thresholds)
-        decision = self.admission.decide(lane, frame.deadline_ms)
+        decision = self.admission.decide(pool, lane, frame.deadline_ms)
         if not decision.admitted:
             reason = decision.reason.value if decision.reason else "overloaded"
             return self.core.refuse(request_id, ErrorCode.OVERLOADED,
@@ -261,18 +300,36 @@ class Edge:
                                     lane=lane.value, retry_after_ms=decision.retry_after_ms, reason=reason)
         with tracer().start_as_current_span("lanes.enqueue", attributes={
             "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
+            "lanes.pool": pool,
         }):
             payload = RequestPayload(
                 id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
                 top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
                 trace=inject_context(),
             )
-            enqueued = await self.plane.enqueue(payload, self.edge_id, owner=owner)
+            enqueued = await plane.enqueue(payload, self.edge_id, owner=owner)
         if not enqueued.created:
             return self.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
                                     f"request {request_id} already exists ({enqueued.existing_state}); use resume")
-        self.admission.enqueued(lane)
+        self.admission.enqueued(pool, lane)
+        self._pool_of[request_id] = pool
         return self.core.accepted(request_id, lane.value, predicted, time.monotonic())
+
+    def _fixed(self, request_id: str, fixed: FixedAnswer) -> list[delivery.Action]:
+        """A fixed answer, streamed by the edge itself like any answer (no Redis, no model)."""
+        metrics.FIXED_ANSWERS.labels(fixed.name).inc()
+        deltas = answer_deltas(fixed.answer)
+        events = [TokenEvent(request_id, 0, seq, text) for seq, text in enumerate(deltas)]
+        events.append(TokenEvent(request_id, 0, len(deltas), "", (), Finish(FinishReason.STOP, Usage(0, len(deltas)))))
+        now = time.monotonic()
+        return self.core.accepted(request_id, FIXED_LANE, 0, now) + self.core.tokens(events, now)
+
+    def _known_pools(self) -> list[str]:
+        """Pools the fleet knows: the scheduler snapshots each (configured or with workers)."""
+        pools = set(self.admission.pools()) | {DEFAULT_POOL}
+        if self.router.rules is not None:
+            pools |= self.router.rules.pools
+        return sorted(pools)
 
     # -- connections that are not WebSockets (one HTTP request each) -----------------------
 
@@ -291,9 +348,9 @@ class Edge:
         self.carry(self.core.disconnected(conn, time.monotonic(), grace_s=0.0 if abandoned else None))
 
     async def model_names(self) -> list[str]:
-        """What ``GET /v1/models`` lists: the pools with live workers."""
-        reports = await self.plane.fleet.reports()
-        return sorted({r.pool for r in reports} or {"default"})
+        """What ``GET /v1/models`` lists: the pools with live workers (and ``auto`` with rules)."""
+        live = self.admission.live_pools() or sorted({r.pool for r in await self.plane.fleet.reports()})
+        return self.router.model_names(live)
 
     def _send_error(self, conn: int, code: ErrorCode, message: str, request_id: str | None) -> None:
         metrics.ERRORS.labels(code.value).inc()

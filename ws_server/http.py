@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
+from lanes.queue.keys import DEFAULT_POOL
 from lanes.ws_server.auth import Refusal
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -55,7 +56,7 @@ def routes(edge: Edge) -> list[BaseRoute]:
         if refusal := await guarded(request):
             return refusal_response(refusal)
         try:
-            return _json(await edge.plane.fleet.depths_json() or b"{}")
+            return _json(await edge.plane.fleet.depths_json(request.query_params.get("pool", DEFAULT_POOL)) or b"{}")
         except QueueUnavailable:
             return _json(b'{"error":"redis unreachable"}', 503)
 

@@ -63,6 +63,11 @@ class EdgeSettings(RedisSettings):
     #: to 4 MiB on a fast link, so a client that stops reading would hold ~80k frames in the
     #: kernel before the edge's queue (``max_client_queue_frames``) ever filled.
     client_send_buffer_bytes: int = 64 * 1024
+    #: Routing rules for ``model: "auto"`` and API-key overrides (TOML, ``deploy/routing.toml``);
+    #: empty: ``model`` names a pool, none or ``auto`` is the default pool.
+    routing_file: str = ""
+    #: Questions the edge answers itself, without a model (TOML, ``deploy/fixed_answers.toml``).
+    fixed_answers_file: str = ""
     #: Offer permessage-deflate. Off by default: token frames are ~60-byte JSON that deflate
     #: barely shrinks, while each compressed connection costs ~300 KB of zlib state (memory
     #: that fragments: 4.8 KB of RSS left per finished connection with it, 0.4 KB without)

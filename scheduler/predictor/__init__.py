@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from lanes.queue.messages import ChatMessage
 from lanes.scheduler.predictor.lexical import LexicalModel
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from lanes.queue.messages import ChatMessage, Lane
 from lanes.scheduler.policy import LANE_ORDER, LaneThresholds, choose_lane
 from lanes.scheduler.predictor import LengthPredictor

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from lanes.scheduler.predictor.data import Example
 
 #: AlpacaEval entries that are not one model's plain answer: a constant baseline, an adversarial

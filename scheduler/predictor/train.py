@@ -30,9 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-
 from lanes.scheduler.predictor import LengthPredictor
-from lanes.scheduler.predictor.lexical import NUM_CUES, FeatureConfig, LexicalModel, cue_features, raw_counts
+from lanes.scheduler.predictor.lexical import (
+    NUM_CUES,
+    FeatureConfig,
+    LexicalModel,
+    cue_features,
+    raw_counts,
+)
 
 #: Lexical ridge strength when training from scratch (chosen by 5-fold CV on AlpacaEval).
 LEXICAL_ALPHA = 1.0

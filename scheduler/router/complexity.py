@@ -20,8 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from lanes.scheduler.router.features import FEATURE_VERSION, NUM_BUCKETS, NUM_CUES, cue_values, word_slots
+from lanes.scheduler.router.features import (
+    FEATURE_VERSION,
+    NUM_BUCKETS,
+    NUM_CUES,
+    cue_values,
+    word_slots,
+)
 
 #: Points of the stored CDF of ``p_ok`` (quantiles at 0, 1/100, ..., 1).
 NUM_QUANTILES = 101

@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from lanes.scheduler.router.complexity import NUM_QUANTILES, ComplexityModel
-from lanes.scheduler.router.features import NUM_BUCKETS, NUM_CUES, cue_values, word_slots
+from lanes.scheduler.router.features import (
+    NUM_BUCKETS,
+    NUM_CUES,
+    cue_values,
+    word_slots,
+)
 
 #: Regularisation strengths tried by the inner cross-validation (scikit-learn's C).
 C_GRID = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)

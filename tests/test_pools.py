@@ -1,0 +1,136 @@
+"""Model pools end to end: workers declare a pool, a chat's ``model`` names one (or ``auto``
+under routing rules), fixed answers need no model, the scheduler publishes each pool's
+autoscaling signal, and a worker scaled down under load loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import REPO_ROOT, scaled
+from e2e_support import Client, System
+from lanes.queue.plane import QueuePlane
+from lanes.scheduler.router.complexity import ComplexityModel
+from lanes.scheduler.router.policy import route
+from lanes.scheduler.router.rules import load_rules
+
+pytestmark = pytest.mark.e2e
+
+RULES = REPO_ROOT / "deploy" / "routing.toml"
+FIXED = REPO_ROOT / "deploy" / "fixed_answers.toml"
+SIM = ("--engine", "sim", "--sim-time-scale", "20", "--max-slots", "8")
+MAX_TOKENS = 1500
+
+
+@pytest.fixture(scope="module")
+def system(make_cluster) -> System:
+    sys_ = make_cluster(workers=0, env={"LANES_ROUTING_FILE": str(RULES), "LANES_FIXED_ANSWERS_FILE": str(FIXED),
+                                        "LANES_POOLS": "small,large"})
+    for name, pool in (("small-1", "small"), ("large-1", "large"), ("large-2", "large")):
+        # large-2 is scaled down under load below: a short drain, so it also hands requests back.
+        sys_.start_worker(name, "", *SIM, LANES_POOL=pool, LANES_DRAIN_TIMEOUT_S="0.5")
+    sys_.wait_workers(3)
+    return sys_
+
+
+def served_by(sys_: System, pool: str, rid: str) -> str:
+    async def worker(plane: QueuePlane) -> str:
+        return (await plane.for_pool(pool).request_status(rid))[1]
+
+    return sys_.query(worker)
+
+
+async def chat(url: str, rid: str, content: str, **fields: object) -> list[dict[str, object]]:
+    client = await Client.connect(url)
+    await client.send({"type": "chat", "id": rid, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 8, **fields})
+    await client.wait(rid, scaled(30))
+    await client.close()
+    return client.frames[rid]
+
+
+async def test_model_names_the_pool_that_serves_it(system: System) -> None:
+    url = system.edge_urls["edge"]
+    for pool in ("small", "large"):
+        rid = f"{pool}-{uuid.uuid4().hex[:6]}"
+        frames = await chat(url, rid, "Tell me about the sea.", model=pool)
+        assert frames[-1]["type"] == "done", frames
+        assert served_by(system, pool, rid).endswith(f"{pool}-1") or served_by(system, pool, rid).endswith("-2")
+
+
+async def test_unknown_model_lists_the_live_pools(system: System) -> None:
+    frames = await chat(system.edge_urls["edge"], "nope-1", "Hi there, how are things?", model="gigantic")
+    assert frames[0]["code"] == "model_not_found" and "large, small" in frames[0]["message"], frames
+
+
+async def test_auto_follows_the_rules(system: System) -> None:
+    rules, complexity = load_rules(RULES), ComplexityModel.load().complexity
+    prompts = ["Translate 'good morning' into French.", "Prove that there are infinitely many primes, in detail."]
+    for i, prompt in enumerate(prompts):
+        rid = f"auto{i}-{uuid.uuid4().hex[:6]}"
+        expected = route(prompt, None, rules, "auto", complexity).pool
+        frames = await chat(system.edge_urls["edge"], rid, prompt, model="auto")
+        assert frames[-1]["type"] == "done", frames
+        assert served_by(system, expected, rid), f"{prompt!r} should go to {expected}"
+    rid = f"nomodel-{uuid.uuid4().hex[:6]}"
+    assert (await chat(system.edge_urls["edge"], rid, "Tell me about the sea."))[-1]["type"] == "done"
+    assert served_by(system, rules.default_pool, rid)
+
+
+async def test_fixed_answers_need_no_model(system: System) -> None:
+    frames = await chat(system.edge_urls["edge"], "hello-1", "Hello!")
+    kinds = [f["type"] for f in frames]
+    assert kinds[0] == "accepted" and frames[0]["lane"] == "fixed" and kinds[-1] == "done", frames
+    text = "".join(f["text"] for f in frames if f["type"] == "delta")
+    assert text.startswith("Hello!") and frames[-1]["finish_reason"] == "stop"
+    for pool in ("small", "large"):
+        assert served_by(system, pool, "hello-1") == "", "no worker ever saw it"
+
+
+def test_openai_models_and_unknown_model(system: System) -> None:
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{system.edge_ports['edge']}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in api.models.list().data] == ["large", "small", "auto"]
+    with pytest.raises(openai.NotFoundError) as refused:
+        api.chat.completions.create(model="gigantic", messages=[{"role": "user", "content": "Why is the sky blue?"}])
+    assert refused.value.body["code"] == "model_not_found"
+    answer = api.chat.completions.create(model="small", messages=[{"role": "user", "content": "Why?"}], max_tokens=4)
+    assert answer.choices[0].message.content and answer.model == "small"
+
+
+def test_each_pool_gets_its_autoscaling_signal(system: System) -> None:
+    time.sleep(1.0)
+    for pool, workers in (("small", 1), ("large", 2)):
+        url = f"http://127.0.0.1:{system.edge_ports['edge']}/v1/depths?pool={pool}"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            snapshot = json.loads(resp.read())
+        assert snapshot["pool"] == pool and snapshot["workers"] == workers
+        assert snapshot["desired_workers"] >= 1 and "arrival_rps" in snapshot
+
+
+async def test_scale_down_under_load_loses_nothing(system: System) -> None:
+    """SIGTERM to a worker mid-load: it stops claiming, drains, hands the rest back, exits 0;
+    every request ends done with contiguous seqs."""
+    client = await Client.connect(system.edge_urls["edge"])
+    ids = [f"drain{i}-{uuid.uuid4().hex[:4]}" for i in range(16)]
+    for rid in ids:  # ~1,500 tokens each at 20x real time: several seconds, longer than the drain
+        await client.send({"type": "chat", "id": rid, "model": "large", "max_tokens": MAX_TOKENS,
+                           "messages": [{"role": "user", "content": f"Story {rid}"}]})
+    await asyncio.sleep(1.0)
+    proc = system.procs["large-2"]
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 30) == 0, "a scale-down is a clean exit"
+    for rid in ids:
+        done = await client.wait(rid, scaled(120))
+        assert done["type"] == "done", done
+        seqs = [f["seq"] for f in client.deltas(rid)]
+        assert seqs == list(range(MAX_TOKENS)) and done["usage"]["completion_tokens"] == MAX_TOKENS
+    await client.close()
+    log = Path(system.log_dir / "large-2.log").read_text()
+    assert "draining" in log and "released" in log, "it drained, then handed the rest back"

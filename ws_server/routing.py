@@ -1,0 +1,70 @@
+"""Which model pool serves a chat, and which chats need no model at all (fixed answers).
+
+The decision itself is pure (``scheduler/router``): the request's ``model`` (a pool name,
+``auto``, or none), the API key's override and, for ``auto``, the prompt's estimated complexity,
+under the operator's rules (``LANES_ROUTING_FILE``, TOML). Without rules, ``auto`` and no model
+mean the default pool and any other name must be a pool the fleet knows. Fixed answers
+(``LANES_FIXED_ANSWERS_FILE``) are matched first and served by the edge itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lanes.queue.keys import DEFAULT_POOL
+from lanes.queue.messages import ChatMessage
+from lanes.scheduler.predictor import prompt_text
+from lanes.scheduler.router.fixed_answers import FixedAnswer, FixedAnswers
+from lanes.scheduler.router.policy import UnknownPoolError, route
+from lanes.scheduler.router.rules import AUTO, RoutingRules, load_rules
+from lanes.ws_server.settings import EdgeSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnknownModel(Exception):
+    model: str
+    live_pools: tuple[str, ...]
+
+    def message(self) -> str:
+        live = ", ".join(self.live_pools) or "none yet"
+        return f"model {self.model!r} is not served here; pools with live workers: {live} (or 'auto')"
+
+
+class PoolRouter:
+    def __init__(self, settings: EdgeSettings) -> None:
+        self.rules: RoutingRules | None = load_rules(Path(settings.routing_file)) if settings.routing_file else None
+        self.fixed = FixedAnswers.load(settings.fixed_answers_file) if settings.fixed_answers_file else None
+        self._complexity = None
+        if self.rules is not None and self.rules.tiers:
+            from lanes.scheduler.router.complexity import ComplexityModel
+
+            self._complexity = ComplexityModel.load().complexity
+        log.info("routing: %s; fixed answers: %s", settings.routing_file or "none (model names a pool)",
+                 settings.fixed_answers_file or "none")
+
+    def fixed_answer(self, messages: Sequence[ChatMessage]) -> FixedAnswer | None:
+        return None if self.fixed is None else self.fixed.lookup(messages)
+
+    def pool_for(self, model: str | None, key_id: str, messages: Sequence[ChatMessage],
+                 known_pools: Iterable[str], live_pools: Sequence[str]) -> str:
+        """The pool to enqueue into; raises ``UnknownModel`` for a name nobody serves."""
+        if self.rules is not None:
+            try:
+                return route(prompt_text(messages), key_id or None, self.rules, model, self._complexity).pool
+            except UnknownPoolError:
+                raise UnknownModel(model or "", tuple(live_pools)) from None
+        if model is None or model in (AUTO, DEFAULT_POOL):
+            return DEFAULT_POOL
+        if model not in set(known_pools):
+            raise UnknownModel(model, tuple(live_pools))
+        return model
+
+    def model_names(self, live_pools: Iterable[str]) -> list[str]:
+        """``GET /v1/models``: the pools with live workers, and ``auto`` when rules route it."""
+        names = sorted(set(live_pools)) or [DEFAULT_POOL]
+        return names + ([AUTO] if self.rules is not None else [])
