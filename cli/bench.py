@@ -121,7 +121,8 @@ def policy(
     if plot is not None:
         sweep = {x: results if x == load else compare(requests, engine, x, names, predictions, **kwargs)
                  for x in sorted(set(_floats(plot_loads)) | {load})}
-        write_plot(sweep, plot, f"{trace.name}, {profile}, predictor {predictions.source}")
+        title = f"{trace.name}, {profile}, {predictions.source} predictor (tau {predictions.tau:.2f})"
+        write_plot(sweep, plot, title)
 
 
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,

@@ -117,11 +117,13 @@ def test_demotion_frees_short_capacity_and_stops_long_claims() -> None:
     assert demoting.start_s[1] > demoting.finish_s[0] - 1e-9  # no long claim while over the cap
 
 
-def handback_setup(cached: float = 0.0, short_at_s: float = 0.5, **config: object) -> tuple[Trace, SimPolicy, EngineConfig]:
+def handback_setup(cached: float = 0.0, short_at_s: float = 0.5,
+                   **config: float) -> tuple[Trace, SimPolicy, EngineConfig]:
     """One slot: a long-lane run, then a short request that waits for it."""
     trace = synthetic([0.0, short_at_s], [512, 512], [101, 1])
     config = {"max_cost_ratio": 100.0, **config}
-    preemption = PreemptionConfig(demotion=LaneThresholds(20, 20), wait_bound_ms=0.0, min_run_ms=0.0, **config)  # type: ignore[arg-type]
+    preemption = PreemptionConfig(demotion=LaneThresholds(20, 20), wait_bound_ms=0.0, min_run_ms=0.0,
+                                  **config)  # type: ignore[arg-type]
     return (trace, policy([Lane.LONG, Lane.SHORT], preemption=preemption, demotion=LaneThresholds(20, 20)),
             EngineConfig(PROFILE, max_num_seqs=1, prompt_cached_share=cached))
 
@@ -135,7 +137,8 @@ def test_handback_charges_the_reprefill(cached: float) -> None:
     generated = result.num_reprefill_tokens - round(512 * (1 - cached))
     assert 1 <= generated < 101
     # Same 99 decode steps as without the hand-back, plus the short prefill and the re-prefill.
-    expected_ms = PREFILL_512_MS + 99 * DECODE_1_MS + PREFILL_512_MS + PROFILE.prefill_step_ms(result.num_reprefill_tokens)
+    reprefill_ms = PROFILE.prefill_step_ms(result.num_reprefill_tokens)
+    expected_ms = PREFILL_512_MS + 99 * DECODE_1_MS + PREFILL_512_MS + reprefill_ms
     assert result.e2e_s[0] == pytest.approx(expected_ms / 1000)
     assert result.ttft_s[0] == pytest.approx(PREFILL_512_MS / 1000)  # its first token came before
 

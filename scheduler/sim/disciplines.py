@@ -126,8 +126,9 @@ class MlfqDiscipline:
         """Starvation guard: jobs waiting ``starve_after_s`` move to the top queue."""
         if math.isinf(self.config.starve_after_s):
             return
+        limit_s = self.config.starve_after_s
         for lvl in range(1, self.num_levels):
-            while (idx := backlog.oldest(lvl)) is not None and now_s - self.wait_since_s[idx] >= self.config.starve_after_s:
+            while (idx := backlog.oldest(lvl)) is not None and now_s - self.wait_since_s[idx] >= limit_s:
                 backlog.remove(idx)
                 self.first[idx], self.level[idx] = 0, 0
                 self.base_ms[idx] = self.prefill_ms[idx] + max(0, generated[idx] - 1) * self.config.decode_ms

@@ -80,7 +80,8 @@ class Worker:
 
     def generated(self, idx: int) -> int:
         run = self.runs[idx]
-        return run.base_tokens + run.produced + math.floor((self.num_steps - run.start_step) * self.engine.tokens_per_step)
+        decoded = math.floor((self.num_steps - run.start_step) * self.engine.tokens_per_step)
+        return run.base_tokens + run.produced + decoded
 
     def add(self, idx: int, base_tokens: int, produced: int, cls: int, now_s: float, prompt_tokens: int,
             output_tokens: int) -> None:

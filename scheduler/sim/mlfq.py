@@ -5,8 +5,10 @@ queues whose quantum is shorter than its first iteration (its prefill, known fro
 length) and joins the first one that fits; each time it uses up a queue's quantum it moves
 one queue down. Every iteration the engine runs the highest-priority jobs (lowest queue, then
 arrival), preempting the rest at token granularity and swapping their KV cache to host memory.
-A job that waits ``starve_after_s`` is promoted to the top queue (FastServe's starvation
-guard). Pure: service times are arguments.
+FastServe also promotes a job that waited too long to the top queue; ``starve_after_s`` models
+that, off by default: in this model a promoted job uses up the top quantum in one step, is
+demoted and preempted again, and the swapping thrashes (benchmarks/RESULTS.md, issue 9).
+Pure: service times are arguments.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class LanesTuning:
     #: Routing: a request goes to the long lane when its prediction is above the threshold that
     #: sends at most this share of short requests (true length <= the observed
     #: ``short_quantile``) there (``policy.long_threshold_from_observations``)...
-    max_short_to_long: float = 0.02
+    max_short_to_long: float = 0.005
     short_quantile: float = 0.5
     #: ...fitted on the (prediction, true length) pairs of this first share of the trace: the
     #: finished requests a live scheduler would have observed.

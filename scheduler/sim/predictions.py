@@ -31,7 +31,7 @@ class Predictions:
 
     tokens: np.ndarray
     latency_ms: np.ndarray
-    #: Where they came from ("predictor", "noise", "random", "oracle").
+    #: Where they came from ("shipped", "noise", "random", "oracle").
     source: str
     #: Realised Kendall tau against the trace's true output lengths.
     tau: float
@@ -69,7 +69,7 @@ def from_pool(true_tokens: np.ndarray, pool_tokens: np.ndarray, pool_predicted: 
     """The predictor's outputs on each row's paired prompt, with their measured latency."""
     paired = pair_prompts(true_tokens, pool_tokens)
     tokens = pool_predicted[paired]
-    return Predictions(tokens, pool_latency_ms[paired], "predictor", kendall_tau(true_tokens, tokens))
+    return Predictions(tokens, pool_latency_ms[paired], "shipped", kendall_tau(true_tokens, tokens))
 
 
 def shuffled(predictions: Predictions, true_tokens: np.ndarray, seed: int) -> Predictions:
