@@ -3,80 +3,156 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 import typer
 
 app = typer.Typer(help="bench commands", no_args_is_help=True)
 
 DEFAULT_PLOT_LOADS = "0.5,0.73,0.88,0.95,1.1"
+DEFAULT_POLICIES = "fcfs,lanes,priority,mlfq"
+#: Prompts with known answer lengths that the shipped predictor was not trained on.
+DEFAULT_PROMPT_POOL = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompt_pool.json"
+PREDICTORS = ("real", "noise", "random", "oracle")
 
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _fallback_prompts() -> Path:
+    from lanes.cli.predictor import DEFAULT_DATA, MISTRAL_JSON
+
+    return DEFAULT_DATA / MISTRAL_JSON
+
+
+def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
+    """The shipped predictor on each trace row's paired prompt (see ``sim.predictions``)."""
+    from lanes.cli.predictor import load_observations
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
+    from lanes.scheduler.sim.predictions import from_pool, predict_prompts
+
+    path = prompts or DEFAULT_PROMPT_POOL
+    if prompts is None and not path.is_file():
+        path = _fallback_prompts()
+        typer.echo(f"{DEFAULT_PROMPT_POOL} not found: using {path} (the shipped predictor was trained on these "
+                   "prompts, so its tau here is optimistic); pass --prompts FILE", err=True)
+    if not path.is_file():
+        raise typer.BadParameter(f"prompt file {path} not found", param_hint="--prompts")
+    try:
+        observations = load_observations(path)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise typer.BadParameter(f"{path}: expected [{{'prompt', 'output_tokens'}}] or AlpacaEval "
+                                 f"model_outputs.json ({exc})", param_hint="--prompts") from exc
+    if not observations:
+        raise typer.BadParameter(f"{path} holds no prompts", param_hint="--prompts")
+    pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
+    predicted, latency_ms = predict_prompts(load_default().predict, [o.prompt for o in observations], SIM_MAX_TOKENS)
+    return from_pool(true_tokens, pool_tokens, predicted, latency_ms)
+
+
 @app.command("policy")
 def policy(
     trace: Annotated[Path, typer.Option(help="Azure LLM inference trace CSV (read in place).")],
+    prompts: Annotated[Path | None, typer.Option(help="Prompts with known answer lengths: JSON "
+                       "[{prompt, output_tokens}] or AlpacaEval model_outputs.json. Default: "
+                       "benchmarks/data/prompt_pool.json.")] = None,
+    predictor: Annotated[str, typer.Option(help="real (the shipped predictor on paired prompts), noise "
+                         "(true x lognormal at --tau), random (the real outputs shuffled), oracle.")] = "real",
     profile: Annotated[str, typer.Option(help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
     load: Annotated[float, typer.Option(help="Offered load as a fraction of FCFS capacity.")] = 0.88,
-    policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-score, "
-                                             "lanes-oracle, lanes-naive, oracle-2q, oracle-sjf).")] = "fcfs,lanes",
+    policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-static, priority, "
+                                             "mlfq, lanes-oracle, oracle-2q, oracle-sjf).")] = DEFAULT_POLICIES,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by policy.")] = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.")] = None,
     plot_loads: Annotated[str, typer.Option(help="Loads swept for --plot.")] = DEFAULT_PLOT_LOADS,
-    seed: Annotated[int, typer.Option(help="Seed of the simulated predictor's noise.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the noise / random predictor.")] = 0,
     workers: Annotated[int, typer.Option(help="Simulated worker instances.")] = 1,
-    tau: Annotated[float, typer.Option(help="Kendall tau of the simulated predictor.")] = 0.52,
-    order_weight: Annotated[float, typer.Option(help="lanes-score: weight of predicted service time "
-                                                     "in the in-lane score (0 = FCFS in a lane).")] = 1.0,
-    head_age: Annotated[bool, typer.Option("--head-age/--oldest-age", help="lanes-score: lane ages for "
-                                           "anti-starvation from the head's score (as Redis reports "
-                                           "them) or from the oldest request.")] = True,
+    tau: Annotated[float, typer.Option(help="--predictor noise: its Kendall tau.")] = 0.52,
+    prefix_cache_share: Annotated[float, typer.Option(help="Share of a resumed request's prompt the "
+                                                      "engine's prefix cache still holds.")] = 0.0,
+    max_short_to_long: Annotated[float | None, typer.Option(help="lanes: short requests allowed in the "
+                                                           "long lane (routing calibration).")] = None,
+    fcfs_below_s: Annotated[float | None, typer.Option(help="lanes: FCFS across lanes while the short "
+                                                       "lane has waited less than this.")] = None,
+    preempt_wait_s: Annotated[float | None, typer.Option(help="lanes: hand-back wait bound.")] = None,
+    hand_back_demoted: Annotated[bool | None, typer.Option("--hand-back-demoted/--no-hand-back-demoted",
+                                 help="lanes: hand back demoted runs too.")] = None,
 ) -> None:
-    """Simulate scheduling policies over a trace with a GPU cost model."""
+    """Simulate scheduling policies over a trace with a GPU cost model and a real predictor."""
     from lanes.scheduler.costmodel import get_profile
-    from lanes.scheduler.policy import LaneOrder
-    from lanes.scheduler.simpolicies import POLICY_NAMES, LanesTuning
-    from lanes.scheduler.simrun import compare, fcfs_capacity_rps
-    from lanes.scheduler.simulator import EngineConfig
-    from lanes.scheduler.trace import load_azure_csv
+    from lanes.scheduler.sim import predictions as preds
+    from lanes.scheduler.sim.engine import EngineConfig
+    from lanes.scheduler.sim.policies import POLICY_NAMES
+    from lanes.scheduler.sim.run import compare, fcfs_capacity_rps
+    from lanes.scheduler.sim.trace import load_azure_csv
 
     names = [n.strip() for n in policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICY_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}")
-    cost = get_profile(profile)
+    if predictor not in PREDICTORS:
+        raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
+    engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
     requests = load_azure_csv(trace)
-    tuning = LanesTuning(target_tau=tau, lane_order=LaneOrder(weight=order_weight),
-                         age_from_score=head_age)
-    capacity_rps = fcfs_capacity_rps(requests, EngineConfig(cost), workers)
-    kwargs: dict[str, Any] = dict(seed=seed, num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
-    results = compare(requests, cost, load, names, **kwargs)
+    true = requests.output_tokens
+    if predictor == "noise":
+        predictions = preds.noisy(true, tau, seed)
+    elif predictor == "oracle":
+        predictions = preds.oracle(true)
+    else:
+        predictions = _pool_predictions(prompts, true)
+        if predictor == "random":
+            predictions = preds.shuffled(predictions, true, seed)
+    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted)
+    capacity_rps = fcfs_capacity_rps(requests, engine, workers)
+    kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
+    results = compare(requests, engine, load, names, predictions, **kwargs)
     if as_json:
         typer.echo(json.dumps(results, indent=2))
     else:
-        typer.echo(f"FCFS capacity {capacity_rps:.3f} req/s; offered {load:.2f} x = "
-                   f"{load * capacity_rps:.3f} req/s")
+        typer.echo(f"FCFS capacity {capacity_rps:.3f} req/s; offered {load:.2f} x = {load * capacity_rps:.3f} req/s; "
+                   f"predictor {predictions.source}, realised tau {predictions.tau:.3f}")
         typer.echo(format_table(results))
     if plot is not None:
-        sweep = {x: results if x == load else compare(requests, cost, x, names, **kwargs)
+        sweep = {x: results if x == load else compare(requests, engine, x, names, predictions, **kwargs)
                  for x in sorted(set(_floats(plot_loads)) | {load})}
-        write_plot(sweep, plot, f"{trace.name}, {profile}")
+        title = f"{trace.name}, {profile}, {predictions.source} predictor (tau {predictions.tau:.2f})"
+        write_plot(sweep, plot, title)
+
+
+def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
+            hand_back_demoted: bool | None) -> Any:
+    from lanes.scheduler.sim.policies import LanesTuning
+
+    tuning = LanesTuning()
+    if max_short_to_long is not None:
+        tuning = replace(tuning, max_short_to_long=max_short_to_long)
+    if fcfs_below_s is not None:
+        tuning = replace(tuning, fcfs_below_ms=fcfs_below_s * 1000.0)
+    if preempt_wait_s is not None:
+        tuning = replace(tuning, preemption=replace(tuning.preemption, wait_bound_ms=preempt_wait_s * 1000.0))
+    if hand_back_demoted is not None:
+        tuning = replace(tuning, preemption=replace(tuning.preemption, hand_back_demoted=hand_back_demoted))
+    return tuning
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table of the headline metrics, one row per policy."""
-    head = (f"{'policy':<13} {'short TTFT p50/p99 s':>21} {'short E2E p99':>13} {'long E2E p99':>12} "
-            f"{'mean E2E':>8} {'req/s':>6} {'max wait':>8} {'starved':>7}")
+    head = (f"{'policy':<13} {'short TTFT p50/p99 s':>21} {'<=1/5/30 s':>14} {'short E2E p99':>13} "
+            f"{'long E2E p99':>12} {'mean E2E':>8} {'req/s':>6} {'max wait':>8} {'starved':>7} {'preempt':>7}")
     rows = [head]
     for name, r in results.items():
         s, lg, al = r["short"], r["long"], r["all"]
-        rows.append(f"{name:<13} {s['ttft_s_p50']:>10.2f} / {s['ttft_s_p99']:<8.1f} {s['e2e_s_p99']:>13.1f} "
-                    f"{lg['e2e_s_p99']:>12.1f} {al['e2e_s_mean']:>8.1f} {r['throughput_rps']:>6.3f} "
-                    f"{al['max_wait_s']:>8.0f} {r.get('num_starved_vs_fcfs', 0):>7}")
+        within = "/".join(f"{s[f'ttft_within_{b}s']:.2f}" for b in (1, 5, 30))
+        rows.append(f"{name:<13} {s['ttft_s_p50']:>10.2f} / {s['ttft_s_p99']:<8.1f} {within:>14} "
+                    f"{s['e2e_s_p99']:>13.1f} {lg['e2e_s_p99']:>12.1f} {al['e2e_s_mean']:>8.1f} "
+                    f"{r['throughput_rps']:>6.3f} {al['max_wait_s']:>8.0f} {r.get('num_starved_vs_fcfs', 0):>7} "
+                    f"{r['num_preemptions']:>7}")
     return "\n".join(rows)
 
 

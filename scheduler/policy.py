@@ -1,14 +1,25 @@
 """Pure scheduling policy: lane choice, order within a lane, slot reservation, anti-starvation,
-engine priority.
+demotion by attained service, engine priority.
 
 No I/O, no clock, no environment: every input is an argument, so the same code runs in
 the edge, the workers, the unit tests and the trace simulator.
+
+Demotion (the worker's contract). A running request counts against the slots of
+``effective_lane(run.lane, run.generated_tokens, bounds)``, not of the lane it was claimed
+from: once it has generated more tokens than its lane's bound (``lane_bound_tokens``) it
+counts against the next lane, so a mispredicted long answer stops holding short-lane
+capacity, and a worker over its long cap stops claiming long requests. The worker passes
+``running_by_lane(((run.lane, run.generated_tokens) for run in runs), bounds)`` to
+``lanes_to_pop`` instead of counting claimed lanes. ``generated_tokens`` counts every token
+streamed for the request, earlier attempts included (a resumed request keeps its class).
+Preemption is in ``preemption.py``, the policy switch (fcfs | lanes) in ``live_policy.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lanes.queue.messages import Lane
@@ -32,6 +43,73 @@ def choose_lane(predicted_tokens: int, thresholds: LaneThresholds) -> Lane:
     if predicted_tokens <= thresholds.medium_max_tokens:
         return Lane.MEDIUM
     return Lane.LONG
+
+
+#: A lane bound no prediction reaches (an empty lane).
+NO_BOUND_TOKENS = 2**62
+
+
+def thresholds_from_shares(predicted_tokens: Sequence[float], short_share: float, long_share: float) -> LaneThresholds:
+    """Thresholds that route about ``short_share`` of these predictions to the short lane (the
+    lowest) and ``long_share`` to the long lane (the highest); a share of 0 leaves that lane
+    empty. Uses predictions only, never true lengths, so an edge can fit it on recent traffic.
+    """
+    if not 0.0 <= short_share <= 1.0 or not 0.0 <= long_share <= 1.0 - short_share:
+        raise ValueError("shares must be in [0, 1] and add up to at most 1")
+    ordered = sorted(predicted_tokens)
+    assert ordered, "need predictions"
+
+    def below(share: float) -> int:  # the value at or below which ``share`` of predictions lie
+        return math.floor(ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))])
+
+    short_max = below(short_share) if short_share > 0 else -1
+    medium_max = below(1.0 - long_share) if long_share > 0 else NO_BOUND_TOKENS
+    return LaneThresholds(short_max_tokens=short_max, medium_max_tokens=max(short_max, medium_max))
+
+
+def long_threshold_from_observations(predicted_tokens: Sequence[float], observed_tokens: Sequence[int],
+                                     short_max_tokens: int, max_short_to_long: float) -> int:
+    """The lowest prediction threshold that sends at most ``max_short_to_long`` of the observed
+    short requests (true length <= ``short_max_tokens``) above it, from pairs of (prediction,
+    true length) of finished requests. A predictor without skill gets a threshold near its
+    highest predictions, so the long lane stays nearly empty: lanes fall back towards one lane.
+    ``NO_BOUND_TOKENS`` when there are no short observations.
+    """
+    if len(predicted_tokens) != len(observed_tokens):
+        raise ValueError("need one prediction per observation")
+    shorts = sorted(p for p, t in zip(predicted_tokens, observed_tokens, strict=True) if t <= short_max_tokens)
+    if not shorts:
+        return NO_BOUND_TOKENS
+    allowed = math.floor(max_short_to_long * len(shorts))  # shorts that may lie above the threshold
+    return math.floor(shorts[len(shorts) - 1 - allowed])
+
+
+def lane_bound_tokens(lane: Lane, bounds: LaneThresholds) -> float:
+    """Most tokens a request may generate and still count against ``lane`` (inf for LONG)."""
+    if lane is Lane.SHORT:
+        return bounds.short_max_tokens
+    return bounds.medium_max_tokens if lane is Lane.MEDIUM else math.inf
+
+
+def effective_lane(lane: Lane, generated_tokens: int, bounds: LaneThresholds) -> Lane:
+    """The lane whose slots a running request claimed from ``lane`` counts against.
+
+    Its own lane until it has generated more than that lane's bound, then the lane its
+    attained service alone would choose (``choose_lane(generated_tokens, bounds)``); never an
+    earlier lane than ``lane``: demotion only moves down.
+    """
+    attained = choose_lane(generated_tokens, bounds)
+    return attained if LANE_ORDER.index(attained) > LANE_ORDER.index(lane) else lane
+
+
+def running_by_lane(runs: Iterable[tuple[Lane, int]], bounds: LaneThresholds | None) -> dict[Lane, int]:
+    """Running requests per effective lane, from ``(claimed lane, generated tokens)`` pairs.
+
+    ``bounds`` None turns demotion off (requests count against the lane they came from).
+    """
+    if bounds is None:
+        return dict(Counter(lane for lane, _ in runs))
+    return dict(Counter(effective_lane(lane, generated, bounds) for lane, generated in runs))
 
 
 def _normal_sf(z: float) -> float:
@@ -142,6 +220,10 @@ class SlotConfig:
     protect_after_ms: float = math.inf
     #: Let long requests use the reserved slots while the short and medium lanes are empty.
     borrow_when_idle: bool = False
+    #: Priority only under load: while the short lane's oldest request has waited less than
+    #: this, the lanes are popped oldest-first (FCFS across lanes: at light load reordering
+    #: only costs the later lanes). 0 (the default): always by priority.
+    fcfs_below_ms: float = 0.0
 
     def __post_init__(self) -> None:
         # Caps above max_slots are allowed (they just never bind): workers pass them as set.
@@ -179,8 +261,9 @@ def lanes_to_pop(
     the age of each lane's oldest waiting request (a missing lane is empty). Starving lanes
     below their guaranteed share come first, longest-waiting first, unless a lane ahead has
     waited ``protect_after_ms`` itself; then the capped
-    priority order of ``eligible_lanes``; then, with ``borrow_when_idle``, lanes over
-    their cap when every lane ahead of them is empty (so slots never idle needlessly).
+    priority order of ``eligible_lanes`` (oldest lane first instead while the short lane's
+    oldest request has waited less than ``fcfs_below_ms``); then, with ``borrow_when_idle``,
+    lanes over their cap when every lane ahead of them is empty (so slots never idle needlessly).
     """
     if sum(running.get(lane, 0) for lane in LANE_ORDER) >= config.max_slots:
         return ()
@@ -193,7 +276,10 @@ def lanes_to_pop(
         and all(oldest_wait_ms.get(a, 0.0) < config.protect_after_ms for a in LANE_ORDER[: LANE_ORDER.index(lane)])
     ]
     starving.sort(key=lambda lane: -oldest_wait_ms[lane])
-    order = starving + [lane for lane in eligible_lanes(running, config) if lane not in starving]
+    eligible = [lane for lane in eligible_lanes(running, config) if lane not in starving]
+    if oldest_wait_ms.get(Lane.SHORT, 0.0) < config.fcfs_below_ms:  # light load: oldest lane first
+        eligible.sort(key=lambda lane: -oldest_wait_ms.get(lane, -math.inf))
+    order = starving + eligible
     if config.borrow_when_idle:
         for lane in LANE_ORDER:
             ahead = LANE_ORDER[: LANE_ORDER.index(lane)]

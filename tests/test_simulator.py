@@ -2,144 +2,245 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from lanes.queue.messages import Lane
 from lanes.scheduler.costmodel import SpecDecoding, get_profile
-from lanes.scheduler.noise import kendall_tau, noisy_predictions, sigma_for_tau
-from lanes.scheduler.policy import LaneOrder, SlotConfig, lane_score_ms
-from lanes.scheduler.simmetrics import summarize
-from lanes.scheduler.simpolicies import LanesTuning, make_policy
-from lanes.scheduler.simrun import fcfs_capacity_rps, run_policy
-from lanes.scheduler.simulator import EngineConfig, simulate
-from lanes.scheduler.trace import synthetic
+from lanes.scheduler.policy import LaneThresholds, SlotConfig
+from lanes.scheduler.preemption import PreemptionConfig
+from lanes.scheduler.sim import predictions
+from lanes.scheduler.sim.engine import EngineConfig
+from lanes.scheduler.sim.metrics import summarize
+from lanes.scheduler.sim.noise import kendall_tau, noisy_predictions, sigma_for_tau
+from lanes.scheduler.sim.policies import SimPolicy, make_policy
+from lanes.scheduler.sim.run import fcfs_capacity_rps, run_policy
+from lanes.scheduler.sim.simulator import simulate
+from lanes.scheduler.sim.trace import Trace, synthetic
 
 PROFILE = get_profile("l70-h100")
-OPEN = SlotConfig(max_slots=1, max_long=1, max_medium_long=1)
+ONE = EngineConfig(PROFILE, max_num_seqs=1)
+OPEN1 = SlotConfig(max_slots=1, max_long=1, max_medium_long=1)
+PREFILL_512_MS, DECODE_1_MS = 53.4, 29.8
+
+
+def policy(lanes: list[Lane], slots: SlotConfig = OPEN1, **kwargs: object) -> SimPolicy:
+    return SimPolicy("test", lanes, slots, **kwargs)  # type: ignore[arg-type]
+
+
+def random_trace(n: int, seed: int, mean_gap_s: float = 0.25) -> Trace:
+    rng = np.random.default_rng(seed)
+    return synthetic(list(np.cumsum(rng.exponential(mean_gap_s, n))), list(rng.integers(100, 2000, n)),
+                     list(rng.lognormal(4.8, 0.8, n).astype(int) + 1))
 
 
 def test_single_request_timing_matches_cost_model() -> None:
     trace = synthetic([0.0], [1024], [11])
-    result = simulate(trace, [Lane.SHORT], OPEN, EngineConfig(PROFILE, max_num_seqs=1))
+    result = simulate(trace, policy([Lane.SHORT]), ONE)
     assert result.ttft_s[0] == pytest.approx(0.0779)
-    assert result.e2e_s[0] == pytest.approx(0.0779 + 10 * 0.0298)
+    assert result.e2e_s[0] == pytest.approx(0.0779 + 10 * DECODE_1_MS / 1000)
 
 
 def test_short_requests_behind_a_long_one_wait_less_with_lanes() -> None:
-    # One slot; a long request arrives first, 20 short ones just after it.
     n = 21
     trace = synthetic([0.0] + [0.001 * i for i in range(1, n)], [512] * n, [500] + [10] * (n - 1))
-    engine = EngineConfig(PROFILE, max_num_seqs=1)
-    fcfs = simulate(trace, [Lane.MEDIUM] * n, OPEN, engine)
-    lanes = [Lane.LONG] + [Lane.SHORT] * (n - 1)
-    by_lane = simulate(trace, lanes, OPEN, engine)
+    fcfs = simulate(trace, policy([Lane.MEDIUM] * n), ONE)
+    by_lane = simulate(trace, policy([Lane.LONG] + [Lane.SHORT] * (n - 1)), ONE)
     assert np.all(by_lane.ttft_s[1:] <= fcfs.ttft_s[1:] + 1e-9)
-    # The long request was already running: with one slot, nothing to win.
-    assert by_lane.finish_s.max() == pytest.approx(fcfs.finish_s.max())
+    assert by_lane.finish_s.max() == pytest.approx(fcfs.finish_s.max())  # nothing to win with one slot
 
 
 def test_lanes_reorder_a_backlog_and_conserve_work() -> None:
     n = 41
-    long_first = [0.0, 0.0005] + [0.001 * i for i in range(2, n)]
-    outputs = [400, 400] + [20] * (n - 2)
-    trace = synthetic(long_first, [512] * n, outputs)
-    engine = EngineConfig(PROFILE, max_num_seqs=1)
-    fcfs = simulate(trace, [Lane.MEDIUM] * n, OPEN, engine)
-    lanes = simulate(trace, [Lane.LONG, Lane.LONG] + [Lane.SHORT] * (n - 2), OPEN, engine)
-    short = slice(2, n)
-    # Every short request skips the second long one (~12 s of decoding).
-    assert np.all(lanes.ttft_s[short] < fcfs.ttft_s[short] - 10.0)
-    # Same requests, same tokens, one slot: the last finish is the same (work conserved).
+    trace = synthetic([0.0, 0.0005] + [0.001 * i for i in range(2, n)], [512] * n, [400, 400] + [20] * (n - 2))
+    fcfs = simulate(trace, policy([Lane.MEDIUM] * n), ONE)
+    lanes = simulate(trace, policy([Lane.LONG, Lane.LONG] + [Lane.SHORT] * (n - 2)), ONE)
+    assert np.all(lanes.ttft_s[2:] < fcfs.ttft_s[2:] - 10.0)  # every short skips the second long one
     assert lanes.finish_s.max() == pytest.approx(fcfs.finish_s.max())
     assert lanes.num_iterations == fcfs.num_iterations
-    assert lanes.e2e_s[1] > fcfs.e2e_s[1]  # the second long request paid for it
+    assert lanes.e2e_s[1] > fcfs.e2e_s[1]
 
 
 def test_guaranteed_share_bounds_long_wait() -> None:
-    # Two slots, a steady stream of short requests that alone keeps both slots busy.
     n = 400
-    arrivals = [0.0] + [0.05 * i for i in range(1, n)]
+    arrivals = [1.0] + [0.05 * i for i in range(1, n)]
     trace = synthetic(arrivals, [512] * n, [50] + [20] * (n - 1))
     engine = EngineConfig(PROFILE, max_num_seqs=2)
     lanes = [Lane.LONG] + [Lane.SHORT] * (n - 1)
     strict = SlotConfig(max_slots=2, max_long=2, max_medium_long=2)
-    guarded = SlotConfig(max_slots=2, max_long=2, max_medium_long=2, min_long=1, starve_after_ms=2000)
-    # Delay the long request behind a busy short lane by starting it late.
-    starved = simulate(synthetic([1.0] + arrivals[1:], [512] * n, [50] + [20] * (n - 1)), lanes, strict, engine)
-    served = simulate(synthetic([1.0] + arrivals[1:], [512] * n, [50] + [20] * (n - 1)), lanes, guarded, engine)
-    assert served.wait_s[0] <= 2.0 + 1.0  # the bound plus one short request freeing a slot
-    assert starved.wait_s[0] > 10.0
-    assert served.wait_s[0] <= starved.wait_s[0]
-    assert np.isfinite(simulate(trace, lanes, guarded, engine).finish_s).all()
+    guarded = replace(strict, min_long=1, starve_after_ms=2000)
+    starved = simulate(trace, policy(lanes, strict), engine)
+    served = simulate(trace, policy(lanes, guarded), engine)
+    assert served.wait_s[0] <= 2.0 + 1.0 < 10.0 < starved.wait_s[0]
 
 
 def test_prefill_budget_and_batching() -> None:
     trace = synthetic([0.0] * 3, [5000, 5000, 100], [2, 2, 2])
-    result = simulate(trace, [Lane.MEDIUM] * 3, SlotConfig(max_slots=64, max_long=64, max_medium_long=64),
+    result = simulate(trace, policy([Lane.MEDIUM] * 3, SlotConfig(max_slots=64, max_long=64, max_medium_long=64)),
                       EngineConfig(PROFILE))
-    # 5000 + 5000 > 8192: the second prompt waits for the next prefill iteration.
     assert result.first_token_s[0] < result.first_token_s[1]
     assert result.start_s[1] == pytest.approx(result.first_token_s[0])
 
 
 def test_speculative_decoding_shortens_decode() -> None:
     trace = synthetic([0.0], [512], [101])
-    plain = simulate(trace, [Lane.SHORT], OPEN, EngineConfig(PROFILE, max_num_seqs=1))
+    plain = simulate(trace, policy([Lane.SHORT]), ONE)
     spec = SpecDecoding(acceptance_rate=0.75, num_draft_tokens=3, draft_cost_ratio=0.0)
-    fast = simulate(trace, [Lane.SHORT], OPEN, EngineConfig(PROFILE, max_num_seqs=1, spec=spec))
+    fast = simulate(trace, policy([Lane.SHORT]), EngineConfig(PROFILE, max_num_seqs=1, spec=spec))
     steps = int(np.ceil(100 / spec.tokens_per_step()))
-    assert fast.e2e_s[0] == pytest.approx(0.0534 + steps * 0.0298)
+    assert fast.e2e_s[0] == pytest.approx((PREFILL_512_MS + steps * DECODE_1_MS) / 1000)
     assert fast.e2e_s[0] < plain.e2e_s[0]
 
 
+def test_queue_key_lets_a_shorter_later_request_go_first() -> None:
+    trace = synthetic([0.0, 0.01, 0.02], [512] * 3, [50, 300, 10])
+    fifo = simulate(trace, policy([Lane.LONG] * 3), ONE)
+    keyed = simulate(trace, policy([Lane.LONG] * 3, queue_key=np.array([0.0, 300.0, 10.0])), ONE)
+    assert fifo.start_s[1] < fifo.start_s[2] and keyed.start_s[2] < keyed.start_s[1]
+    assert keyed.finish_s.max() == pytest.approx(fifo.finish_s.max())
+
+
+def test_demotion_frees_short_capacity_and_stops_long_claims() -> None:
+    # Two slots, at most one long. Request 0 was predicted short but runs 400 tokens; a long-lane
+    # request arrives at 2 s and a short one at 3 s.
+    trace = synthetic([0.0, 2.0, 3.0], [512] * 3, [400, 300, 10])
+    lanes = [Lane.SHORT, Lane.LONG, Lane.SHORT]
+    slots = SlotConfig(max_slots=2, max_long=1, max_medium_long=1)
+    engine = EngineConfig(PROFILE, max_num_seqs=2)
+    blind = simulate(trace, policy(lanes, slots), engine)
+    demoting = simulate(trace, policy(lanes, slots, demotion=LaneThresholds(20, 20)), engine)
+    assert blind.start_s[1] == pytest.approx(2.0, abs=0.05)  # the long one took the second slot...
+    assert blind.ttft_s[2] > 5.0  # ...so the short one waited for a slot
+    assert demoting.ttft_s[2] < 0.1  # request 0 counts as long: its slot is not the short lane's
+    assert demoting.start_s[1] > demoting.finish_s[0] - 1e-9  # no long claim while over the cap
+
+
+def handback_setup(cached: float = 0.0, short_at_s: float = 0.5,
+                   **config: float) -> tuple[Trace, SimPolicy, EngineConfig]:
+    """One slot: a long-lane run, then a short request that waits for it."""
+    trace = synthetic([0.0, short_at_s], [512, 512], [101, 1])
+    config = {"max_cost_ratio": 100.0, **config}
+    preemption = PreemptionConfig(demotion=LaneThresholds(20, 20), wait_bound_ms=0.0, min_run_ms=0.0,
+                                  **config)  # type: ignore[arg-type]
+    return (trace, policy([Lane.LONG, Lane.SHORT], preemption=preemption, demotion=LaneThresholds(20, 20)),
+            EngineConfig(PROFILE, max_num_seqs=1, prompt_cached_share=cached))
+
+
+@pytest.mark.parametrize("cached", [0.0, 0.5])
+def test_handback_charges_the_reprefill(cached: float) -> None:
+    trace, pol, engine = handback_setup(cached)
+    result = simulate(trace, pol, engine)
+    assert list(result.num_preemptions) == [1, 0]
+    assert result.ttft_s[1] < 0.1  # the short one did not wait for 100 decode steps
+    generated = result.num_reprefill_tokens - round(512 * (1 - cached))
+    assert 1 <= generated < 101
+    # Same 99 decode steps as without the hand-back, plus the short prefill and the re-prefill.
+    reprefill_ms = PROFILE.prefill_step_ms(result.num_reprefill_tokens)
+    expected_ms = PREFILL_512_MS + 99 * DECODE_1_MS + PREFILL_512_MS + reprefill_ms
+    assert result.e2e_s[0] == pytest.approx(expected_ms / 1000)
+    assert result.ttft_s[0] == pytest.approx(PREFILL_512_MS / 1000)  # its first token came before
+
+
+def test_handback_never_near_the_end() -> None:
+    # At 2.6 s the long run has generated ~85 tokens: 25 from a max_tokens of 110.
+    trace, pol, engine = handback_setup(short_at_s=2.6, min_remaining_tokens=32)
+    result = simulate(trace, replace(pol, max_tokens=110), engine)
+    assert result.num_preemptions.sum() == 0
+    assert simulate(trace, replace(pol, max_tokens=4096), engine).num_preemptions.sum() == 1
+
+
+def test_handback_bounded_per_request() -> None:
+    n = 30
+    trace = synthetic([0.0] + [1.0 + 2.0 * i for i in range(n)], [100] * (n + 1), [2000] + [5] * n)
+    for bound in (1, 3):
+        preemption = PreemptionConfig(demotion=LaneThresholds(20, 20), wait_bound_ms=500.0, min_run_ms=0.0,
+                                      max_preemptions=bound, max_cost_ratio=100.0)
+        pol = policy([Lane.LONG] + [Lane.SHORT] * n, preemption=preemption, demotion=LaneThresholds(20, 20))
+        result = simulate(trace, pol, ONE)
+        assert result.num_preemptions[0] == bound
+        assert np.isfinite(result.finish_s).all()
+
+
+def test_mlfq_preempts_by_swapping_without_reprefill() -> None:
+    trace = synthetic([0.0, 3.0], [512, 512], [200, 5])
+    result = simulate(trace, make_policy("mlfq", trace, trace.output_tokens, 1), ONE)
+    assert list(result.num_preemptions) == [1, 0]
+    assert result.num_reprefill_tokens == 0
+    assert result.ttft_s[1] < 0.1
+    plain_ms = PREFILL_512_MS + 199 * DECODE_1_MS
+    assert result.e2e_s[0] * 1000 > plain_ms + PREFILL_512_MS  # waited for the short one, paid a swap
+
+
+def test_engine_priority_serves_the_shortest_prediction_first() -> None:
+    trace = synthetic([0.0, 0.01, 0.02], [512] * 3, [50, 300, 10])
+    pol = make_policy("priority", trace, np.array([50.0, 300.0, 10.0]), 1)
+    result = simulate(trace, pol, ONE)
+    assert result.start_s[2] < result.start_s[1]
+
+
 def test_policies_end_to_end_on_a_random_trace() -> None:
-    rng = np.random.default_rng(1)
-    n = 600
-    trace = synthetic(list(np.cumsum(rng.exponential(0.25, n))), list(rng.integers(100, 2000, n)),
-                      list(rng.lognormal(4.8, 0.8, n).astype(int) + 1))
+    trace = random_trace(600, seed=1)
     engine = EngineConfig(PROFILE, max_num_seqs=8)
-    capacity = fcfs_capacity_rps(trace, engine, num_workers=2)
-    scaled = trace.time_scaled(0.9 * capacity / trace.rate_rps)
+    scaled = trace.time_scaled(0.9 * fcfs_capacity_rps(trace, engine, 2) / trace.rate_rps)
     results = {}
-    for name in ("fcfs", "lanes", "oracle-2q", "oracle-sjf"):
-        result = run_policy(scaled, make_policy(name, scaled, 8, seed=0), engine, num_workers=2)
+    for name in ("fcfs", "lanes", "lanes-static", "priority", "mlfq", "oracle-2q", "oracle-sjf", "lanes-oracle"):
+        result = run_policy(scaled, make_policy(name, scaled, scaled.output_tokens * 1.0, 8), engine, num_workers=2)
         assert np.isfinite(result.finish_s).all()
         results[name] = summarize(result, scaled.output_tokens)
     assert results["oracle-2q"]["short"]["ttft_s_p99"] < results["fcfs"]["short"]["ttft_s_p99"]
     assert results["lanes"]["throughput_rps"] == pytest.approx(results["fcfs"]["throughput_rps"], rel=0.05)
+    assert 0.0 <= results["lanes"]["short"]["ttft_within_1s"] <= results["lanes"]["short"]["ttft_within_30s"] <= 1.0
+    with pytest.raises(ValueError, match="known"):
+        make_policy("sjf", scaled, scaled.output_tokens, 8)
+
+
+def test_lanes_with_a_random_predictor_stay_close_to_fcfs() -> None:
+    # The safety property: predictions without skill route (almost) nothing to the long lane.
+    trace = random_trace(3000, seed=4, mean_gap_s=0.1)
+    engine = EngineConfig(PROFILE, max_num_seqs=8)
+    scaled = trace.time_scaled(0.88 * fcfs_capacity_rps(trace, engine) / trace.rate_rps)
+    fcfs = summarize(run_policy(scaled, make_policy("fcfs", scaled, scaled.output_tokens, 8), engine),
+                     scaled.output_tokens)
+    for seed in (0, 1, 2):
+        blind = predictions.shuffled(predictions.oracle(scaled.output_tokens), scaled.output_tokens, seed)
+        assert abs(blind.tau) < 0.05
+        lanes = summarize(run_policy(scaled, make_policy("lanes", scaled, blind.tokens, 8), engine),
+                          scaled.output_tokens)
+        for group in ("short", "long"):
+            for metric in ("ttft_s_p99", "e2e_s_p99"):
+                assert lanes[group][metric] <= 1.10 * fcfs[group][metric], (seed, group, metric)
+
+
+def test_pairing_reuses_each_prompt_evenly_and_keeps_rank() -> None:
+    trace_tokens = np.array([5, 900, 50, 400, 7, 60, 1000, 300])
+    pool = np.array([10, 500, 100, 1000])
+    paired = predictions.pair_prompts(trace_tokens, pool)
+    assert sorted(np.bincount(paired, minlength=4)) == [2, 2, 2, 2]
+    assert list(pool[paired]) == [10, 1000, 100, 500, 10, 100, 1000, 500]
+    with pytest.raises(ValueError):
+        predictions.pair_prompts(trace_tokens, np.array([]))
+
+
+def test_pool_predictions_are_charged_their_measured_latency() -> None:
+    ticks = iter(np.arange(0.0, 10.0, 0.001))  # every clock read advances 1 ms
+    calls: list[int] = []
+
+    def predict(messages: object, max_tokens: int) -> int:
+        calls.append(max_tokens)
+        return 42
+
+    tokens, latency_ms = predictions.predict_prompts(predict, ["a", "b"], 4096, clock=lambda: float(next(ticks)))
+    assert list(tokens) == [42, 42] and len(calls) == 3  # one warm-up call
+    assert latency_ms == pytest.approx([1.0, 1.0])
+    pool = predictions.from_pool(np.array([1, 2, 3, 4]), np.array([1.0, 4.0]), np.array([7.0, 9.0]),
+                                 np.array([0.5, 2.0]))
+    assert list(pool.tokens) == [7, 7, 9, 9] and list(pool.latency_ms) == [0.5, 0.5, 2.0, 2.0]
+    assert pool.tau > 0.5
 
 
 def test_noise_model_hits_target_tau() -> None:
     true = np.random.default_rng(0).lognormal(4.8, 0.9, 4000).astype(int) + 1
     sigma = sigma_for_tau(true, 0.55)
     assert kendall_tau(true, noisy_predictions(true, sigma, seed=3)) == pytest.approx(0.55, abs=0.03)
-
-
-def test_score_key_lets_a_shorter_later_request_go_first_in_its_lane() -> None:
-    # One slot, busy with request 0; 1 (long) and 2 (short, 10 ms later) wait in the same lane.
-    trace = synthetic([0.0, 0.01, 0.02], [512] * 3, [50, 300, 10])
-    engine = EngineConfig(PROFILE, max_num_seqs=1)
-    order = LaneOrder(weight=1.0)
-    keys = [lane_score_ms(t * 1000.0, n, order) / 1000.0 for t, n in zip([0.0, 0.01, 0.02], [50, 300, 10])]
-    fifo = simulate(trace, [Lane.LONG] * 3, OPEN, engine)
-    scored = simulate(trace, [Lane.LONG] * 3, OPEN, engine, queue_key=keys, age_from_key=True)
-    assert fifo.start_s[1] < fifo.start_s[2]
-    assert scored.start_s[2] < scored.start_s[1]
-    assert scored.finish_s.max() == pytest.approx(fifo.finish_s.max())  # same work, one slot
-
-
-def test_lanes_score_with_weight_zero_matches_lanes() -> None:
-    rng = np.random.default_rng(2)
-    n = 400
-    trace = synthetic(list(np.cumsum(rng.exponential(0.2, n))), list(rng.integers(100, 2000, n)),
-                      list(rng.lognormal(4.8, 0.8, n).astype(int) + 1))
-    engine = EngineConfig(PROFILE, max_num_seqs=8)
-    fcfs_order = LanesTuning(lane_order=LaneOrder(weight=0.0))
-    plain = run_policy(trace, make_policy("lanes", trace, 8, seed=0), engine, num_workers=1)
-    scored = run_policy(trace, make_policy("lanes-score", trace, 8, seed=0, tuning=fcfs_order), engine, num_workers=1)
-    np.testing.assert_allclose(scored.start_s, plain.start_s)
-    weighted = make_policy("lanes-score", trace, 8, seed=0)
-    assert weighted.queue_key is not None and weighted.age_from_key
-    assert not make_policy("lanes-score", trace, 8, tuning=LanesTuning(age_from_score=False)).age_from_key
-    assert np.isfinite(run_policy(trace, weighted, engine, num_workers=1).finish_s).all()

@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from lanes.scheduler.simulator import SimResult
+
+from lanes.scheduler.sim.simulator import SimResult
 
 #: A request counts as starved when it waits more than this many times its FCFS wait...
 STARVE_FACTOR = 5.0
 #: ...and that FCFS wait is taken as at least this long (a 5x of 10 ms is no starvation).
 STARVE_FLOOR_S = 1.0
+#: TTFT bounds whose attainment is reported (share of a class's requests within each).
+TTFT_WITHIN_S = (1, 5, 30)
 
 
-def _latency(result: SimResult, mask: np.ndarray) -> dict[str, float]:
+def _latency(result: SimResult, mask: np.ndarray) -> dict[str, Any]:
     ttft, e2e, wait = result.ttft_s[mask], result.e2e_s[mask], result.wait_s[mask]
     if not mask.any():
         return {}
@@ -24,8 +27,10 @@ def _latency(result: SimResult, mask: np.ndarray) -> dict[str, float]:
         "e2e_s_p50": float(np.percentile(e2e, 50)),
         "e2e_s_p99": float(np.percentile(e2e, 99)),
         "e2e_s_mean": float(e2e.mean()),
+        **{f"ttft_within_{s}s": float((ttft <= s).mean()) for s in TTFT_WITHIN_S},
         "max_wait_s": float(wait.max()),
         "num_wait_over_60s": int((wait > 60.0).sum()),
+        "num_preempted": int((result.num_preemptions[mask] > 0).sum()),
     }
 
 
@@ -43,6 +48,8 @@ def summarize(result: SimResult, output_tokens: np.ndarray, fcfs: SimResult | No
         "all": _latency(result, np.ones_like(short)),
         "short": _latency(result, short),
         "long": _latency(result, long),
+        "num_preemptions": int(result.num_preemptions.sum()),
+        "num_reprefill_tokens": result.num_reprefill_tokens,
     }
     if fcfs is not None:
         bound_s = STARVE_FACTOR * np.maximum(fcfs.wait_s, STARVE_FLOOR_S)

@@ -1,0 +1,93 @@
+"""The policy switch of the live system: ``LANES_POLICY=fcfs`` or ``lanes``, one enum and a factory.
+
+``make_live_policy(name, ...)`` returns a ``LivePolicy`` with everything the edge and the
+workers decide by policy (pure: settings are arguments):
+
+- ``lane_for(predicted_tokens)``: the lane an edge enqueues into;
+- ``slots``: the ``SlotConfig`` a worker passes to ``policy.lanes_to_pop``;
+- ``running_by_lane(runs)``: a worker's running requests per lane, with demotion applied
+  (``runs`` are ``(claimed lane, generated tokens)`` pairs);
+- ``preemption``: the ``PreemptionConfig`` for ``preemption.choose_preemption``, or None.
+
+``fcfs`` is a real baseline: one lane (medium), unrestricted slots, no demotion, no
+preemption; every edge and worker of a deployment must run the same policy. ``lanes`` is
+length-aware lanes with slot reservation, demotion by attained service and (if configured)
+hand-back preemption; its defaults are the tuned ones of benchmarks/RESULTS.md (issue 9).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from lanes.queue.messages import Lane
+from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, running_by_lane
+from lanes.scheduler.preemption import PreemptionConfig
+
+#: Demotion bounds the simulator tuned (generated tokens; short goes straight to long).
+DEFAULT_DEMOTION = LaneThresholds(short_max_tokens=200, medium_max_tokens=200)
+#: Hand-back defaults the simulator tuned: a safety valve for long-lane runs only (see RESULTS.md).
+DEFAULT_PREEMPTION = PreemptionConfig(demotion=DEFAULT_DEMOTION)
+
+
+class PolicyName(str, enum.Enum):
+    """``LANES_POLICY`` values."""
+
+    FCFS = "fcfs"
+    LANES = "lanes"
+
+
+@dataclass(frozen=True)
+class LivePolicy:
+    name: PolicyName
+    #: Edge routing (predicted tokens -> lane); None: everything goes to ``Lane.MEDIUM``.
+    routing: LaneThresholds | None
+    slots: SlotConfig
+    #: Demotion bounds (generated tokens); None: runs count against the lane they came from.
+    demotion: LaneThresholds | None
+    preemption: PreemptionConfig | None
+
+    def lane_for(self, predicted_tokens: int) -> Lane:
+        return Lane.MEDIUM if self.routing is None else choose_lane(predicted_tokens, self.routing)
+
+    def running_by_lane(self, runs: Iterable[tuple[Lane, int]]) -> dict[Lane, int]:
+        return running_by_lane(runs, self.demotion)
+
+
+def make_live_policy(
+    name: PolicyName | str,
+    routing: LaneThresholds,
+    slots: SlotConfig,
+    *,
+    demotion: LaneThresholds | None = DEFAULT_DEMOTION,
+    preemption: PreemptionConfig | None = DEFAULT_PREEMPTION,
+) -> LivePolicy:
+    """The policy called ``name``; raises ``ValueError`` naming the known ones.
+
+    ``routing`` and ``slots`` are the deployment's settings (edge thresholds, worker slots);
+    ``fcfs`` ignores them except ``slots.max_slots``. The preemption config is given the
+    demotion bounds, so both sides classify runs alike.
+    """
+    try:
+        policy = PolicyName(name)
+    except ValueError:
+        known = ", ".join(p.value for p in PolicyName)
+        raise ValueError(f"unknown policy {name!r}; known: {known}") from None
+    if policy is PolicyName.FCFS:
+        open_slots = SlotConfig(max_slots=slots.max_slots, max_long=slots.max_slots, max_medium_long=slots.max_slots)
+        return LivePolicy(policy, None, open_slots, None, None)
+    if preemption is not None and demotion is not None:
+        preemption = replace(preemption, demotion=demotion)
+    return LivePolicy(policy, routing, slots, demotion, preemption)
+
+
+def lanes_slot_config(max_slots: int, *, min_long_share: float = 0.1, starve_after_ms: float = 20_000.0,
+                      fcfs_below_ms: float = 5_000.0) -> SlotConfig:
+    """The slot config the simulator tuned for ``lanes``, for a worker with ``max_slots`` slots:
+    no caps (a long request may use any free slot while no shorter one waits), the long lane
+    guaranteed ``min_long_share`` of the slots once its oldest request waited ``starve_after_ms``,
+    and priority only while the short lane's oldest request has waited ``fcfs_below_ms``."""
+    return SlotConfig(max_slots=max_slots, max_long=max_slots, max_medium_long=max_slots,
+                      min_long=round(min_long_share * max_slots), starve_after_ms=starve_after_ms,
+                      borrow_when_idle=True, fcfs_below_ms=fcfs_below_ms)

@@ -1,0 +1,156 @@
+"""Limited preemption by hand-back: which running request a worker gives back to the lanes.
+
+When a lane's oldest request has waited ``wait_bound_ms`` and the worker can pop nothing that
+waits (no free slot, or the waiting lanes are capped), the worker may hand one running request
+back: it goes to the queue again and resumes later, on any worker, after the tokens it has
+already streamed (the stream fence guarantees no duplicate and no gap). The resumed attempt
+re-prefills the prompt plus the generated tokens (``reprefill_tokens``), minus what prefix
+caching saves on engines that have it. Pure: the worker's runs and the time are arguments.
+
+The worker's contract:
+
+- At most once per engine step, and only when ``lanes_to_pop(...)`` offers no lane that has
+  waiting requests, call ``choose_preemption(runs, oldest_wait_ms, now_ms,
+  last_preemption_ms, config)`` with one ``RunView`` per running request and the lane ages of
+  the latest depth snapshot (the ``oldest_wait_ms`` it passes to ``lanes_to_pop``).
+- ``None``: nothing to do. An id: hand that request back (``QueuePlane.release``) into
+  ``requeue_lane(run, config)`` at its original score, count one more ``num_preemptions`` for
+  it (the count travels with the request), and remember ``last_preemption_ms = now_ms``.
+  ``requeue_lane`` is the run's effective lane, so a demoted request goes back behind the
+  lane it outgrew, not to the head of the short lane (``RELEASE`` must accept that lane).
+- Candidates: runs whose lane is later than a lane that has waited ``wait_bound_ms`` — runs
+  claimed from a later lane and, with ``hand_back_demoted``, demoted runs
+  (``policy.effective_lane``). Never one handed back ``max_preemptions`` times already, one
+  that (re)started less than ``min_run_ms`` ago, one within ``min_remaining_tokens`` of its
+  ``max_tokens``, or one whose re-prefill costs more than ``max_cost_ratio`` tokens per token
+  of slot time it frees.
+- Among candidates: the lowest ``reprefill_tokens / expected_remaining_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lanes.queue.messages import Lane
+from lanes.scheduler.policy import LANE_ORDER, LaneThresholds, effective_lane
+
+#: ``last_preemption_ms`` for a worker that has never handed a request back.
+NEVER_MS = -math.inf
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A worker's snapshot of one running request."""
+
+    id: str
+    #: The lane it was claimed from.
+    lane: Lane
+    prompt_tokens: int
+    #: Tokens streamed so far, earlier attempts included.
+    generated_tokens: int
+    max_tokens: int
+    #: The edge's prediction (the request payload carries it).
+    predicted_tokens: int
+    #: Times it was handed back already.
+    num_preemptions: int
+    #: When this attempt started generating (ms, the caller's clock).
+    started_at_ms: float
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    """When a worker hands a running request back, and which one. The defaults are the
+    simulator's tuned ones (benchmarks/RESULTS.md, issue 9): a safety valve for long-lane
+    runs under severe overload, since re-prefilling costs more than it saves otherwise."""
+
+    #: Demotion bounds: a run counts against ``effective_lane(lane, generated, demotion)``.
+    demotion: LaneThresholds = LaneThresholds(short_max_tokens=200, medium_max_tokens=200)
+    #: A lane whose oldest request has waited this long may take a later lane's slot.
+    wait_bound_ms: float = 20_000.0
+    #: A request is handed back at most this many times.
+    max_preemptions: int = 1
+    #: Never hand back a request this close to its ``max_tokens``.
+    min_remaining_tokens: int = 32
+    #: A run that (re)started less than this long ago is not handed back.
+    min_run_ms: float = 1_000.0
+    #: At most one hand-back per worker per this interval.
+    min_interval_ms: float = 0.0
+    #: Hand back only if ``reprefill_tokens / expected_remaining_tokens`` is at most this. A
+    #: prefill token costs the whole batch ~0.1 ms and a decode step of ~50 ms is shared by
+    #: ~64 runs, so below ~8 the slot time freed outweighs the batch time lost.
+    max_cost_ratio: float = 4.0
+    #: Share of the prompt an engine with prefix caching still holds when the request resumes.
+    prompt_cached_share: float = 0.0
+    #: Also hand back demoted runs (claimed from the waiting lane but past its bound), not
+    #: only runs claimed from a later lane. Off by default: without a predictor that ranks
+    #: well this is least-attained-service scheduling, and it multiplies the long tail.
+    hand_back_demoted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_preemptions < 0 or self.min_remaining_tokens < 0:
+            raise ValueError("max_preemptions and min_remaining_tokens must be >= 0")
+        if not 0.0 <= self.prompt_cached_share <= 1.0:
+            raise ValueError("prompt_cached_share must be in [0, 1]")
+
+
+def reprefill_tokens(prompt_tokens: int, generated_tokens: int, prompt_cached_share: float = 0.0) -> int:
+    """Tokens the resumed attempt prefills: the prompt (less its cached share) plus the answer so far."""
+    return round(prompt_tokens * (1.0 - prompt_cached_share)) + generated_tokens
+
+
+def expected_remaining_tokens(run: RunView) -> int:
+    """Tokens the run will still generate, as far as the worker can tell (>= 1).
+
+    What the prediction leaves, or as many as it has generated once it has outlived the
+    prediction (heavy-tailed lengths: the longer an answer has run, the longer it is likely
+    to run), capped by ``max_tokens``.
+    """
+    guess = max(run.predicted_tokens, 2 * run.generated_tokens) - run.generated_tokens
+    return max(1, min(guess, run.max_tokens - run.generated_tokens))
+
+
+def requeue_lane(run: RunView, config: PreemptionConfig) -> Lane:
+    """The lane a handed-back request goes to: its effective lane."""
+    return effective_lane(run.lane, run.generated_tokens, config.demotion)
+
+
+def _cost_ratio(run: RunView, waiting_before: int, now_ms: float, config: PreemptionConfig) -> float | None:
+    """Re-prefill tokens per token of slot time freed, or None when the run is no candidate."""
+    lane = requeue_lane(run, config) if config.hand_back_demoted else run.lane
+    if (LANE_ORDER.index(lane) <= waiting_before
+            or run.num_preemptions >= config.max_preemptions
+            or now_ms - run.started_at_ms < config.min_run_ms
+            or run.max_tokens - run.generated_tokens <= config.min_remaining_tokens):
+        return None
+    cost = reprefill_tokens(run.prompt_tokens, run.generated_tokens, config.prompt_cached_share)
+    ratio = cost / expected_remaining_tokens(run)
+    return ratio if ratio <= config.max_cost_ratio else None
+
+
+def choose_preemption(
+    runs: Sequence[RunView],
+    oldest_wait_ms: Mapping[Lane, float],
+    now_ms: float,
+    last_preemption_ms: float,
+    config: PreemptionConfig,
+) -> str | None:
+    """The id of the run to hand back now, or None (the contract is in the module docstring).
+
+    ``oldest_wait_ms`` holds the age of each non-empty lane's oldest request;
+    ``last_preemption_ms`` is when this worker last handed one back (``NEVER_MS`` if never).
+    Deterministic: ties go to the smallest id.
+    """
+    if now_ms - last_preemption_ms < config.min_interval_ms:
+        return None
+    overdue = [LANE_ORDER.index(lane) for lane, age in oldest_wait_ms.items() if age >= config.wait_bound_ms]
+    if not overdue:
+        return None
+    first = min(overdue)
+    best: tuple[float, str] | None = None
+    for run in runs:
+        ratio = _cost_ratio(run, first, now_ms, config)
+        if ratio is not None and (best is None or (ratio, run.id) < best):
+            best = (ratio, run.id)
+    return None if best is None else best[1]

@@ -1,0 +1,92 @@
+"""Predicted lengths for a trace: the shipped predictor on real prompts, the noise model, or random.
+
+The traces carry no prompt text. ``pair_prompts`` gives each trace row a real prompt whose
+known answer length is closest to the row's, reusing every prompt evenly: sorting both sides
+by length and matching ranks is that pairing (in one dimension the monotone matching minimises
+the total length gap under equal reuse). The predictor then runs on the paired prompt, and
+the realised Kendall tau against the trace's lengths is what the policies actually saw.
+
+Only ``predict_prompts`` touches a clock (an argument): it times each prediction so the
+simulation can charge it to the request's queueing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lanes.queue.messages import ChatMessage
+from lanes.scheduler.sim.noise import kendall_tau, noisy_predictions, sigma_for_tau
+
+#: Predictor time charged per request by the noise model (the shipped predictor: ~1-2 ms p99).
+NOISE_PREDICTOR_MS = 2.0
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """One prediction per trace row and what it cost."""
+
+    tokens: np.ndarray
+    latency_ms: np.ndarray
+    #: Where they came from ("shipped", "noise", "random", "oracle").
+    source: str
+    #: Realised Kendall tau against the trace's true output lengths.
+    tau: float
+
+
+def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray) -> np.ndarray:
+    """Index into the pool for each trace row: rank-matched, each prompt used evenly
+    (``floor`` or ``ceil`` of rows / prompts times). Raises ``ValueError`` on an empty pool."""
+    if len(pool_tokens) == 0:
+        raise ValueError("the prompt pool is empty")
+    n, m = len(trace_tokens), len(pool_tokens)
+    rows = np.argsort(trace_tokens, kind="stable")
+    pool_order = np.argsort(pool_tokens, kind="stable")
+    paired = np.empty(n, dtype=np.int64)
+    paired[rows] = pool_order[(np.arange(n) * m) // n]
+    return paired
+
+
+def predict_prompts(predict: Callable[[Sequence[ChatMessage], int], int], prompts: Sequence[str], max_tokens: int,
+                    clock: Callable[[], float] = time.perf_counter) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted tokens and latency (ms) per prompt, calling ``predict(messages, max_tokens)``
+    as the edge does (one warm-up call first, so lazy loading is not charged to one prompt)."""
+    if prompts:
+        predict([ChatMessage("user", prompts[0])], max_tokens)
+    tokens, latency_ms = np.empty(len(prompts)), np.empty(len(prompts))
+    for i, prompt in enumerate(prompts):
+        began = clock()
+        tokens[i] = predict([ChatMessage("user", prompt)], max_tokens)
+        latency_ms[i] = (clock() - began) * 1000.0
+    return tokens, latency_ms
+
+
+def from_pool(true_tokens: np.ndarray, pool_tokens: np.ndarray, pool_predicted: np.ndarray,
+              pool_latency_ms: np.ndarray) -> Predictions:
+    """The predictor's outputs on each row's paired prompt, with their measured latency."""
+    paired = pair_prompts(true_tokens, pool_tokens)
+    tokens = pool_predicted[paired]
+    return Predictions(tokens, pool_latency_ms[paired], "shipped", kendall_tau(true_tokens, tokens))
+
+
+def shuffled(predictions: Predictions, true_tokens: np.ndarray, seed: int) -> Predictions:
+    """A predictor that outputs random lengths: the same outputs (and latencies) as
+    ``predictions``, dealt to the rows at random, so lane shares stay the same and tau is ~0."""
+    order = np.random.default_rng(seed).permutation(len(predictions.tokens))
+    tokens = predictions.tokens[order]
+    return Predictions(tokens, predictions.latency_ms[order], "random", kendall_tau(true_tokens, tokens))
+
+
+def noisy(true_tokens: np.ndarray, target_tau: float, seed: int) -> Predictions:
+    """``pred = true * exp(N(0, sigma^2))`` with sigma calibrated to ``target_tau``."""
+    tokens = noisy_predictions(true_tokens, sigma_for_tau(true_tokens, target_tau, seed), seed)
+    latency = np.full(len(true_tokens), NOISE_PREDICTOR_MS)
+    return Predictions(tokens, latency, "noise", kendall_tau(true_tokens, tokens))
+
+
+def oracle(true_tokens: np.ndarray) -> Predictions:
+    """The true lengths, free (an upper bound)."""
+    return Predictions(true_tokens.astype(float), np.zeros(len(true_tokens)), "oracle", 1.0)

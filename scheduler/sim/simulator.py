@@ -1,0 +1,143 @@
+"""Discrete-event simulation of a scheduling policy over a trace, with the engine cost model.
+
+Each worker is a continuous-batching engine (``engine.py``). The backlog is shared, as it is
+in Redis. Per iteration a worker (1) re-classes runs that crossed a bound (demotion), (2) lets
+its discipline preempt, (3) pops into free slots in the discipline's order within the prefill
+token budget, then (4) runs a prefill of what it popped, or else one decode step. The lanes
+discipline calls the production functions: ``policy.lanes_to_pop``, ``policy.effective_lane``,
+``preemption.choose_preemption`` (see ``disciplines.py``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lanes.scheduler.preemption import reprefill_tokens
+from lanes.scheduler.sim.backlog import Backlog
+from lanes.scheduler.sim.disciplines import make_discipline
+from lanes.scheduler.sim.engine import EngineConfig, Worker
+from lanes.scheduler.sim.policies import SimPolicy
+from lanes.scheduler.sim.trace import Trace
+
+#: Idle polls of a backlog no worker can pop before the run is declared stuck.
+_MAX_IDLE_POLLS = 100_000
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Per-request times (seconds from trace start) and run counters."""
+
+    arrival_s: np.ndarray
+    #: When a worker first popped the request (its first queueing ends).
+    start_s: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    num_iterations: int
+    #: Times each request was preempted (handed back or swapped out).
+    num_preemptions: np.ndarray
+    #: Tokens prefilled again to resume preempted requests (recompute), summed.
+    num_reprefill_tokens: int = 0
+
+    @property
+    def wait_s(self) -> np.ndarray:
+        return self.start_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> np.ndarray:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> np.ndarray:
+        return self.finish_s - self.arrival_s
+
+
+def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers: int = 1) -> SimResult:
+    """Run the trace to completion under ``policy``; raises ``RuntimeError`` if the backlog
+    can never be popped (a slot config that blocks a lane forever)."""
+    n = len(trace)
+    arrival = trace.arrival_s.tolist()
+    enqueue = (trace.arrival_s + np.broadcast_to(policy.predictor_ms, (n,)) / 1000.0).tolist()
+    prompt, output = trace.prompt_tokens.tolist(), trace.output_tokens.tolist()
+    discipline = make_discipline(policy, trace, engine)
+    if discipline.resume_by_swap:  # MLFQ: FCFS by arrival within a queue; ages since the last wait
+        backlog = Backlog(discipline.num_levels, arrival, discipline.wait_since_s)
+    else:
+        keys = enqueue if policy.queue_key is None else policy.queue_key.tolist()
+        backlog = Backlog(discipline.num_levels, keys, enqueue, policy.age_from_key)
+    start, first, finish = [math.nan] * n, [math.nan] * n, [math.nan] * n
+    generated, num_preemptions = [0] * n, [0] * n
+    workers = [Worker(engine) for _ in range(num_workers)]
+    events = [(0.0, w) for w in range(num_workers)]
+    next_arrival, num_done, num_iterations, idle_polls, num_reprefill = 0, 0, 0, 0, 0
+    while num_done < n:
+        now, w = heapq.heappop(events)
+        while next_arrival < n and enqueue[next_arrival] <= now:
+            backlog.push(discipline.arrival_level(next_arrival), next_arrival)
+            next_arrival += 1
+        worker = workers[w]
+        for idx in worker.due_rechecks():
+            cls = discipline.classify(idx, worker.generated(idx))
+            worker.set_class(idx, cls)
+            worker.recheck_at_tokens(idx, discipline.class_bound(idx, cls))
+        discipline.promote(backlog, now, generated)
+        for idx, level in discipline.preempt(worker, backlog, now, generated, num_preemptions):
+            generated[idx] = worker.generated(idx)
+            worker.remove(idx)
+            worker.last_preemption_s = now
+            num_preemptions[idx] += 1
+            if discipline.resume_by_swap:
+                worker.pending_ms += (prompt[idx] + generated[idx]) * engine.swap_ms_per_token
+            backlog.push(level, idx)
+        batch, num_tokens = [], 0
+        while backlog.num_waiting:
+            level = discipline.next_level(worker, backlog, now)
+            if level is None:
+                break
+            idx = backlog.peek(level)
+            assert idx is not None
+            tokens = _prefill_tokens(idx, prompt, generated, engine, discipline.resume_by_swap)
+            if batch and num_tokens + tokens > engine.max_prefill_tokens:
+                break
+            backlog.pop(level)
+            batch.append(idx)
+            num_tokens += tokens
+            swapped_in = discipline.resume_by_swap and generated[idx] > 0
+            if swapped_in:
+                worker.pending_ms += (prompt[idx] + generated[idx]) * engine.swap_ms_per_token
+            elif generated[idx] > 0:
+                num_reprefill += tokens
+            cls = discipline.classify(idx, generated[idx] + (0 if swapped_in else 1))
+            worker.add(idx, generated[idx], 0 if swapped_in else 1, cls, now, prompt[idx], output[idx])
+            worker.recheck_at_tokens(idx, discipline.class_bound(idx, cls))
+        if batch:
+            end = now + (engine.profile.prefill_step_ms(num_tokens) if num_tokens else 0.0) / 1000.0
+            end += worker.take_pending_ms() / 1000.0
+            for idx in batch:
+                if math.isnan(start[idx]):
+                    start[idx] = now
+                if math.isnan(first[idx]) and (not discipline.resume_by_swap or generated[idx] == 0):
+                    first[idx] = end
+        elif worker.num_running:
+            end = now + worker.decode_step() / 1000.0
+        else:  # idle: sleep until the next arrival, or poll a blocked backlog
+            idle_polls = idle_polls + 1 if next_arrival >= n else 0
+            if idle_polls > _MAX_IDLE_POLLS:
+                raise RuntimeError("backlog can never be popped: check the slot config")
+            end = enqueue[next_arrival] if next_arrival < n else now + 1.0
+        for idx in worker.retire():
+            finish[idx] = end
+            num_done += 1
+        num_iterations += 1
+        heapq.heappush(events, (end, w))
+    return SimResult(trace.arrival_s, np.asarray(start), np.asarray(first), np.asarray(finish), num_iterations,
+                     np.asarray(num_preemptions), num_reprefill)
+
+
+def _prefill_tokens(idx: int, prompt: list[int], generated: list[int], engine: EngineConfig, by_swap: bool) -> int:
+    if generated[idx] == 0:
+        return prompt[idx]
+    return 0 if by_swap else reprefill_tokens(prompt[idx], generated[idx], engine.prompt_cached_share)

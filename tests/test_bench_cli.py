@@ -1,0 +1,75 @@
+"""`lanes bench policy` as a user runs it: a trace file, a prompt file, JSON out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+PROMPTS = [
+    {"prompt": "Say hi.", "output_tokens": 3},
+    {"prompt": "Name a colour.", "output_tokens": 5},
+    {"prompt": "Give me a one-line summary of photosynthesis.", "output_tokens": 30},
+    {"prompt": "Write a short poem about the sea.", "output_tokens": 120},
+    {"prompt": "Explain, step by step, how a compiler turns source code into machine code.", "output_tokens": 600},
+    {"prompt": "Write a detailed essay on the causes of the First World War.", "output_tokens": 900},
+]
+
+
+def lanes(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lanes.cli.main", *args], capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"})
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    rng = np.random.default_rng(0)
+    trace = tmp_path / "trace.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(300):
+        seconds = 0.2 * i
+        rows.append(f"2023-11-16 18:{int(seconds // 60):02d}:{seconds % 60:09.6f}0,{rng.integers(100, 1500)},"
+                    f"{int(rng.lognormal(4.5, 1.0)) + 1}")
+    trace.write_text("\n".join(rows) + "\n")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    return trace, prompts
+
+
+def test_bench_policy_with_prompts_prints_the_json_shape(files: tuple[Path, Path]) -> None:
+    trace, prompts = files
+    out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--json",
+                "--policy", "fcfs,lanes,priority,mlfq")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    assert list(results) == ["fcfs", "lanes", "priority", "mlfq"]
+    for name, r in results.items():
+        assert r["throughput_rps"] > 0
+        for group in ("short", "long"):
+            for key in ("ttft_s_p50", "ttft_s_p99", "e2e_s_p50", "e2e_s_p99",
+                        "ttft_within_1s", "ttft_within_5s", "ttft_within_30s"):
+                assert isinstance(r[group][key], float), (name, group, key)
+            assert 0.0 <= r[group]["ttft_within_1s"] <= r[group]["ttft_within_30s"] <= 1.0
+    # Prompts are rank-paired with the rows, so the realised tau is the predictor's on this pool.
+    assert -1.0 <= results["lanes"]["predictor_tau"] <= 1.0
+    assert results["lanes"]["predictor_tau"] == results["priority"]["predictor_tau"]
+    assert results["fcfs"]["predictor_tau"] is None and results["mlfq"]["predictor_tau"] is None
+
+
+def test_bench_policy_table_and_bad_prompt_files(files: tuple[Path, Path], tmp_path: Path) -> None:
+    trace, prompts = files
+    out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--predictor", "random")
+    assert out.returncode == 0, out.stderr
+    assert "realised tau" in out.stdout and "lanes" in out.stdout
+    missing = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and "not found" in missing.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"text": "no prompt field"}]))
+    malformed = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(bad))
+    assert malformed.returncode == 2 and "output_tokens" in malformed.stderr
+    unknown = lanes("bench", "policy", "--trace", str(trace), "--predictor", "psychic")
+    assert unknown.returncode == 2 and "--predictor" in unknown.stderr
