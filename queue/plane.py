@@ -54,6 +54,8 @@ class Claim:
     enqueued_at_ms: int
     claimed_at_ms: int
     edge: str
+    #: Times this request was handed back by a preemption already.
+    times_preempted: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,8 +206,9 @@ class QueuePlane:
         )
         if not got:
             return None
-        attempt, payload, enq_ms, now_ms, edge = got
-        return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode())
+        attempt, payload, enq_ms, now_ms, edge, preempted = got
+        return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
+                     int(preempted))
 
     async def fence(self, request_id: str, attempt: int) -> int:
         """Make ``attempt`` the only writer of the request's stream; returns the fence."""
@@ -294,12 +297,14 @@ class QueuePlane:
             await self.redis.expire(k.stream(request_id), FINISHED_TTL_S)
         return bool(done)
 
-    async def release(self, request_id: str, attempt: int) -> str:
-        """Hand a held request back to its lane now (original place); see ``scripts.RELEASE``."""
+    async def release(self, request_id: str, attempt: int, lane: Lane | None = None, preempted: bool = False) -> str:
+        """Hand a held request back now, at its original place in ``lane`` (None: the lane it
+        came from); ``preempted`` counts it as a preemption. See ``scripts.RELEASE``."""
         k = self.keys
         action = await self._release(
             keys=[k.request(request_id), k.watch, *k.pending_all()],
-            args=[request_id, attempt, self.settings.start_timeout_ms, FINISHED_TTL_S],
+            args=[request_id, attempt, self.settings.start_timeout_ms, FINISHED_TTL_S,
+                  lane.value if lane is not None else "", 1 if preempted else 0],
         )
         return action.decode()
 

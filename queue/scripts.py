@@ -28,7 +28,8 @@ return {1, now}
 """
 
 #: KEYS: req, watch, claims. ARGV: id, worker, lease_ms, ttl_s.
-#: Returns {attempt, payload, enq_ms, now, edge} or false when the request is not queued.
+#: Returns {attempt, payload, enq_ms, now, edge, times_preempted} or false when the request
+#: is not queued.
 #: ``claims`` counts claims per lane: the scheduler turns it into service rates.
 CLAIM = _NOW + """
 if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return false end
@@ -37,8 +38,8 @@ redis.call('HINCRBY', KEYS[3], redis.call('HGET', KEYS[1], 'lane'), 1)
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claim_ms', now)
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge')
-return {attempt, h[1], h[2], now, h[3]}
+local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge', 'preempted')
+return {attempt, h[1], h[2], now, h[3], tonumber(h[4] or '0')}
 """
 
 #: KEYS: watch, req1..reqN. ARGV: lease_ms, id1, attempt1, ..., idN, attemptN.
@@ -207,10 +208,11 @@ return h[1]
 """
 
 #: KEYS: req, watch, pending:short, pending:medium, pending:long.
-#: ARGV: id, attempt, start_timeout_ms, finished_ttl_s.
-#: A worker hands back a request it holds but will not finish (shutdown, engine death): it
-#: goes back to its lane at its original place at once. Returns 'requeued', 'dropped'
-#: (it was cancelled meanwhile) or 'not_owner'.
+#: ARGV: id, attempt, start_timeout_ms, finished_ttl_s, lane, preempted.
+#: A worker hands back a request it holds but will not finish (shutdown, engine death,
+#: preemption): it goes back at its original place in ``lane`` (empty: the lane it came from)
+#: at once; ``preempted`` = 1 counts one more preemption. Returns 'requeued', 'dropped' (it
+#: was cancelled meanwhile) or 'not_owner'.
 RELEASE = _NOW + """
 local h = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'lane', 'enq_ms')
 if h[2] ~= ARGV[2] or (h[1] ~= 'running' and h[1] ~= 'cancelled') then return 'not_owner' end
@@ -220,8 +222,10 @@ if h[1] == 'cancelled' then
   return 'dropped'
 end
 local lanes = {short = KEYS[3], medium = KEYS[4], long = KEYS[5]}
-redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '')
-redis.call('ZADD', lanes[h[3]] or KEYS[4], h[4], ARGV[1])
+local lane = ARGV[5] ~= '' and ARGV[5] or h[3]
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'lane', lane)
+if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[1], 'preempted', 1) end
+redis.call('ZADD', lanes[lane] or KEYS[4], h[4], ARGV[1])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
 return 'requeued'
 """

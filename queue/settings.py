@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,6 +23,9 @@ class RedisSettings(BaseSettings):
     start_timeout_ms: int = 3000
     #: A request whose lease expired this many times is failed instead of retried.
     max_attempts: int = 3
+    #: ``lanes`` (length-aware lanes, demotion, slot reservation) or ``fcfs`` (one lane, open
+    #: slots: a real baseline). Every edge and worker of a deployment must run the same one.
+    policy: Literal["lanes", "fcfs"] = "lanes"
     log_level: str = "INFO"
     #: OpenTelemetry exporter: ``none``, ``console`` or ``otlp`` (needs the ``[otlp]`` extra).
     otel_exporter: str = "none"

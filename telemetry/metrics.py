@@ -28,6 +28,8 @@ DECODE_PER_TOKEN = Histogram("lanes_decode_seconds_per_token", "Mean decode time
                              buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256))
 BATCH_SIZE = Histogram("lanes_batch_size", "Running requests per publish step",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+PREEMPTIONS = Counter("lanes_preemptions_total", "Running requests handed back to a lane, by claimed lane",
+                      ["lane"])
 TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"])
 RUNNING = Gauge("lanes_worker_running", "Running requests", ["lane"])
 ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"])

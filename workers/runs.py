@@ -51,6 +51,9 @@ class Complete:
 class Release:
     request_id: str
     attempt: int
+    #: Back into this lane (None: the one it came from); a preemption counts as one.
+    lane: Lane | None = None
+    preempted: bool = False
 
 
 RunAction = AbortEngine | Complete | Release
@@ -70,7 +73,16 @@ class Run:
     #: Seq of the next event (continues after an earlier attempt's events).
     seq: int = 0
     prompt_tokens: int = 0
+    #: Tokens streamed by earlier attempts (this one continues after them).
+    prior_tokens: int = 0
     completion_tokens: int = 0
+    max_tokens: int = 0
+    predicted_tokens: int = 0
+    times_preempted: int = 0
+    #: When this attempt started (monotonic ms), for the preemption's minimum run time.
+    started_at_ms: float = 0.0
+    #: Being handed back into this lane (a preemption): its end is a release, not a finish.
+    preempt_to: Lane | None = None
     cancelled: bool = False
     stale: bool = False
     #: The engine task has ended; ``final`` is the state it ended in (None: interrupted).
@@ -105,8 +117,10 @@ class RunTable:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self, request_id: str, edge: str, attempt: int, lane: Lane, first_seq: int = 0) -> Run:
-        run = Run(request_id, edge, attempt, lane, seq=first_seq)
+    def start(self, request_id: str, edge: str, attempt: int, lane: Lane, *, max_tokens: int = 0,
+              predicted_tokens: int = 0, times_preempted: int = 0, now_ms: float = 0.0) -> Run:
+        run = Run(request_id, edge, attempt, lane, max_tokens=max_tokens, predicted_tokens=predicted_tokens,
+                  times_preempted=times_preempted, started_at_ms=now_ms)
         self.runs[request_id] = run
         return run
 
@@ -135,6 +149,8 @@ class RunTable:
         run.ended, run.final = True, final
         if run.stale:
             return self._drop(run, "stale")
+        if final is None and run.preempt_to is not None:
+            return self._drop(run, "preempted", [Release(run.id, run.attempt, run.preempt_to, preempted=True)])
         if final is None:
             return self._drop(run, "interrupted", [Release(run.id, run.attempt)])
         if run.finish_flushed:
@@ -190,6 +206,15 @@ class RunTable:
                 actions += self._make_stale(run)
         return actions
 
+    def preempt(self, request_id: str, lane: Lane) -> list[RunAction]:
+        """Hand a running request back into ``lane``: abort it on the engine; its task ends
+        without a finish and the table releases it (it resumes later after its tokens)."""
+        run = self.runs.get(request_id)
+        if run is None or run.cancelled or run.stale or run.ended or run.preempt_to is not None:
+            return []
+        run.preempt_to = lane
+        return [AbortEngine(request_id, cancel_task_after_s=self.abort_grace_s)]
+
     def cancel(self, request_id: str) -> list[RunAction]:
         run = self.runs.get(request_id)
         if run is None or run.cancelled or run.stale or run.ended:
@@ -202,8 +227,9 @@ class RunTable:
         run = self.runs.get(request_id)
         return FinishReason.CANCELLED if run is not None and (run.cancelled or run.stale) else FinishReason.ERROR
 
-    def running_by_lane(self) -> dict[Lane, int]:
-        return dict(Counter(run.lane for run in self.runs.values()))
+    def lanes_and_progress(self) -> list[tuple[Lane, int]]:
+        """``(claimed lane, generated tokens including earlier attempts)`` per run, for demotion."""
+        return [(run.lane, run.prior_tokens + run.completion_tokens) for run in self.runs.values()]
 
     # -- internals -------------------------------------------------------------------------
 

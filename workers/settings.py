@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Literal
-
-from pydantic import Field, model_validator
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
+from lanes.scheduler.live_policy import DEFAULT_PREEMPTION
 from lanes.scheduler.policy import SlotConfig
+from lanes.scheduler.preemption import PreemptionConfig
+from pydantic import Field, model_validator
 
 EngineName = Literal["hf", "vllm", "trtllm", "sim"]
 SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
@@ -52,6 +54,11 @@ class WorkerSettings(RedisSettings):
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True
+    #: Preemption by hand-back (``scheduler/preemption.py``): when a lane's oldest request has
+    #: waited this long and no free slot may take it, hand one long-lane run back (0 = never).
+    preempt_after_ms: float = 20_000.0
+    #: A request is handed back at most this many times.
+    max_preemptions: int = 1
     #: Cancel a running request whose edge channel has had no subscriber this long (its edge
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
     orphan_grace_s: float = 15.0
@@ -90,3 +97,7 @@ class WorkerSettings(RedisSettings):
             min_long=self.min_long_slots, starve_after_ms=self.starve_after_ms,
             protect_after_ms=self.protect_after_ms, borrow_when_idle=self.borrow_when_idle,
         )
+
+    def preemption(self) -> PreemptionConfig | None:
+        return None if self.preempt_after_ms <= 0 else replace(
+            DEFAULT_PREEMPTION, wait_bound_ms=self.preempt_after_ms, max_preemptions=self.max_preemptions)

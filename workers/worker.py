@@ -33,10 +33,23 @@ from lanes.queue.messages import (
 )
 from lanes.queue.plane import Claim, QueuePlane
 from lanes.queue.pubsub import listen
-from lanes.scheduler.policy import lanes_to_pop
+from lanes.scheduler.live_policy import make_live_policy
+from lanes.scheduler.policy import LaneThresholds, lanes_to_pop
+from lanes.scheduler.preemption import (
+    NEVER_MS,
+    RunView,
+    choose_preemption,
+    requeue_lane,
+)
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, inject_context, tracer
-from lanes.workers.engines.base import Engine, EngineBusy, EngineDead, EngineRequest, RequestRejected
+from lanes.workers.engines.base import (
+    Engine,
+    EngineBusy,
+    EngineDead,
+    EngineRequest,
+    RequestRejected,
+)
 from lanes.workers.publisher import flush
 from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.runs import AbortEngine, Complete, Release, Run, RunAction, RunTable
@@ -56,7 +69,11 @@ class Worker:
         self.plane = plane.for_pool(settings.pool)  # this worker's lanes and requests
         self.engine = engine
         self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:10]}"
-        self.slots = settings.slots(engine.max_concurrency)
+        #: ``LANES_POLICY``: which lanes to pop (slots), demotion and preemption.
+        self.policy = make_live_policy(settings.policy, LaneThresholds(), settings.slots(engine.max_concurrency),
+                                       preemption=settings.preemption())
+        self.slots = self.policy.slots
+        self._last_preemption_ms = NEVER_MS
         self.table = RunTable(orphan_grace_s=settings.orphan_grace_s)
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
         self.oldest_wait_ms: dict[Lane, float] = {}
@@ -132,14 +149,14 @@ class Worker:
             else:
                 self._spawn(self._finish_in_redis(action))
         if actions:
-            self._slot_released()
+            self._lanes_changed()
 
     async def _finish_in_redis(self, action: Complete | Release) -> None:
         try:
             if isinstance(action, Complete):
                 await self.plane.complete(action.request_id, action.attempt, action.state.value)
             else:
-                await self.plane.release(action.request_id, action.attempt)
+                await self.plane.release(action.request_id, action.attempt, action.lane, action.preempted)
         except QueueUnavailable as exc:
             # The lease then runs out and the reaper requeues it; a retry re-sends a finished end.
             log.warning("could not %s %s: %s", type(action).__name__.lower(), action.request_id, exc)
@@ -151,8 +168,12 @@ class Worker:
 
     # -- claiming -----------------------------------------------------------------------
 
+    def running_by_lane(self) -> dict[Lane, int]:
+        """Running requests per lane they count against (demoted ones against a later lane)."""
+        return self.policy.running_by_lane(self.table.lanes_and_progress())
+
     def lanes_now(self) -> tuple[Lane, ...]:
-        return lanes_to_pop(self.table.running_by_lane(), self.oldest_wait_ms, self.slots)
+        return lanes_to_pop(self.running_by_lane(), self.oldest_wait_ms, self.slots)
 
     async def _claim_loop(self, burst: bool) -> None:
         blocker = self.plane.blocking_client()
@@ -192,11 +213,15 @@ class Worker:
         return not any(pending.values())
 
     def _start(self, claim: Claim, lane: Lane) -> None:
-        run = self.table.start(claim.payload.id, claim.edge, claim.attempt, lane)
+        payload = claim.payload
+        run = self.table.start(payload.id, claim.edge, claim.attempt, lane, max_tokens=payload.max_tokens,
+                               predicted_tokens=payload.predicted_tokens, times_preempted=claim.times_preempted,
+                               now_ms=time.monotonic() * 1000)
         metrics.RUNNING.labels(lane.value).inc()
         self._tasks[run.id] = asyncio.create_task(self._execute(run, claim), name=f"run-{run.id}")
 
-    def _slot_released(self) -> None:
+    def _lanes_changed(self) -> None:
+        """A slot freed or a run was demoted: the lanes this worker may pop may differ now."""
         self._slot_freed.set()
         blocked = self._blocked_on
         if blocked is not None and blocked != self.lanes_now() and self._blocker_id is not None:
@@ -230,12 +255,15 @@ class Worker:
                     return
                 run.seq = len(prior)
                 resume_ids = tuple(i for e in prior for i in e.token_ids)
+                run.prior_tokens = len(resume_ids)
                 request = EngineRequest(
                     id=run.id, messages=payload.messages, max_tokens=payload.max_tokens,
                     temperature=payload.temperature, top_p=payload.top_p, seed=payload.seed, stop=payload.stop,
                     lane=run.lane, resume_token_ids=resume_ids, trace_headers=inject_context(),
                 )
                 finish = await self._stream(run, request, queue_ms, len(resume_ids))
+                if finish is None:  # preempted: handed back, resumes later after its tokens
+                    return
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
                     await self.reporter.observation(payload.messages, finish.usage.completion_tokens)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
@@ -257,10 +285,11 @@ class Worker:
             # The request must end up either completed or back in its lane; shutdown waits for
             # these (``_stop_runs``) even though it is cancelling this task.
             self.carry(self.table.ended(run.id, final))
-            self._slot_released()
+            self._lanes_changed()
 
-    async def _stream(self, run: Run, request: EngineRequest, queue_ms: float, num_prior: int) -> Finish:
-        """Run the engine and submit each delta; returns the final event's Finish."""
+    async def _stream(self, run: Run, request: EngineRequest, queue_ms: float, num_prior: int) -> Finish | None:
+        """Run the engine and submit each delta; returns the final event's Finish (None when
+        the run is being handed back: nothing more is submitted for this attempt)."""
         started_at = time.perf_counter()
         first_at: float | None = None
 
@@ -269,6 +298,8 @@ class Worker:
 
         try:
             async for delta in self.engine.generate(request):
+                if run.preempt_to is not None:
+                    return None
                 if run.stale:
                     break
                 run.prompt_tokens = delta.prompt_tokens or run.prompt_tokens
@@ -293,8 +324,8 @@ class Worker:
             metrics.ENGINE_ERRORS.labels("dead").inc()
             raise
         except asyncio.CancelledError:
-            if not run.cancelled:
-                raise  # worker shutdown: the request goes back to its lane
+            if not run.cancelled or run.preempt_to is not None:
+                raise  # worker shutdown or a preemption: the request goes back to a lane
             finish = Finish(FinishReason.CANCELLED, usage(), queue_ms=queue_ms)
         self._submit(run, "", (), finish)
         return finish
@@ -305,6 +336,12 @@ class Worker:
         if token_ids:
             self.reporter.num_tokens += len(token_ids)
             self._token_counters[run.lane].inc(len(token_ids))
+            demotion = self.policy.demotion
+            if demotion is not None:
+                generated = run.prior_tokens + run.completion_tokens
+                if any(generated - len(token_ids) <= bound < generated
+                       for bound in (demotion.short_max_tokens, demotion.medium_max_tokens)):
+                    self._lanes_changed()  # demoted: it now counts against a later lane
 
     # -- loops ----------------------------------------------------------------------------
 
@@ -336,14 +373,34 @@ class Worker:
             try:
                 answers = await self.plane.heartbeat(leases)
                 self.carry(self.table.heartbeat({rid: answer for (rid, _), answer in zip(leases, answers)}))
+                self._maybe_preempt(time.monotonic() * 1000)
                 await self._report()
             except QueueUnavailable as exc:
                 await asyncio.sleep(backoff.failed(exc))
                 continue
             backoff.succeeded()
 
+    def _maybe_preempt(self, now_ms: float) -> None:
+        """Hand one request back when a lane has waited past the bound and no free slot may pop
+        it (``scheduler/preemption.py``: bounded per request, never near its end)."""
+        config = self.policy.preemption
+        if config is None or any(lane in self.oldest_wait_ms for lane in self.lanes_now()):
+            return
+        views = {r.id: RunView(r.id, r.lane, r.prompt_tokens, r.prior_tokens + r.completion_tokens, r.max_tokens,
+                               r.predicted_tokens, r.times_preempted, r.started_at_ms)
+                 for r in self.table.runs.values() if not (r.ended or r.cancelled or r.stale)}
+        victim = choose_preemption(list(views.values()), self.oldest_wait_ms, now_ms, self._last_preemption_ms, config)
+        if victim is None:
+            return
+        lane = requeue_lane(views[victim], config)
+        log.info("handing %s back to the %s lane: a lane waited past %.0f s", victim, lane.value,
+                 config.wait_bound_ms / 1000)
+        self._last_preemption_ms = now_ms
+        metrics.PREEMPTIONS.labels(views[victim].lane.value).inc()
+        self.carry(self.table.preempt(victim, lane))
+
     async def _report(self) -> None:
-        running = {lane.value: n for lane, n in self.table.running_by_lane().items()}
+        running = {lane.value: n for lane, n in self.running_by_lane().items()}
         await self.reporter.report(running, self.slots.max_slots, dict(self.table.num_finished), self.engine.stats())
 
     async def _control_loop(self) -> None:

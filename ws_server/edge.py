@@ -33,7 +33,8 @@ from lanes.queue.messages import (
 )
 from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
-from lanes.scheduler.policy import LaneThresholds, choose_lane
+from lanes.scheduler.live_policy import make_live_policy
+from lanes.scheduler.policy import LaneThresholds, SlotConfig
 from lanes.scheduler.refresh import load_published
 from lanes.scheduler.router.fixed_answers import FixedAnswer, answer_deltas
 from lanes.telemetry import metrics
@@ -70,6 +71,8 @@ class Edge:
         self.edge_id = settings.edge_id or f"edge-{uuid.uuid4().hex[:10]}"
         self.limits = settings.limits()
         self.thresholds = LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens)
+        #: ``LANES_POLICY``: ``lanes`` routes by predicted length, ``fcfs`` puts everything in one lane.
+        self.policy = make_live_policy(settings.policy, self.thresholds, SlotConfig())
         self.lengths = lengths or LengthEstimator()
         self.admission = EdgeAdmission(settings)
         self.router = PoolRouter(settings)
@@ -291,7 +294,7 @@ class Edge:
                                     f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
                                     retry_after_ms=_NO_WORKER_RETRY_MS, reason="no_workers")
         predicted = await self.lengths.predict(frame.messages, frame.max_tokens)
-        lane = choose_lane(predicted, self.thresholds)
+        lane = self.policy.lane_for(predicted)
         decision = self.admission.decide(pool, lane, frame.deadline_ms)
         if not decision.admitted:
             reason = decision.reason.value if decision.reason else "overloaded"

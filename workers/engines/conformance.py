@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from lanes.queue.messages import ChatMessage, FinishReason, Lane
-from lanes.workers.engines.base import EngineDead, EngineDelta, EngineRequest, RequestRejected
+from lanes.workers.engines.base import (
+    EngineDead,
+    EngineDelta,
+    EngineRequest,
+    RequestRejected,
+)
 from lanes.workers.settings import WorkerSettings
 
 #: Arguments a release may lack without harm: the engine-side queue cap (vLLM >= 0.29) and

@@ -60,7 +60,6 @@ async def _drain(stream: AsyncIterator[EngineDelta]) -> None:
 
 def _configs(target: Path, draft: Path, device: str) -> list[tuple[str, Any]]:
     import torch
-
     from lanes.workers.engines.hf_spec import HFSpeculativeEngine
 
     configs: list[tuple[str, Any]] = [

@@ -21,7 +21,12 @@ from typing import Any
 from lanes.queue.messages import FinishReason
 from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from lanes.workers.engines.base import (
-    ConfigError, EngineDead, EngineDelta, EngineRequest, RequestRejected, warm_up,
+    ConfigError,
+    EngineDead,
+    EngineDelta,
+    EngineRequest,
+    RequestRejected,
+    warm_up,
 )
 
 log = logging.getLogger(__name__)
@@ -68,7 +73,12 @@ class HFEngine:
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            ContinuousBatchingConfig,
+            GenerationConfig,
+        )
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

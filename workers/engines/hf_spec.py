@@ -27,10 +27,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-
 from lanes.queue.messages import FinishReason
 from lanes.workers.engines.base import (
-    ConfigError, EngineDead, EngineDelta, EngineError, EngineRequest, warm_up,
+    ConfigError,
+    EngineDead,
+    EngineDelta,
+    EngineError,
+    EngineRequest,
+    warm_up,
 )
 from lanes.workers.engines.engine_config import SpecCounters, remaining_tokens
 from lanes.workers.settings import WorkerSettings

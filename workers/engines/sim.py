@@ -18,7 +18,12 @@ from typing import Any
 
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.costmodel import CostProfile, SpecDecoding
-from lanes.workers.engines.base import EngineDelta, EngineRequest, RequestRejected, warm_up
+from lanes.workers.engines.base import (
+    EngineDelta,
+    EngineRequest,
+    RequestRejected,
+    warm_up,
+)
 
 #: Filler tokens get ids from here up (a made-up vocabulary).
 TOKEN_ID_BASE = 1000

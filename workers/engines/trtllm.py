@@ -32,11 +32,26 @@ from typing import Any
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import trtllm_priority
 from lanes.workers.engines.base import (
-    ConfigError, EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected, warm_up,
+    ConfigError,
+    EngineDead,
+    EngineDelta,
+    EngineError,
+    EngineRequest,
+    RequestRejected,
+    warm_up,
 )
 from lanes.workers.engines.engine_config import (
-    ClassSpec, SpecCounters, filter_supported, fit_max_tokens, map_finish_reason, max_sequence_tokens,
-    remaining_tokens, supported_names, trtllm_llm_kwargs, trtllm_sampling_kwargs, validate,
+    ClassSpec,
+    SpecCounters,
+    filter_supported,
+    fit_max_tokens,
+    map_finish_reason,
+    max_sequence_tokens,
+    remaining_tokens,
+    supported_names,
+    trtllm_llm_kwargs,
+    trtllm_sampling_kwargs,
+    validate,
 )
 from lanes.workers.settings import WorkerSettings
 

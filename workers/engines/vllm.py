@@ -21,12 +21,24 @@ from typing import Any
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import vllm_priority
 from lanes.workers.engines.base import (
-    ConfigError, EngineBusy, EngineDead, EngineDelta, EngineError, EngineRequest, RequestRejected,
+    ConfigError,
+    EngineBusy,
+    EngineDead,
+    EngineDelta,
+    EngineError,
+    EngineRequest,
+    RequestRejected,
     warm_up,
 )
 from lanes.workers.engines.engine_config import (
-    SpecCounters, filter_supported, map_finish_reason, remaining_tokens, supported_names,
-    validate, vllm_engine_kwargs, vllm_sampling_kwargs,
+    SpecCounters,
+    filter_supported,
+    map_finish_reason,
+    remaining_tokens,
+    supported_names,
+    validate,
+    vllm_engine_kwargs,
+    vllm_sampling_kwargs,
 )
 from lanes.workers.settings import WorkerSettings
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lanes.workers.models.corpus import pydoc_topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-from lanes.workers.models.corpus import pydoc_topics
 
 PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)

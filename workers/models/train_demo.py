@@ -24,12 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
 from lanes.workers.models.corpus import demo_corpus
 from lanes.workers.models.tiny import (
-    TinyModelPaths, llama_config, save_pair, train_tokenizer, truncated_copy,
+    TinyModelPaths,
+    llama_config,
+    save_pair,
+    train_tokenizer,
+    truncated_copy,
 )
+from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 #: Prompt used for the sample shown in the log and the README.
 SAMPLE_PROMPT = "A class definition"

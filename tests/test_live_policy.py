@@ -1,0 +1,105 @@
+"""The policy in the live system (real Redis, the worker and scheduler in-process, the sim
+engine): demotion by attained service, hand-back preemption, and the ``LANES_POLICY`` switch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from lanes.queue.messages import ChatMessage, Lane, RequestPayload
+from lanes.queue.plane import QueuePlane
+from lanes.scheduler.costmodel import get_profile
+from lanes.scheduler.service import Scheduler
+from lanes.scheduler.settings import SchedulerSettings
+from lanes.workers.engines.sim import SimEngine
+from lanes.workers.settings import WorkerSettings
+from lanes.workers.worker import Worker
+from lanes.ws_server.edge import Edge
+from lanes.ws_server.settings import EdgeSettings
+
+
+async def enqueue(plane: QueuePlane, rid: str, lane: Lane, max_tokens: int) -> None:
+    payload = RequestPayload(id=rid, messages=(ChatMessage("user", f"hi {rid}"),), max_tokens=max_tokens,
+                             temperature=0.0, lane=lane)
+    assert (await plane.enqueue(payload, "edge-x")).created
+
+
+@contextlib.asynccontextmanager
+async def running(plane: QueuePlane, slots: int, time_scale: float, **overrides: object) -> AsyncIterator[Worker]:
+    """A worker (sim engine, ``slots`` slots) and a scheduler, both in this process."""
+    common = {"redis_url": plane.settings.redis_url, "key_prefix": plane.settings.key_prefix, "lease_ms": 2000}
+    settings = WorkerSettings(**common, heartbeat_s=0.1, max_slots=slots, **overrides)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=slots, time_scale=time_scale))
+    scheduler = Scheduler(SchedulerSettings(**common, depth_interval_s=0.1, predictor_refresh_minutes=0), plane)
+    tasks = [asyncio.create_task(worker.serve()), asyncio.create_task(scheduler.serve())]
+    try:
+        yield worker
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def state(plane: QueuePlane, rid: str) -> str:
+    return (await plane.request_status(rid))[0]
+
+
+async def until(condition, timeout_s: float = 30) -> None:  # noqa: ANN001
+    async def wait() -> None:
+        while not await condition():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(wait(), timeout_s)
+
+
+async def test_a_long_run_is_handed_back_when_a_short_request_waits_too_long(plane: QueuePlane) -> None:
+    async with running(plane, slots=1, time_scale=1.0, preempt_after_ms=300, max_long_slots=1,
+                       min_long_slots=0) as worker:
+        await enqueue(plane, "long", Lane.LONG, 300)
+        await until(lambda: _streamed(plane, "long", 3))
+        await enqueue(plane, "short", Lane.SHORT, 5)
+        await until(lambda: _is(plane, "short", "done"))  # served while "long" was handed back
+        assert worker.table.num_finished["preempted"] == 1
+        await until(lambda: _is(plane, "long", "done"), 60)
+    events = await plane.read_stream("long")
+    assert [e.seq for e in events] == list(range(len(events))), "resumed after its tokens: no gap, no repeat"
+    assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens == 300
+    assert await plane.redis.hget(plane.keys.request("long"), "preempted") == b"1"
+
+
+async def test_a_short_run_past_its_bound_counts_against_the_long_lane(plane: QueuePlane) -> None:
+    async with running(plane, slots=2, time_scale=4.0, preempt_after_ms=0, max_long_slots=1,
+                       max_medium_long_slots=1, min_long_slots=0) as worker:
+        await enqueue(plane, "chatty", Lane.SHORT, 600)  # predicted short, answers long
+        await until(lambda: _streamed(plane, "chatty", 220))
+        assert worker.running_by_lane() == {Lane.LONG: 1}, "demoted past the short bound"
+        await enqueue(plane, "long", Lane.LONG, 5)
+        await asyncio.sleep(0.5)
+        assert await state(plane, "long") == "queued", "the long cap is held by the demoted run"
+        await enqueue(plane, "short", Lane.SHORT, 5)
+        await until(lambda: _is(plane, "short", "done"))  # the short slot is free again
+        await until(lambda: _is(plane, "long", "done"), 60)
+
+
+async def test_fcfs_is_one_lane_and_open_slots(plane: QueuePlane) -> None:
+    edge = Edge(EdgeSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                             policy="fcfs"), plane)
+    assert {edge.policy.lane_for(n) for n in (1, 300, 5000)} == {Lane.MEDIUM}
+    async with running(plane, slots=4, time_scale=50.0, policy="fcfs", max_long_slots=1, min_long_slots=0) as worker:
+        assert worker.slots.max_long == 4 and worker.policy.preemption is None
+        for i in range(4):
+            await enqueue(plane, f"m{i}", Lane.MEDIUM, 50)
+        await until(lambda: _all_done(plane, [f"m{i}" for i in range(4)]))
+
+
+async def _streamed(plane: QueuePlane, rid: str, num: int) -> bool:
+    return len(await plane.read_stream(rid)) >= num
+
+
+async def _is(plane: QueuePlane, rid: str, wanted: str) -> bool:
+    return await state(plane, rid) == wanted
+
+
+async def _all_done(plane: QueuePlane, ids: list[str]) -> bool:
+    return all([await state(plane, rid) == "done" for rid in ids])
