@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
 from lanes.queue.embedded import EmbeddedRedis, free_port
+from lanes.queue.errors import QueueUnavailable
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
 
@@ -223,7 +222,7 @@ class Cluster:
         ids = {n: self.child_env_id(n, "LANES_WORKER_ID") for n in names}
         try:
             beats = self.query(lambda plane: plane.worker_heartbeats(list(ids.values())))
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (QueueUnavailable, OSError, asyncio.TimeoutError):
             return []
         return [n for n in names if beats.get(ids[n], 0) >= self.children[n].started_at_ms]
 

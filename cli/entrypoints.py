@@ -16,14 +16,13 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from prometheus_client import start_http_server
-from redis.exceptions import AuthenticationError, RedisError
-
 from lanes.cli.failures import ConfigFailure, safe_url
+from lanes.queue.errors import QueueAuthError, QueueUnavailable
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
 from lanes.telemetry.logs import setup_logging
 from lanes.telemetry.tracing import setup_tracing
+from prometheus_client import start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +52,10 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
     url = safe_url(plane.settings.redis_url)
     try:
         await asyncio.wait_for(plane.server_time_ms(), timeout_s)
-    except AuthenticationError as exc:
+    except QueueAuthError as exc:
         raise ConfigFailure(f"Redis at {url} refused the login ({exc}): fix the password in "
                             "LANES_REDIS_URL (redis://:PASSWORD@host:port/db)") from None
-    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+    except (QueueUnavailable, OSError, asyncio.TimeoutError) as exc:
         reason = _unreachable_reason(exc, timeout_s)
         raise ConfigFailure(
             f"cannot reach Redis at {url} (LANES_REDIS_URL): {reason}. Start Redis there or "

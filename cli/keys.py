@@ -7,33 +7,51 @@ Redis comes from ``LANES_REDIS_URL`` / ``LANES_KEY_PREFIX`` like every other pro
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-from typing import Annotated, Optional
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Optional, TypeVar
 
 import msgspec
-import redis
 import typer
-
-from lanes.queue.keys import Keys
+from lanes.queue.fleet import Fleet
+from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
-from lanes.ws_server.auth import decode_record, encode_record, generate_key, hash_key, new_record
+from lanes.ws_server.auth import (
+    decode_record,
+    encode_record,
+    generate_key,
+    hash_key,
+    new_record,
+)
 
 app = typer.Typer(help="API keys: create (printed once, stored hashed), list, revoke.", no_args_is_help=True)
 
 
-def _store() -> tuple[redis.Redis, Keys]:
-    settings = RedisSettings()
-    return redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+T = TypeVar("T")
 
 
-def _records(client: redis.Redis, keys: Keys) -> list[tuple[str, dict[str, object]]]:
+def _with_store(use: Callable[[Fleet], Awaitable[T]]) -> T:
+    """Run ``use`` against the key store (``LANES_REDIS_URL`` / ``LANES_KEY_PREFIX``)."""
+
+    async def run() -> T:
+        plane = QueuePlane.from_settings(RedisSettings())
+        try:
+            return await use(plane.fleet)
+        finally:
+            await plane.close()
+
+    # A thread of its own: ``asyncio.run`` refuses to start inside a running loop (a caller
+    # that is itself async, e.g. a test driving the CLI in-process).
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
+
+
+async def _records(fleet: Fleet) -> list[tuple[str, dict[str, object]]]:
     """(hash, record as a dict) for every stored key, oldest first."""
     found = []
-    for name in client.scan_iter(match=keys.api_key_pattern, count=500):
-        raw = client.get(name)
-        if raw is None:
-            continue
-        key_hash = name.decode().rsplit(":", 1)[1]
+    for key_hash, raw in await fleet.api_keys():
         try:
             found.append((key_hash, msgspec.to_builtins(decode_record(raw))))
         except msgspec.DecodeError:
@@ -57,14 +75,15 @@ def create(
         typer.echo(key)
         typer.echo(f"add to LANES_API_KEY_HASHES: {key_hash}", err=True)
         return
-    client, keys = _store()
-    try:
-        if any(record.get("name") == name for _, record in _records(client, keys)):
-            typer.echo(f"a key named {name!r} exists; revoke it first or pick another name", err=True)
-            raise typer.Exit(1)
-        client.set(keys.api_key(key_hash), encode_record(new_record(name, key, rate_per_s, burst, max_in_flight)))
-    finally:
-        client.close()
+    async def store(fleet: Fleet) -> bool:
+        if any(record.get("name") == name for _, record in await _records(fleet)):
+            return False
+        await fleet.put_api_key(key_hash, encode_record(new_record(name, key, rate_per_s, burst, max_in_flight)))
+        return True
+
+    if not _with_store(store):
+        typer.echo(f"a key named {name!r} exists; revoke it first or pick another name", err=True)
+        raise typer.Exit(1)
     typer.echo(key)
     typer.echo(f"stored sha256 {key_hash[:12]}… for {name!r}. This is the only time the key is shown.", err=True)
 
@@ -72,11 +91,7 @@ def create(
 @app.command(name="list")
 def list_keys() -> None:
     """Show stored keys (name, hash prefix, hint, limits); never the keys themselves."""
-    client, keys = _store()
-    try:
-        records = _records(client, keys)
-    finally:
-        client.close()
+    records = _with_store(_records)
     typer.echo(f"{'name':<24} {'sha256':<14} {'hint':<12} {'rate/s':>7} {'burst':>6} {'in-flight':>9}  created")
     for key_hash, r in records:
         created = datetime.datetime.fromtimestamp(float(r.get("created_at_s") or 0.0), datetime.UTC)  # type: ignore[arg-type]
@@ -94,14 +109,14 @@ def revoke(
     which: Annotated[str, typer.Argument(help="a key's name, or a prefix (8+ hex chars) of its sha256")],
 ) -> None:
     """Delete a key's record: new handshakes with it get 401 (open connections run on until they close)."""
-    client, keys = _store()
-    try:
-        hits = [h for h, r in _records(client, keys)
+    async def revoke_matching(fleet: Fleet) -> list[str]:
+        hits = [h for h, r in await _records(fleet)
                 if r.get("name") == which or (len(which) >= 8 and h.startswith(which.lower()))]
         for key_hash in hits:
-            client.delete(keys.api_key(key_hash))
-    finally:
-        client.close()
+            await fleet.delete_api_key(key_hash)
+        return hits
+
+    hits = _with_store(revoke_matching)
     if not hits:
         typer.echo(f"no key named or hashed {which!r}", err=True)
         raise typer.Exit(1)

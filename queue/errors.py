@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 
 class ErrorCode(StrEnum):
@@ -67,3 +67,5 @@ class ErrorCode(StrEnum):
 #: Raised by every ``QueuePlane`` call when Redis is unreachable or refuses a command: callers
 #: catch this, never a redis-py class (it *is* redis-py's base class, re-exported).
 QueueUnavailable = RedisError
+#: Redis refused the login (a wrong or missing password): a configuration error, never retried.
+QueueAuthError = AuthenticationError

@@ -124,3 +124,18 @@ class Fleet:
     async def api_key(self, key_hash: str) -> bytes | None:
         """The stored record (JSON) of a key's SHA-256, None when unknown or revoked."""
         return await self.redis.get(self.keys.api_key(key_hash))
+
+    async def put_api_key(self, key_hash: str, record: bytes) -> None:
+        await self.redis.set(self.keys.api_key(key_hash), record)
+
+    async def api_keys(self) -> list[tuple[str, bytes]]:
+        """``(sha256, record JSON)`` of every stored key (SCAN: never blocks Redis)."""
+        found = []
+        async for name in self.redis.scan_iter(match=self.keys.api_key_pattern, count=500):
+            raw = await self.redis.get(name)
+            if raw is not None:
+                found.append((name.decode().rsplit(":", 1)[1], raw))
+        return found
+
+    async def delete_api_key(self, key_hash: str) -> None:
+        await self.redis.delete(self.keys.api_key(key_hash))

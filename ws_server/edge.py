@@ -288,7 +288,7 @@ class Edge:
         except UnknownModel as unknown:
             return self.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message())
         plane = self.plane.for_pool(pool)
-        if self.admission.num_workers(pool) in (0, None) and await self.plane.fleet.num_workers(pool) == 0:
+        if self.admission.num_workers(pool) == 0 and await self.plane.fleet.num_workers(pool) == 0:
             # The snapshot may be half a second old: only a registry with nobody in it refuses.
             return self.core.refuse(request_id, ErrorCode.UNAVAILABLE,
                                     f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
