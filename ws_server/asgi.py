@@ -59,6 +59,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _DenialIsComplete(logging.Filter):
+    """uvicorn (0.54, websockets-sansio) logs "ASGI callable returned without completing
+    handshake." after a handshake refused with ``websocket.http.response.*`` (our 401/403/503),
+    although the refusal was sent: it never marks that path complete. Our handler always accepts,
+    refuses or closes, so that line can only be this false alarm."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+logging.getLogger("uvicorn.error").addFilter(_DenialIsComplete())
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the process's runner owns SIGTERM/SIGINT and
     stops us by cancelling ``serve_app``."""
