@@ -47,7 +47,10 @@ class EdgeApp:
 def listen_socket(host: str, port: int) -> socket.socket:
     """Bind and listen now; raises ``OSError`` (e.g. EADDRINUSE) for the caller to report."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose ``proto`` says TCP,
+    # and accepted sockets inherit the listener's. With proto 0, Nagle's algorithm and delayed
+    # ACKs held each small frame ~40 ms on loopback.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
