@@ -67,7 +67,10 @@ async def test_model_names_the_pool_that_serves_it(system: System) -> None:
 
 async def test_unknown_model_lists_the_live_pools(system: System) -> None:
     frames = await chat(system.edge_urls["edge"], "nope-1", "Hi there, how are things?", model="gigantic")
-    assert frames[0]["code"] == "model_not_found" and "large, small" in frames[0]["message"], frames
+    url = f"http://127.0.0.1:{system.edge_ports['edge']}/v1/depths?pool=small"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        small = resp.read()
+    assert frames[0]["code"] == "model_not_found" and "large, small" in frames[0]["message"], (frames, small)
 
 
 async def test_auto_follows_the_rules(system: System) -> None:

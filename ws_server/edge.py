@@ -24,30 +24,24 @@ from lanes.queue.backoff import Backoff
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import (
-    Finish,
-    FinishReason,
-    RequestPayload,
     TokenBatch,
-    TokenEvent,
-    Usage,
 )
 from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.scheduler.live_policy import make_live_policy
 from lanes.scheduler.policy import LaneThresholds, SlotConfig
 from lanes.scheduler.refresh import load_published
-from lanes.scheduler.router.fixed_answers import FixedAnswer, answer_deltas
 from lanes.telemetry import metrics
-from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.asgi import EdgeApp, listen_socket, serve_app
 from lanes.ws_server.auth import Gate, Identity, Refusal
 from lanes.ws_server.completions import COMPLETIONS_PATH, MODELS_PATH
 from lanes.ws_server.delivery import Delivery
+from lanes.ws_server.intake import NO_WORKER_RETRY_MS, admit_and_enqueue, known_pools
 from lanes.ws_server.keyguard import KeyGuard
 from lanes.ws_server.lengths import LengthEstimator
-from lanes.ws_server.routing import PoolRouter, UnknownModel
+from lanes.ws_server.routing import PoolRouter
 from lanes.ws_server.session import Session
 from lanes.ws_server.settings import EdgeSettings
 from starlette.datastructures import Headers
@@ -58,10 +52,6 @@ CHAT_PATH = "/v1/chat"
 _batch_decoder = msgspec.json.Decoder(TokenBatch)
 #: How often the delivery core's timers are checked (s).
 _TICK_S = 0.25
-#: The lane a fixed answer reports (it never waits in one).
-FIXED_LANE = "fixed"
-#: What a client is told to wait when no worker is ready yet (ms).
-_NO_WORKER_RETRY_MS = 1000
 
 
 class Edge:
@@ -148,7 +138,7 @@ class Edge:
         """Re-point a resumed request at this edge, in whichever pool holds it."""
         state = None
         try:
-            for pool in self._known_pools():
+            for pool in known_pools(self):
                 state = await self.plane.for_pool(pool).repoint(action.request_id, self.edge_id, owner=action.key)
                 if state is not None:
                     self._pool_of[action.request_id] = pool
@@ -265,74 +255,14 @@ class Edge:
         if not registered:
             return
         try:
-            self.carry(await self._admit_and_enqueue(request_id, identity.key_id, identity, frame))
+            self.carry(await admit_and_enqueue(self, request_id, identity, frame))
         except QueueUnavailable as exc:
             log.warning("redis unavailable: %s", exc)
             self.carry(self.core.refuse(request_id, ErrorCode.UNAVAILABLE, "queue unavailable; retry shortly",
-                                        retry_after_ms=_NO_WORKER_RETRY_MS))
+                                        retry_after_ms=NO_WORKER_RETRY_MS))
         except Exception:  # noqa: BLE001 - a bug must cost one request, not the connection
             log.exception("internal error handling a chat frame")
             self.carry(self.core.refuse(request_id, ErrorCode.INTERNAL, "internal error; the request was not accepted"))
-
-    async def _admit_and_enqueue(self, request_id: str, owner: str, identity: Identity,
-                                 frame: protocol.ChatFrame) -> list[delivery.Action]:
-        refusal = await self.keys.rate_refusal(identity)
-        if refusal is not None:
-            extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
-            return self.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **extra)
-        if (fixed := self.router.fixed_answer(frame.messages)) is not None:
-            return self._fixed(request_id, fixed)
-        try:
-            pool = self.router.pool_for(frame.model, identity.key_id, frame.messages, self._known_pools(),
-                                        self.admission.live_pools())
-        except UnknownModel as unknown:
-            return self.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message())
-        plane = self.plane.for_pool(pool)
-        if self.admission.num_workers(pool) == 0 and await self.plane.fleet.num_workers(pool) == 0:
-            # The snapshot may be half a second old: only a registry with nobody in it refuses.
-            return self.core.refuse(request_id, ErrorCode.UNAVAILABLE,
-                                    f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
-                                    retry_after_ms=_NO_WORKER_RETRY_MS, reason="no_workers")
-        predicted = await self.lengths.predict(frame.messages, frame.max_tokens)
-        lane = self.policy.lane_for(predicted)
-        decision = self.admission.decide(pool, lane, frame.deadline_ms)
-        if not decision.admitted:
-            reason = decision.reason.value if decision.reason else "overloaded"
-            return self.core.refuse(request_id, ErrorCode.OVERLOADED,
-                                    f"lane {lane.value} cannot start this request in time ({reason}); retry later",
-                                    lane=lane.value, retry_after_ms=decision.retry_after_ms, reason=reason)
-        with tracer().start_as_current_span("lanes.enqueue", attributes={
-            "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
-            "lanes.pool": pool,
-        }):
-            payload = RequestPayload(
-                id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
-                top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
-                trace=inject_context(),
-            )
-            enqueued = await plane.enqueue(payload, self.edge_id, owner=owner)
-        if not enqueued.created:
-            return self.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
-                                    f"request {request_id} already exists ({enqueued.existing_state}); use resume")
-        self.admission.enqueued(pool, lane)
-        self._pool_of[request_id] = pool
-        return self.core.accepted(request_id, lane.value, predicted, time.monotonic())
-
-    def _fixed(self, request_id: str, fixed: FixedAnswer) -> list[delivery.Action]:
-        """A fixed answer, streamed by the edge itself like any answer (no Redis, no model)."""
-        metrics.FIXED_ANSWERS.labels(fixed.name).inc()
-        deltas = answer_deltas(fixed.answer)
-        events = [TokenEvent(request_id, 0, seq, text) for seq, text in enumerate(deltas)]
-        events.append(TokenEvent(request_id, 0, len(deltas), "", (), Finish(FinishReason.STOP, Usage(0, len(deltas)))))
-        now = time.monotonic()
-        return self.core.accepted(request_id, FIXED_LANE, 0, now) + self.core.tokens(events, now)
-
-    def _known_pools(self) -> list[str]:
-        """Pools the fleet knows: the scheduler snapshots each (configured or with workers)."""
-        pools = set(self.admission.pools()) | {DEFAULT_POOL}
-        if self.router.rules is not None:
-            pools |= self.router.rules.pools
-        return sorted(pools)
 
     # -- connections that are not WebSockets (one HTTP request each) -----------------------
 
@@ -350,10 +280,14 @@ class Edge:
             session.closed = True
         self.carry(self.core.disconnected(conn, time.monotonic(), grace_s=0.0 if abandoned else None))
 
+    async def live_pools(self) -> list[str]:
+        """Pools with live workers, per the latest snapshots and the worker registry (asked on
+        the rare paths that list them: an unknown model, ``GET /v1/models``)."""
+        return sorted(set(self.admission.live_pools()) | {r.pool for r in await self.plane.fleet.reports()})
+
     async def model_names(self) -> list[str]:
         """What ``GET /v1/models`` lists: the pools with live workers (and ``auto`` with rules)."""
-        live = self.admission.live_pools() or sorted({r.pool for r in await self.plane.fleet.reports()})
-        return self.router.model_names(live)
+        return self.router.model_names(await self.live_pools())
 
     def _send_error(self, conn: int, code: ErrorCode, message: str, request_id: str | None) -> None:
         metrics.ERRORS.labels(code.value).inc()

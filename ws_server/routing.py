@@ -28,10 +28,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class UnknownModel(Exception):
     model: str
-    live_pools: tuple[str, ...]
 
-    def message(self) -> str:
-        live = ", ".join(self.live_pools) or "none yet"
+    def message(self, live_pools: tuple[str, ...]) -> str:
+        live = ", ".join(live_pools) or "none yet"
         return f"model {self.model!r} is not served here; pools with live workers: {live} (or 'auto')"
 
 
@@ -51,17 +50,17 @@ class PoolRouter:
         return None if self.fixed is None else self.fixed.lookup(messages)
 
     def pool_for(self, model: str | None, key_id: str, messages: Sequence[ChatMessage],
-                 known_pools: Iterable[str], live_pools: Sequence[str]) -> str:
+                 known_pools: Iterable[str]) -> str:
         """The pool to enqueue into; raises ``UnknownModel`` for a name nobody serves."""
         if self.rules is not None:
             try:
                 return route(prompt_text(messages), key_id or None, self.rules, model, self._complexity).pool
             except UnknownPoolError:
-                raise UnknownModel(model or "", tuple(live_pools)) from None
+                raise UnknownModel(model or "") from None
         if model is None or model in (AUTO, DEFAULT_POOL):
             return DEFAULT_POOL
         if model not in set(known_pools):
-            raise UnknownModel(model, tuple(live_pools))
+            raise UnknownModel(model)
         return model
 
     def model_names(self, live_pools: Iterable[str]) -> list[str]:

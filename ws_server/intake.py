@@ -1,0 +1,88 @@
+"""What happens to a chat between its registration and ``accepted``: the key's rate, a fixed
+answer, the pool, the length prediction and lane, admission, and the enqueue. Each outcome is
+the delivery core's actions (``accepted``, or a refusal with its reason)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from lanes.queue.errors import ErrorCode
+from lanes.queue.keys import DEFAULT_POOL
+from lanes.queue.messages import Finish, FinishReason, RequestPayload, TokenEvent, Usage
+from lanes.scheduler.router.fixed_answers import FixedAnswer, answer_deltas
+from lanes.telemetry import metrics
+from lanes.telemetry.tracing import inject_context, tracer
+from lanes.ws_server import delivery, protocol
+from lanes.ws_server.auth import Identity
+from lanes.ws_server.routing import UnknownModel
+
+if TYPE_CHECKING:
+    from lanes.ws_server.edge import Edge
+
+#: The lane a fixed answer reports (it never waits in one).
+FIXED_LANE = "fixed"
+#: What a client is told to wait when no worker is ready yet (ms).
+NO_WORKER_RETRY_MS = 1000
+
+
+async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
+                             frame: protocol.ChatFrame) -> list[delivery.Action]:
+    refusal = await edge.keys.rate_refusal(identity)
+    if refusal is not None:
+        extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
+        return edge.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **extra)
+    if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
+        return _fixed(edge, request_id, fixed)
+    try:
+        pool = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge))
+    except UnknownModel as unknown:
+        live = tuple(await edge.live_pools())
+        return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
+    plane = edge.plane.for_pool(pool)
+    if edge.admission.num_workers(pool) == 0 and await edge.plane.fleet.num_workers(pool) == 0:
+        # The snapshot may be half a second old: only a registry with nobody in it refuses.
+        return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE,
+                                f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
+                                retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers")
+    predicted = await edge.lengths.predict(frame.messages, frame.max_tokens)
+    lane = edge.policy.lane_for(predicted)
+    decision = edge.admission.decide(pool, lane, frame.deadline_ms)
+    if not decision.admitted:
+        reason = decision.reason.value if decision.reason else "overloaded"
+        return edge.core.refuse(request_id, ErrorCode.OVERLOADED,
+                                f"lane {lane.value} cannot start this request in time ({reason}); retry later",
+                                lane=lane.value, retry_after_ms=decision.retry_after_ms, reason=reason)
+    with tracer().start_as_current_span("lanes.enqueue", attributes={
+        "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
+        "lanes.pool": pool,
+    }):
+        payload = RequestPayload(
+            id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
+            top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
+            trace=inject_context(),
+        )
+        enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
+    if not enqueued.created:
+        return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
+                                f"request {request_id} already exists ({enqueued.existing_state}); use resume")
+    edge.admission.enqueued(pool, lane)
+    edge._pool_of[request_id] = pool
+    return edge.core.accepted(request_id, lane.value, predicted, time.monotonic())
+
+def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer) -> list[delivery.Action]:
+    """A fixed answer, streamed by the edge itself like any answer (no Redis, no model)."""
+    metrics.FIXED_ANSWERS.labels(fixed.name).inc()
+    deltas = answer_deltas(fixed.answer)
+    events = [TokenEvent(request_id, 0, seq, text) for seq, text in enumerate(deltas)]
+    events.append(TokenEvent(request_id, 0, len(deltas), "", (), Finish(FinishReason.STOP, Usage(0, len(deltas)))))
+    now = time.monotonic()
+    return edge.core.accepted(request_id, FIXED_LANE, 0, now) + edge.core.tokens(events, now)
+
+def known_pools(edge: Edge) -> list[str]:
+    """Pools the fleet knows: the scheduler snapshots each (configured or with workers)."""
+    pools = set(edge.admission.pools()) | {DEFAULT_POOL}
+    if edge.router.rules is not None:
+        pools |= edge.router.rules.pools
+    return sorted(pools)
+
