@@ -61,11 +61,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
         verdict = await edge.gate.check(COMPLETIONS_PATH, request.headers)
         if isinstance(verdict, Refusal):
             return _refused(verdict)
-        if int(request.headers.get("content-length") or 0) > edge.limits.max_frame_bytes:
-            return _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
-                                       code="frame_too_large"))
-        raw = await request.body()
-        if len(raw) > edge.limits.max_frame_bytes:
+        raw = await _body(request, edge.limits.max_frame_bytes)
+        if raw is None:
             return _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
                                        code="frame_too_large"))
         try:
@@ -84,6 +81,23 @@ def routes(edge: Edge) -> list[BaseRoute]:
 
     return [Route(COMPLETIONS_PATH, chat_completions, methods=["POST"]),
             Route(MODELS_PATH, list_models, methods=["GET"])]
+
+
+async def _body(request: Request, max_bytes: int) -> bytes | None:
+    """The request body, or None once it passes ``max_bytes`` (read no further: a chunked body
+    has no length to check first)."""
+    try:
+        if int(request.headers.get("content-length") or 0) > max_bytes:
+            return None
+    except ValueError:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oai.CompletionRequest) -> Response:
