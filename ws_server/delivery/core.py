@@ -114,6 +114,10 @@ class Delivery:
         """A client wants the rest of a request after ``last_seq``."""
         entry = self.entries.get(request_id)
         if entry is None:
+            if self.per_conn[conn] >= self.config.max_in_flight_per_connection:
+                return [_send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT, f"at most "
+                                    f"{self.config.max_in_flight_per_connection} requests in flight per connection",
+                                    request_id)]
             self._add(Entry(request_id, key, conn, Phase.RESUMING, received_at=now, next_seq=last_seq + 1,
                             last_heard_at=now))
             return [Repoint(request_id, key)]
