@@ -3,7 +3,9 @@
 The reaper is the at-least-once guarantee: a request whose lease expired (its worker died)
 goes back to its lane at its original place in line; one that failed ``max_attempts`` times
 ends with an error frame instead of looping forever. Depth snapshots feed the dashboard,
-the edges' admission control and autoscaling.
+the edges' admission control and autoscaling. Once a second the dashboard's sample merges the
+latest snapshot, the workers' reports and the edges' windows (``sampling.py``) into the
+15-minute history; with several schedulers, one takes each second's sample.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from lanes.queue.backoff import Backoff
@@ -24,7 +27,9 @@ from lanes.queue.messages import (
     Usage,
 )
 from lanes.queue.plane import QueuePlane
+from lanes.queue.messages import WorkerReport
 from lanes.scheduler.refresh import refresh_predictor
+from lanes.scheduler.sampling import Sampler
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
 
@@ -39,6 +44,10 @@ class Scheduler:
         self.settings = settings
         self.plane = plane
         self.rates = ServiceRates()
+        self.sampler = Sampler()
+        #: The newest snapshot and the reports it was built from (the next sample uses them).
+        self.last_snapshot: DepthSnapshot | None = None
+        self.last_reports: list[WorkerReport] = []
 
     async def serve(self) -> None:
         log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
@@ -46,6 +55,7 @@ class Scheduler:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._every(self.settings.reap_interval_s, self.reap_once, "reaper"))
             group.create_task(self._every(self.settings.depth_interval_s, self.snapshot_once, "depth snapshots"))
+            group.create_task(self._sample_every_second())
             if self.settings.predictor_refresh_minutes > 0:
                 group.create_task(self._arq_cron())
 
@@ -115,16 +125,42 @@ class Scheduler:
         fleet = self.plane.fleet
         workers = await fleet.live_workers(now_ms, max_age_ms=_WORKER_TIMEOUT_MS)
         running = {lane: 0 for lane in pending}
-        for report in await fleet.reports(workers):
+        reports = await fleet.reports(workers)
+        for report in reports:
             for lane, n in report.running.items():
                 running[lane] = running.get(lane, 0) + n
         snapshot = DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
                                  workers=len(workers), service_rps=self.rates.update(await fleet.claim_counts(), now_ms))
         await fleet.publish_depths(snapshot)
+        self.last_snapshot, self.last_reports = snapshot, reports
         for lane, n in pending.items():
             metrics.LANE_DEPTH.labels(lane).set(n)
             metrics.LANE_OLDEST.labels(lane).set(oldest[lane] / 1000)
+            metrics.LANE_RUNNING.labels(lane).set(running.get(lane, 0))
+        metrics.LIVE_WORKERS.set(len(workers))
         return snapshot
+
+    async def _sample_every_second(self) -> None:
+        """``sample_once`` just after each wall-clock second (one sample per second)."""
+        backoff = Backoff("stats samples", log, min_s=1.0, max_s=5.0)
+        while True:
+            await asyncio.sleep(1.05 - time.time() % 1.0)
+            try:
+                await self.sample_once()
+            except QueueUnavailable as exc:
+                await asyncio.sleep(backoff.failed(exc))
+                continue
+            backoff.succeeded()
+
+    async def sample_once(self) -> bool:
+        """Take this second's dashboard sample unless another scheduler did; True if taken."""
+        now_ms = await self.plane.server_time_ms()
+        fleet = self.plane.fleet
+        if not await fleet.claim_stats_second(now_ms // 1000):
+            return False
+        windows = await fleet.take_edge_windows()
+        await fleet.append_stats_sample(self.sampler.sample(now_ms, self.last_snapshot, self.last_reports, windows))
+        return True
 
 
 class ServiceRates:
