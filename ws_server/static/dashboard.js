@@ -83,9 +83,15 @@ function seriesBy(keysOf, valueOf, style) {
   }));
 }
 
+/** The time shown: all the samples there are, on a scale of 1, 5 or 15 minutes. */
+function shownMs() {
+  const span = samples.at(-1).at_ms - samples[0].at_ms;
+  return [60000, 300000].find((ms) => span <= ms) ?? WINDOW_MS;
+}
+
 function chart(name, series, opts = {}) {
   const endMs = samples.at(-1).at_ms;
-  plot($(`chart-${name}`), { series, startMs: endMs - WINDOW_MS, endMs, ...opts });
+  plot($(`chart-${name}`), { series, startMs: endMs - shownMs(), endMs, ...opts });
   legend($(`legend-${name}`), series);
 }
 

@@ -2,6 +2,8 @@
 
 const FONT = "11px system-ui, sans-serif";
 const PAD = { left: 46, right: 8, top: 8, bottom: 18 };
+/** Spacing of the time axis' ticks, the first that gives at most six. */
+const X_TICKS_MS = [10000, 30000, 60000, 120000, 300000];
 
 /** 1, 2 or 5 times a power of ten, at least `x`. */
 function niceCeil(x) {
@@ -32,13 +34,13 @@ export function plot(canvas, { series, startMs, endMs, yMax = null, counts = fal
   g.font = FONT;
 
   const values = series.flatMap((s) => s.points.map((p) => p[1]).filter((v) => v !== null && v !== undefined));
-  const top = yMax ?? (counts ? Math.max(4, 4 * Math.ceil(niceCeil(Math.max(0, ...values) * 1.1) / 4))
-                               : niceCeil(Math.max(0, ...values) * 1.1));
+  const step = niceCeil((Math.max(0, ...values) * 1.1) / 4);
+  const top = yMax ?? 4 * (counts ? Math.max(1, Math.ceil(step)) : step);
   const plotW = width - PAD.left - PAD.right, plotH = height - PAD.top - PAD.bottom;
   const x = (ms) => PAD.left + ((ms - startMs) / (endMs - startMs)) * plotW;
   const y = (v) => PAD.top + plotH - (Math.min(v, top) / top) * plotH;
 
-  // Grid and labels: four y steps, and one x tick every 5 minutes back from the right edge.
+  // Grid and labels: four y steps, and x ticks counted back from the right edge ("now").
   g.strokeStyle = "#e7eaee"; g.fillStyle = "#68717d"; g.lineWidth = 1;
   g.textAlign = "right"; g.textBaseline = "middle";
   for (let i = 0; i <= 4; i++) {
@@ -47,9 +49,10 @@ export function plot(canvas, { series, startMs, endMs, yMax = null, counts = fal
     g.fillText(formatTick(v), PAD.left - 6, py);
   }
   g.textAlign = "center"; g.textBaseline = "top";
-  for (let back = 0; endMs - back * 60000 >= startMs; back += 5) {
-    const px = x(endMs - back * 60000);
-    g.fillText(back ? `-${back} min` : "now", Math.min(px, width - PAD.right - 12), height - PAD.bottom + 4);
+  const tickMs = X_TICKS_MS.find((t) => (endMs - startMs) / t <= 6) ?? X_TICKS_MS.at(-1);
+  for (let back = 0; endMs - back >= startMs; back += tickMs) {
+    const label = back === 0 ? "now" : back < 60000 ? `-${back / 1000} s` : `-${back / 60000} min`;
+    g.fillText(label, Math.min(x(endMs - back), width - PAD.right - 12), height - PAD.bottom + 4);
   }
 
   for (const s of series) {
