@@ -27,7 +27,7 @@ class EdgeWindow(msgspec.Struct, frozen=True):
     ttft_ms: dict[str, Histogram] = {}
     #: Lane (``NO_LANE`` before a lane was chosen) -> reason -> requests refused.
     refusals: dict[str, dict[str, int]] = {}
-    #: Lane -> requests that ended (any outcome but a refusal).
+    #: Lane -> requests that ended (any outcome but a refusal) on the edge that accepted them.
     finished: dict[str, int] = {}
 
 

@@ -71,6 +71,8 @@ def test_edge_window_counts_first_tokens_refusals_and_ends_then_starts_over() ->
     stats.finished(Finished("r3", NO_LANE, "rate_limited", refused=True))
     stats.finished(Finished("r4", "short", "stop", e2e_s=0.5))
     stats.finished(Finished("r5", "short", "cancelled", e2e_s=0.2))
+    stats.finished(Finished("r6", "short", "resumed_elsewhere"))  # ends on the edge that took it over
+    stats.finished(Finished("r7", "resumed", "stop", e2e_s=0.1))  # taken over here: lane unknown
     window = stats.take(2_500)
     assert window is not None and (window.edge, window.start_ms, window.end_ms) == ("edge-a", 1_500, 2_500)
     assert sum(window.ttft_ms["short"].values()) == 2 and sum(window.ttft_ms["long"].values()) == 1

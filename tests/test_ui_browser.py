@@ -6,8 +6,9 @@ real processes: scheduler, edge and worker on a real Redis.
   with the full text, nothing repeated or missing.
 - Keys on (sim worker): the page without a key asks for one and cannot open the socket; with a
   key (form or ``#key=``) it gets a ticket and chats, and the key is in no URL it requested.
-- Dashboard (keys on, a slow sim worker with two slots): the numbers follow a burst of load
-  and match ``/v1/depths`` snapshot for snapshot; a page opened later shows the past.
+- Dashboard (keys on, the demo model on three slots kept busy by long answers): the numbers
+  follow a burst of load and its refusals, and match ``/v1/depths`` snapshot for snapshot; a
+  page opened later shows the past.
 
 Screenshots of both pages go to ``docs/screenshots/`` (shown in the README).
 """
@@ -38,6 +39,8 @@ SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
 LONG_PROMPT = "Explain it all, slowly."
 CHAT_ENV = {"LANES_RESUME_GRACE_S": "60", "LANES_ORPHAN_GRACE_S": "60"}
 DEMO = REPO_ROOT / "workers" / "models" / "demo"
+#: The demo model's greedy answer to this runs past 1500 tokens (no end of sequence).
+BLOCKER_PROMPT = "Describe every module in the standard library."
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +230,8 @@ async def test_with_keys_on_the_page_needs_a_key_and_uses_a_ticket(ops_system: t
     await by_fragment.page.goto(f"{base}/#key={key}")
     await by_fragment.ask("Explain what a class definition does", max_tokens=60, temperature=0.7)
     assert (await by_fragment.finished())["state"] == "done"
-    await by_fragment.ask("How do I open a file?", max_tokens=200, temperature=0.7)
-    await by_fragment.streamed_past(4)
+    await by_fragment.ask(BLOCKER_PROMPT, max_tokens=1500)
+    await by_fragment.streamed_past(12)
     await by_fragment.page.click("#stop")
     assert (await by_fragment.finished())["state"] == "cancelled"
     assert key not in by_fragment.page.url, "the fragment is cleared from the address bar"
@@ -287,8 +290,15 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
     ws = await websockets.connect(base.replace("http", "ws", 1) + "/v1/chat",
                                   additional_headers={"Authorization": f"Bearer {key}"})
     client = Client(ws)
+    # Three long answers take the three slots (the demo model's greedy answer to this runs
+    # past 1500 tokens), so what comes next waits in its lane until the end of the test.
+    blockers = [f"block-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    for rid in blockers:
+        await client.chat(rid, BLOCKER_PROMPT, max_tokens=1500)
+    await tab.until("() => [...document.querySelectorAll('#workers-now [data-field=slots]')]"
+                    ".reduce((n, td) => n + td.textContent.split(' of ')[0].split(' / ').reduce((a, b) => a + +b, 0), 0) === 3")
     # A burst over the key's bucket (burst 20: the rest are rate_limited) and over the lane's
-    # cap (12 waiting: lane_full); what is admitted waits for three slots.
+    # cap (12 waiting: lane_full).
     ids = [f"load-{i}-{uuid.uuid4().hex[:6]}" for i in range(28)]
     for rid in ids:
         await client.chat(rid, "Write a long story about queues.", max_tokens=400, temperature=0.7)
@@ -325,7 +335,7 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
         return JSON.stringify(Object.fromEntries(Object.entries(counts).sort())) === JSON.stringify(expected);
     }""", arg=dict(sorted(expected.items())), timeout_s=20)
 
-    for rid in ids:  # drain: the queue empties and the page follows
+    for rid in ids + blockers:  # drain: the queue empties and the page follows
         await client.send({"type": "cancel", "id": rid})
     await tab.until("() => [...document.querySelectorAll('#lanes-now [data-field=depth]')]"
                     ".every(td => td.textContent === '0')", timeout_s=30)

@@ -22,14 +22,14 @@ from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 from lanes.queue.backoff import Backoff
-from lanes.queue.errors import QueueUnavailable
+from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.fleet import sample_time_ms
 from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.queue.stats import EdgeWindow, Histogram
 from lanes.scheduler import histogram
 from lanes.telemetry import metrics
-from lanes.ws_server.delivery import Finished
+from lanes.ws_server.delivery import Entry, Finished
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ WINDOW_S = 1.0
 MAX_QUEUED_SAMPLES = 64
 #: A comment line this often keeps proxies from closing an idle stream (s).
 KEEPALIVE_S = 15.0
+#: The lane the delivery core gives a request this edge took over by ``resume``.
+_RESUMED = Entry.lane
 
 
 class EdgeStats:
@@ -62,7 +64,9 @@ class EdgeStats:
             by_reason = self._refusals.setdefault(action.lane, {})
             by_reason[reason] = by_reason.get(reason, 0) + 1
             metrics.REJECTIONS.labels(action.lane, reason).inc()
-        else:
+        elif action.outcome != ErrorCode.RESUMED_ELSEWHERE and action.lane != _RESUMED:
+            # A request taken over by another edge ends there, where its lane is not known
+            # (the resume frame does not say it): counted nowhere rather than twice.
             self._finished[action.lane] = self._finished.get(action.lane, 0) + 1
 
     def take(self, now_ms: int) -> EdgeWindow | None:
