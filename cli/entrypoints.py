@@ -20,9 +20,9 @@ from lanes.cli.failures import ConfigFailure, safe_url
 from lanes.queue.errors import QueueAuthError, QueueUnavailable
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
+from lanes.telemetry import metrics
 from lanes.telemetry.logs import setup_logging
 from lanes.telemetry.tracing import setup_tracing
-from prometheus_client import start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,14 @@ def _unreachable_reason(exc: BaseException, timeout_s: float) -> str:
     if "name or service not known" in lowered or "name resolution" in lowered or "nodename" in lowered:
         return "unknown host"
     return text.rstrip(".")
+
+
+def _serve_metrics(role: Any, port: int, option: str) -> None:
+    """Prometheus on ``127.0.0.1:port``; a taken port is a configuration error (exit 2)."""
+    try:
+        metrics.serve(role, port)
+    except OSError as exc:
+        raise ConfigFailure(f"metrics port {port} is not available ({option}): {exc.strerror or exc}") from None
 
 
 def _setup(settings: RedisSettings, process: str) -> QueuePlane:
@@ -132,7 +140,7 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     # even asked. The model loads (and warms up) in ``Worker.serve``, after the Redis check.
     engine = build_engine(settings)
     if metrics_port:
-        start_http_server(metrics_port, addr="127.0.0.1")
+        _serve_metrics(metrics.WORKER, metrics_port, "--metrics-port")
 
     async def body() -> None:
         await Worker(settings, plane, engine).serve(burst=burst)
@@ -147,7 +155,7 @@ def run_scheduler(overrides: dict[str, Any]) -> None:
     settings = SchedulerSettings(**overrides)
     plane = _setup(settings, "scheduler")
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr="127.0.0.1")
+        _serve_metrics(metrics.SCHEDULER, settings.metrics_port, "LANES_METRICS_PORT")
 
     async def body() -> None:
         await Scheduler(settings, plane).serve()

@@ -47,6 +47,8 @@ def up(
     workers: Annotated[int, typer.Option(help="number of worker processes")] = 1,
     engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
     model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
+    metrics_port: Annotated[int, typer.Option(
+        help="first of the scheduler's and workers' Prometheus ports (consecutive; 0 = free ones)")] = 0,
 ) -> None:
     """Start embedded Redis (unless LANES_REDIS_URL is set), an edge, workers and the scheduler.
 
@@ -57,7 +59,7 @@ def up(
     from lanes.cli.up import up as run_up
 
     worker_args = ["--engine", engine] + (["--model", model] if model else [])
-    raise typer.Exit(run_up(port, workers, worker_args, debug=_State.debug))
+    raise typer.Exit(run_up(port, workers, worker_args, debug=_State.debug, metrics_port=metrics_port))
 
 
 @app.command()

@@ -9,6 +9,9 @@ supervised on top of the process harness (``cli/cluster.py``).
 - A child that crashes (any other status) is restarted after a capped, growing pause.
 - SIGINT / SIGTERM are honoured at once, also while waiting: children get SIGTERM (workers
   hand their leases back), then Redis stops. No traceback.
+- Every process's Prometheus metrics are reachable: the edge serves its own on its port
+  (``/metrics``), the scheduler and each worker get a metrics port of their own (``--metrics-port``
+  as the first of consecutive ports, or free ones), and the URLs are printed with ``ready``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from rich.markup import escape
 from lanes.cli.cluster import Child, Cluster
 from lanes.cli.entrypoints import check_redis
 from lanes.cli.failures import EXIT_CONFIG
-from lanes.queue.embedded import EmbeddedRedis
+from lanes.queue.embedded import EmbeddedRedis, free_port
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
 
@@ -156,8 +159,15 @@ def _redis_url(settings: RedisSettings) -> tuple[str, EmbeddedRedis | None]:
     return embedded.url, embedded
 
 
+def metrics_ports(first_port: int, num_workers: int) -> dict[str, int]:
+    """The scheduler's and each worker's metrics port: consecutive from ``first_port``, or
+    free ones when it is 0. (A worker restarted after a crash keeps its port.)"""
+    names = ["scheduler", *(f"worker-{i}" for i in range(num_workers))]
+    return {name: first_port + i if first_port else free_port() for i, name in enumerate(names)}
+
+
 def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0.1", *,
-       debug: bool = False) -> int:
+       debug: bool = False, metrics_port: int = 0) -> int:
     """Run until a signal (exit 0) or a child's configuration error (exit 2)."""
     settings = RedisSettings()  # the LANES_* environment, parsed once
     supervisor = Supervisor()
@@ -167,16 +177,21 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
     env = {"LANES_DEBUG": "1"} if debug else {}
     cluster = supervisor.cluster = Cluster(redis_url, settings.key_prefix, None, base_env=env,
                                            id_prefix=f"up-{uuid.uuid4().hex[:6]}", redis=embedded)
+    ports = metrics_ports(metrics_port, num_workers)
     try:
-        cluster.start_scheduler()
+        cluster.start_scheduler(LANES_METRICS_PORT=str(ports["scheduler"]))
         cluster.start_edge("edge", port=port, host=host, wait=False)
         for i in range(num_workers):
-            cluster.start_worker(f"worker-{i}", "", *worker_args)
+            cluster.start_worker(f"worker-{i}", "", *worker_args, "--metrics-port", str(ports[f"worker-{i}"]))
         code = supervisor.wait_ready(num_workers)
         if code is not None:
             return code
-        console.print(f"[green]ready[/]: chat at [bold]ws://{host}:{port}/v1/chat[/] "
-                      f"· dashboard http://{host}:{port}/dashboard · metrics http://{host}:{port}/metrics")
+        base = f"http://{host}:{port}"
+        console.print(f"[green]ready[/]: chat at [bold]{base}/[/] (WebSocket ws://{host}:{port}/v1/chat) "
+                      f"· dashboard {base}/dashboard")
+        # Scheduler and workers listen on loopback only: reach them from this machine.
+        scraped = [f"edge {base}/metrics"] + [f"{name} http://127.0.0.1:{p}/metrics" for name, p in ports.items()]
+        console.print("metrics: " + " · ".join(scraped))
         console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat "Explain what a class definition does"')
         return supervisor.supervise()
     finally:

@@ -1,5 +1,6 @@
 """Fleet state in Redis beside the request path: the worker registry and reports, lane-depth
-snapshots, observed lengths and published predictor weights, and API-key records.
+snapshots, observed lengths and published predictor weights, API-key records, the dashboard's
+statistics (edges' windows, the 15-minute sample history) and single-use WebSocket tickets.
 
 Every process reaches these through ``QueuePlane.fleet`` (``queue/`` is the only package that
 talks to Redis); each method is one round trip or one pipeline.
@@ -9,13 +10,30 @@ from __future__ import annotations
 
 import msgspec
 import redis.asyncio as aioredis
-from lanes.queue.keys import Keys
+from lanes.queue.keys import STATS_HISTORY_LEN, Keys
 from lanes.queue.messages import DepthSnapshot, Observation, WorkerReport, encode
+from lanes.queue.stats import EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
 _observation_decoder = msgspec.json.Decoder(Observation)
 #: Newest observations kept for the predictor refresh (a capped list).
 MAX_OBSERVATIONS = 5000
+#: Edge windows kept while no scheduler merges them (100 edges for 100 s); older ones are dropped.
+MAX_PENDING_WINDOWS = 10_000
+#: Unmerged windows, and the history, vanish this long after their last write (ms): a restart
+#: later than that starts with an empty dashboard instead of an old one.
+_WINDOWS_TTL_MS = 60_000
+_HISTORY_TTL_MS = STATS_HISTORY_LEN * 1000
+_window_decoder = msgspec.json.Decoder(EdgeWindow)
+
+
+class _At(msgspec.Struct):
+    """Only the time of a stored sample (the rest is passed on as stored)."""
+
+    at_ms: int
+
+
+_at_decoder = msgspec.json.Decoder(_At)
 
 
 class Fleet:
@@ -139,3 +157,72 @@ class Fleet:
 
     async def delete_api_key(self, key_hash: str) -> None:
         await self.redis.delete(self.keys.api_key(key_hash))
+    # -- dashboard statistics ------------------------------------------------------------
+
+    async def push_edge_window(self, window: EdgeWindow) -> None:
+        """Hand one edge's window to the scheduler's next sample."""
+        key = self.keys.stats_windows
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, encode(window))
+            pipe.ltrim(key, -MAX_PENDING_WINDOWS, -1)
+            pipe.pexpire(key, _WINDOWS_TTL_MS)
+            await pipe.execute()
+
+    async def take_edge_windows(self) -> list[EdgeWindow]:
+        """Every window pushed since the last call, oldest first, atomically removed (a window
+        counts in exactly one sample); malformed entries are skipped."""
+        key = self.keys.stats_windows
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(key, 0, -1)
+            pipe.delete(key)
+            raw, _ = await pipe.execute()
+        found = []
+        for item in raw:
+            try:
+                found.append(_window_decoder.decode(item))
+            except msgspec.DecodeError:
+                continue
+        return found
+
+    async def claim_stats_second(self, second: int) -> bool:
+        """True for the one scheduler that takes the sample of ``second`` (Redis clock, s)."""
+        return bool(await self.redis.set(self.keys.stats_second(second), b"1", nx=True, px=5000))
+
+    async def append_stats_sample(self, sample: StatsSample) -> None:
+        """Add a sample to the history (the last ``STATS_HISTORY_LEN`` kept) and publish it."""
+        key, data = self.keys.stats_history, encode(sample)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, data)
+            pipe.ltrim(key, -STATS_HISTORY_LEN, -1)
+            pipe.pexpire(key, _HISTORY_TTL_MS)
+            pipe.publish(self.keys.stats_channel, data)
+            await pipe.execute()
+
+    async def stats_history(self, after_ms: int = 0) -> list[tuple[int, bytes]]:
+        """Stored samples newer than ``after_ms``, oldest first, as ``(at_ms, JSON)``."""
+        found = []
+        for item in await self.redis.lrange(self.keys.stats_history, 0, -1):
+            try:
+                at_ms = sample_time_ms(item)
+            except msgspec.DecodeError:
+                continue
+            if at_ms > after_ms:
+                found.append((at_ms, item))
+        return found
+
+    # -- WebSocket tickets ---------------------------------------------------------------
+
+    async def store_ws_ticket(self, ticket_hash: str, key_hash: str, ttl_ms: int) -> None:
+        """Keep a new ticket (by its SHA-256) for ``ttl_ms``, naming the key it stands for."""
+        await self.redis.set(self.keys.ws_ticket(ticket_hash), key_hash.encode(), px=ttl_ms)
+
+    async def take_ws_ticket(self, ticket_hash: str) -> str | None:
+        """The key hash of a ticket, removing it in the same step (``GETDEL``: a ticket works
+        once, even with two handshakes racing); None when unknown, used or expired."""
+        value = await self.redis.getdel(self.keys.ws_ticket(ticket_hash))
+        return value.decode() if value is not None else None
+
+
+def sample_time_ms(data: bytes) -> int:
+    """``at_ms`` of a stored sample (JSON); raises ``msgspec.DecodeError`` on a malformed one."""
+    return _at_decoder.decode(data).at_ms

@@ -25,6 +25,8 @@ FINISHED_TTL_S = 300
 STREAM_MAXLEN = 8192
 #: The pool of workers that set no ``LANES_POOL``, and of requests that name no model.
 DEFAULT_POOL = "default"
+#: Per-second dashboard samples kept: 15 minutes.
+STATS_HISTORY_LEN = 900
 
 
 @dataclass(frozen=True)
@@ -125,3 +127,28 @@ class Keys:
     def api_key_pattern(self) -> str:
         """SCAN pattern over every stored API key."""
         return f"{self.prefix}:keys:*"
+
+    # -- dashboard statistics and browser tickets (scheduler/sampling.py, ws_server/stats.py)
+
+    @property
+    def stats_windows(self) -> str:
+        """LIST of edges' one-second windows (JSON ``EdgeWindow``) not yet merged, capped."""
+        return f"{self.prefix}:stats:windows"
+
+    @property
+    def stats_history(self) -> str:
+        """LIST of the last ``STATS_HISTORY_LEN`` per-second samples (JSON ``StatsSample``), oldest first."""
+        return f"{self.prefix}:stats:history"
+
+    @property
+    def stats_channel(self) -> str:
+        """Pub/sub channel where the scheduler publishes each new sample (edges relay it as SSE)."""
+        return f"{self.prefix}:stats"
+
+    def stats_second(self, second: int) -> str:
+        """STRING, TTL a few seconds: which scheduler takes the sample of this Redis-clock second."""
+        return f"{self.prefix}:stats:at:{second}"
+
+    def ws_ticket(self, ticket_hash: str) -> str:
+        """STRING (the API key's SHA-256), TTL seconds: a single-use WebSocket ticket, by its SHA-256."""
+        return f"{self.prefix}:ticket:{ticket_hash}"

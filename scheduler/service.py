@@ -3,7 +3,9 @@
 The reaper is the at-least-once guarantee: a request whose lease expired (its worker died)
 goes back to its lane at its original place in line; one that failed ``max_attempts`` times
 ends with an error frame instead of looping forever. Depth snapshots feed the dashboard,
-the edges' admission control and autoscaling.
+the edges' admission control and autoscaling. Once a second the dashboard's sample merges the
+latest snapshot, the workers' reports and the edges' windows (``sampling.py``) into the
+15-minute history; with several schedulers, one takes each second's sample.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from lanes.queue.backoff import Backoff
@@ -27,6 +30,7 @@ from lanes.queue.messages import (
 from lanes.queue.plane import QueuePlane
 from lanes.scheduler.autoscale import desired_workers
 from lanes.scheduler.refresh import refresh_predictor
+from lanes.scheduler.sampling import Sampler
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
 
@@ -44,6 +48,11 @@ class Scheduler:
         self._rates: dict[str, tuple[ServiceRates, ServiceRates]] = {}
         self._known_pools: list[str] = settings.pool_names()
         self._last_reports: dict[str, WorkerReport] = {}
+        self.sampler = Sampler()
+        #: The newest snapshot (all pools merged) and the reports it was built from: the next
+        #: dashboard sample uses them.
+        self.last_snapshot: DepthSnapshot | None = None
+        self.last_reports: list[WorkerReport] = []
 
     async def serve(self) -> None:
         log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
@@ -51,6 +60,7 @@ class Scheduler:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._every(self.settings.reap_interval_s, self.reap_once, "reaper"))
             group.create_task(self._every(self.settings.depth_interval_s, self.snapshot_once, "depth snapshots"))
+            group.create_task(self._sample_every_second())
             if self.settings.predictor_refresh_minutes > 0:
                 group.create_task(self._arq_cron())
 
@@ -138,6 +148,8 @@ class Scheduler:
             snapshot = await self._snapshot(pool, now_ms, [r for r in reports if r.pool == pool])
             await fleet.publish_depths(snapshot)
             snapshots.append(snapshot)
+        self.last_snapshot, self.last_reports = merged(snapshots, now_ms), reports
+        metrics.LIVE_WORKERS.set(len(reports))
         return snapshots
 
     async def _snapshot(self, pool: str, now_ms: int, reports: list[WorkerReport]) -> DepthSnapshot:
@@ -154,6 +166,7 @@ class Scheduler:
         for lane, n in pending.items():
             metrics.LANE_DEPTH.labels(pool, lane).set(n)
             metrics.LANE_OLDEST.labels(pool, lane).set(oldest[lane] / 1000)
+            metrics.LANE_RUNNING.labels(pool, lane).set(running.get(lane, 0))
         metrics.DESIRED_WORKERS.labels(pool).set(desired)
         return DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
                              workers=len(reports), service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
@@ -167,6 +180,49 @@ class Scheduler:
         per_worker = service_rps / workers if workers else 0.0
         return desired_workers(arrival_rps, per_worker, depth, s.target_wait_s, s.autoscale_headroom,
                                s.min_workers, s.max_workers, workers)
+
+    async def _sample_every_second(self) -> None:
+        """``sample_once`` just after each wall-clock second (one sample per second)."""
+        backoff = Backoff("stats samples", log, min_s=1.0, max_s=5.0)
+        while True:
+            await asyncio.sleep(1.05 - time.time() % 1.0)
+            try:
+                await self.sample_once()
+            except QueueUnavailable as exc:
+                await asyncio.sleep(backoff.failed(exc))
+                continue
+            backoff.succeeded()
+
+    async def sample_once(self) -> bool:
+        """Take this second's dashboard sample unless another scheduler did; True if taken."""
+        now_ms = await self.plane.server_time_ms()
+        fleet = self.plane.fleet
+        if not await fleet.claim_stats_second(now_ms // 1000):
+            return False
+        windows = await fleet.take_edge_windows()
+        await fleet.append_stats_sample(self.sampler.sample(now_ms, self.last_snapshot, self.last_reports, windows))
+        return True
+
+
+def merged(snapshots: list[DepthSnapshot], now_ms: int) -> DepthSnapshot:
+    """All pools' lanes as one (the dashboard's view): depths, running and rates added, the
+    oldest wait the largest."""
+    def add(field: str) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for snapshot in snapshots:
+            for lane, value in getattr(snapshot, field).items():
+                total[lane] = total.get(lane, 0) + value
+        return total
+
+    oldest: dict[str, int] = {}
+    for snapshot in snapshots:
+        for lane, ms in snapshot.oldest_wait_ms.items():
+            oldest[lane] = max(oldest.get(lane, 0), ms)
+    return DepthSnapshot(at_ms=now_ms, pending={k: int(v) for k, v in add("pending").items()},
+                         running={k: int(v) for k, v in add("running").items()}, oldest_wait_ms=oldest,
+                         workers=sum(s.workers for s in snapshots), service_rps=add("service_rps"),
+                         pool="*", arrival_rps=add("arrival_rps"),
+                         desired_workers=sum(s.desired_workers for s in snapshots))
 
 
 class ServiceRates:

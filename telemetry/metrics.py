@@ -1,45 +1,95 @@
 """Prometheus metric definitions, one place for every name (prefix ``lanes_``).
 
 The seeds' list to monitor: prefill time, decode time, batch size distribution, OOM count,
-tokens/s, TTFT, error rate. Each process exports only the metrics it updates.
+tokens/s, TTFT, error rate. Each process type registers its metrics in a registry of its own
+(``EDGE``, ``WORKER``, ``SCHEDULER``) and exports only that one (plus the process's default
+registry: ``process_*``, ``python_*`` and whatever a library such as vLLM registers), so no
+process shows another's gauges as a flat 0. Where each process serves them: ``/metrics`` on the
+edge's port, ``--metrics-port`` of a worker, ``LANES_METRICS_PORT`` of the scheduler; ``lanes
+up`` gives every child a port and prints the URLs.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+EDGE = CollectorRegistry(auto_describe=True)
+WORKER = CollectorRegistry(auto_describe=True)
+SCHEDULER = CollectorRegistry(auto_describe=True)
+
 # -- edge
-REQUESTS = Counter("lanes_requests_total", "Chat requests by lane and outcome", ["lane", "outcome"])
-ERRORS = Counter("lanes_errors_total", "Error frames sent, by code", ["code"])
-IN_FLIGHT = Gauge("lanes_edge_in_flight", "Requests in flight on this edge")
-CONNECTIONS = Gauge("lanes_edge_connections", "Open WebSocket connections")
-TTFT = Histogram("lanes_ttft_seconds", "Time to first token seen by the edge", ["lane"], buckets=_LATENCY_BUCKETS_S)
-E2E = Histogram("lanes_e2e_seconds", "Request received to done", ["lane"], buckets=_LATENCY_BUCKETS_S)
-QUEUE_WAIT = Histogram("lanes_queue_seconds", "Enqueue to claim", ["lane"], buckets=_LATENCY_BUCKETS_S)
-FIXED_ANSWERS = Counter("lanes_fixed_answers_total", "Chats the edge answered from its fixed-answer table", ["name"])
-SLOW_CLIENTS = Counter("lanes_slow_clients_total", "Connections closed for not reading")
+REQUESTS = Counter("lanes_requests_total", "Chat requests by lane and outcome", ["lane", "outcome"], registry=EDGE)
+ERRORS = Counter("lanes_errors_total", "Error frames sent, by code", ["code"], registry=EDGE)
+REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were enqueued, by lane ('none' before "
+                     "one was chosen) and reason (lane_full, deadline_unmeetable, no_capacity, no_workers, "
+                     "rate_limited, ...)", ["lane", "reason"], registry=EDGE)
+IN_FLIGHT = Gauge("lanes_edge_in_flight", "Requests in flight on this edge", registry=EDGE)
+CONNECTIONS = Gauge("lanes_edge_connections", "Open WebSocket connections", registry=EDGE)
+TTFT = Histogram("lanes_ttft_seconds", "Time to first token seen by the edge", ["lane"], buckets=_LATENCY_BUCKETS_S,
+                 registry=EDGE)
+E2E = Histogram("lanes_e2e_seconds", "Request received to done", ["lane"], buckets=_LATENCY_BUCKETS_S, registry=EDGE)
+QUEUE_WAIT = Histogram("lanes_queue_seconds", "Enqueue to claim", ["lane"], buckets=_LATENCY_BUCKETS_S, registry=EDGE)
+SLOW_CLIENTS = Counter("lanes_slow_clients_total", "Connections closed for not reading", registry=EDGE)
+FIXED_ANSWERS = Counter("lanes_fixed_answers_total", "Chats the edge answered from its fixed-answer table", ["name"],
+                        registry=EDGE)
 
 # -- worker
 PREFILL = Histogram("lanes_prefill_seconds", "Claim to first token (prefill + engine queue)", ["lane"],
-                    buckets=_LATENCY_BUCKETS_S)
+                    buckets=_LATENCY_BUCKETS_S, registry=WORKER)
 DECODE_PER_TOKEN = Histogram("lanes_decode_seconds_per_token", "Mean decode time per output token", ["lane"],
-                             buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256))
+                             buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256), registry=WORKER)
 BATCH_SIZE = Histogram("lanes_batch_size", "Running requests per publish step",
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=WORKER)
+TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"], registry=WORKER)
 PREEMPTIONS = Counter("lanes_preemptions_total", "Running requests handed back to a lane, by claimed lane",
-                      ["lane"])
-TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"])
-RUNNING = Gauge("lanes_worker_running", "Running requests", ["lane"])
-ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"])
-SPEC_ACCEPTANCE = Gauge("lanes_spec_acceptance_rate", "Speculative decoding acceptance rate")
-SPEC_ACCEPTANCE_LENGTH = Gauge("lanes_spec_mean_acceptance_length", "Tokens per target forward with speculation")
-KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache in use")
-TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat")
+                      ["lane"], registry=WORKER)
+RUNNING = Gauge("lanes_worker_running", "Running requests", ["lane"], registry=WORKER)
+ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"],
+                        registry=WORKER)
+# Engine stats carry the engine's name: a labelled gauge has no sample until the engine reports
+# the stat, so a worker without speculation shows no acceptance instead of a false 0.
+SPEC_ACCEPTANCE = Gauge("lanes_spec_acceptance_rate", "Speculative decoding acceptance rate", ["engine"],
+                        registry=WORKER)
+SPEC_ACCEPTANCE_LENGTH = Gauge("lanes_spec_mean_acceptance_length", "Tokens per target forward with speculation",
+                               ["engine"], registry=WORKER)
+KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache in use", ["engine"], registry=WORKER)
+TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat",
+                     registry=WORKER)
 
 # -- scheduler
-LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["pool", "lane"])
-LANE_OLDEST = Gauge("lanes_lane_oldest_wait_seconds", "Age of the oldest waiting request", ["pool", "lane"])
-REAPED = Counter("lanes_reaped_total", "Watch entries handled by the reaper, by action", ["action"])
-DESIRED_WORKERS = Gauge("lanes_desired_workers", "Workers a pool needs for its wait target (autoscale.py)", ["pool"])
+LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["pool", "lane"], registry=SCHEDULER)
+LANE_OLDEST = Gauge("lanes_lane_oldest_wait_seconds", "Age of the oldest waiting request", ["pool", "lane"],
+                    registry=SCHEDULER)
+LANE_RUNNING = Gauge("lanes_lane_running", "Requests running per lane over every worker", ["pool", "lane"],
+                     registry=SCHEDULER)
+LIVE_WORKERS = Gauge("lanes_live_workers", "Workers heard from within the last 10 s", registry=SCHEDULER)
+REAPED = Counter("lanes_reaped_total", "Watch entries handled by the reaper, by action", ["action"],
+                 registry=SCHEDULER)
+DESIRED_WORKERS = Gauge("lanes_desired_workers", "Workers a pool needs for its wait target (autoscale.py)", ["pool"],
+                        registry=SCHEDULER)
+
+
+class Exported:
+    """What one process serves: its role's registry, then the default one."""
+
+    def __init__(self, role: CollectorRegistry) -> None:
+        self.role = role
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.role.collect()
+        yield from REGISTRY.collect()
+
+
+def exposition(role: CollectorRegistry) -> bytes:
+    """The Prometheus text format of ``role``'s metrics and the process's default ones."""
+    return generate_latest(Exported(role))  # type: ignore[arg-type]
+
+
+def serve(role: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> None:
+    """Serve ``role``'s metrics on ``http://addr:port/metrics`` from a background thread."""
+    start_http_server(port, addr=addr, registry=Exported(role))  # type: ignore[arg-type]

@@ -41,10 +41,11 @@ class Reporter:
 
     def _export(self, engine_stats: dict[str, Any]) -> float:
         """Engine gauges to Prometheus; returns tokens/s since the previous report."""
+        engine = str(engine_stats.get("engine") or "unknown")
         for gauge, names in _ENGINE_GAUGES:
             value = next((engine_stats[n] for n in names if isinstance(engine_stats.get(n), (int, float))), None)
             if value is not None:
-                gauge.set(float(value))
+                gauge.labels(engine).set(float(value))
         now = time.monotonic()
         last_at, last_tokens = self._rate_mark
         self._rate_mark = (now, self.num_tokens)

@@ -90,12 +90,15 @@ class WorkerSettings(RedisSettings):
         return self
 
     def slots(self, engine_max_concurrency: int) -> SlotConfig:
-        """How this worker's slots are shared among lanes (capped by what the engine runs)."""
+        """How this worker's slots are shared among lanes (capped by what the engine runs; the
+        guaranteed shares shrink with it, e.g. to the one slot of the speculative engine)."""
+        max_slots = min(self.max_slots, engine_max_concurrency)
+        min_long = min(self.min_long_slots, max_slots)
         return SlotConfig(
-            max_slots=min(self.max_slots, engine_max_concurrency), max_long=self.max_long_slots,
-            max_medium_long=self.max_medium_long_slots, min_medium=self.min_medium_slots,
-            min_long=self.min_long_slots, starve_after_ms=self.starve_after_ms,
-            protect_after_ms=self.protect_after_ms, borrow_when_idle=self.borrow_when_idle,
+            max_slots=max_slots, max_long=self.max_long_slots, max_medium_long=self.max_medium_long_slots,
+            min_medium=min(self.min_medium_slots, max_slots - min_long), min_long=min_long,
+            starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
+            borrow_when_idle=self.borrow_when_idle,
         )
 
     def preemption(self) -> PreemptionConfig | None:

@@ -9,12 +9,23 @@ through timing either.
 
 The key travels only in ``Authorization: Bearer <key>``. A ``?api_key=`` query parameter is
 refused on purpose: URLs land in proxy and access logs, browser history and ``Referer``
-headers. (Browsers cannot set headers on ``new WebSocket``; a browser should not hold an API
-key anyway: its backend connects, or a reverse proxy injects the header.)
+headers.
+
+**Browsers** cannot set headers on ``new WebSocket()``, so a page exchanges its key for a
+*ticket*: ``POST /v1/ws-ticket`` with ``Authorization: Bearer <key>`` returns 256 random bits
+that stand for that key for ``LANES_WS_TICKET_TTL_S`` (10 s) and **one** handshake
+(``/v1/chat?ticket=...``). Redis holds only the ticket's SHA-256 (``lanes:ticket:<sha256>`` ->
+the key's hash, with a TTL) and the handshake takes it with ``GETDEL``, so a ticket that
+reaches a log, a history or a proxy is already spent or about to expire, and two racing
+handshakes cannot both use it. The key is looked up again when the ticket is redeemed: a key
+revoked in between does not get in. A reconnect asks for a new ticket. The ticket POST itself
+cannot be made from another site's page (a cross-origin request with ``Authorization`` needs
+a CORS preflight, which this edge never grants) and obeys the Origin allowlist.
 
 Handshake refusals (HTTP status, ``lanes_errors_total{code}``)::
 
-    401 unauthorized     no key, malformed ``Authorization``, unknown or revoked key
+    401 unauthorized     no key, malformed ``Authorization``, unknown or revoked key;
+                         a ticket that is unknown, used, expired or forged
     403 forbidden_origin a browser ``Origin`` not in ``LANES_ALLOWED_ORIGINS``
     503 auth_unavailable Redis (the key store) did not answer
 """
@@ -29,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
+from urllib.parse import parse_qs
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
@@ -42,10 +54,12 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "lanes_"
 #: Longer bearer tokens are refused before hashing (ours are 49 characters).
 MAX_KEY_CHARS = 256
-#: Paths that never need a key: load-balancer probes and the (data-free) dashboard page.
+#: Paths that never need a key: load-balancer probes and the (data-free) pages and their files.
 OPEN_PATHS = frozenset({"/healthz", "/", "/dashboard"})
 #: Paths that need a key when auth is on, unless ``protect_metrics`` is false.
-METRICS_PATHS = frozenset({"/metrics", "/v1/depths", "/v1/workers"})
+METRICS_PATHS = frozenset({"/metrics", "/v1/depths", "/v1/workers", "/v1/stats/history", "/v1/stats/stream"})
+#: Longer ``?ticket=`` values are refused before hashing (ours are 43 characters).
+MAX_TICKET_CHARS = 128
 
 
 def generate_key() -> str:
@@ -82,6 +96,15 @@ def bearer_token(headers: HeaderLookup) -> str | None:
     if scheme.lower() != "bearer" or not token or " " in token or len(token) > MAX_KEY_CHARS:
         return None
     return token
+
+
+def ticket_param(query_string: bytes) -> str | None:
+    """The ``ticket`` of a handshake's query string; None without one, "" (refused) when given
+    more than once."""
+    values = parse_qs(query_string.decode("latin-1"), keep_blank_values=True).get("ticket")
+    if values is None:
+        return None
+    return values[0] if len(values) == 1 else ""
 
 
 def origin_allowed(origin: str | None, allowed: frozenset[str]) -> bool:
@@ -177,25 +200,72 @@ class Gate:
         #: Setting hashes without ``auth_required`` still turns auth on: never fail open.
         self.enabled = settings.auth_required or bool(self.static_hashes)
 
-    async def check(self, path: str, headers: HeaderLookup) -> Identity | Refusal:
-        """Who a request to ``path`` comes from, or why it is refused (origin, key)."""
+    async def check(self, path: str, headers: HeaderLookup, ticket: str | None = None) -> Identity | Refusal:
+        """Who a request to ``path`` comes from, or why it is refused (origin, key). A chat
+        handshake without ``Authorization`` may bring a ``ticket`` instead (browsers)."""
         if path in self.browser_paths and not origin_allowed(headers.get("Origin"), self.allowed_origins):
             return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
         needs_key = path in self.key_paths or (path in METRICS_PATHS and self.settings.protect_metrics)
         if not self.enabled or not needs_key:
             return ANONYMOUS
         key = bearer_token(headers)
+        if key is None and ticket is not None and path in self.key_paths and not headers.getlist("Authorization"):
+            return await self._redeem(ticket)
         if key is None:
             return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized",
                             "missing API key: send 'Authorization: Bearer <key>'")
+        return await self._identify(hash_key(key), "invalid or revoked API key")
+
+    async def _identify(self, key_hash: str, unknown: str) -> Identity | Refusal:
         try:
-            identity = await self.lookup(hash_key(key))
+            identity = await self.lookup(key_hash)
         except QueueUnavailable as exc:
             log.warning("API key lookup failed: %s", exc)
             return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "auth_unavailable", "key store unavailable; retry")
         if identity is None:
-            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized", "invalid or revoked API key")
+            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized", unknown)
         return identity
+
+    # -- browser tickets -------------------------------------------------------------------
+
+    async def issue_ticket(self, headers: HeaderLookup) -> str | None | Refusal:
+        """A new single-use ticket for the bearer key in ``headers`` (None when auth is off:
+        a page then connects without one), or why not (401 without a valid key)."""
+        if not origin_allowed(headers.get("Origin"), self.allowed_origins):
+            return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
+        if not self.enabled:
+            return None
+        key = bearer_token(headers)
+        if key is None:
+            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized",
+                            "a ticket needs an API key: send 'Authorization: Bearer <key>'")
+        key_hash = hash_key(key)
+        identity = await self._identify(key_hash, "invalid or revoked API key")
+        if isinstance(identity, Refusal):
+            return identity
+        ticket = secrets.token_urlsafe(32)
+        try:
+            await self.plane.fleet.store_ws_ticket(hash_key(ticket), key_hash,
+                                                   int(self.settings.ws_ticket_ttl_s * 1000))
+        except QueueUnavailable as exc:
+            log.warning("ticket store failed: %s", exc)
+            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "auth_unavailable", "key store unavailable; retry")
+        return ticket
+
+    async def _redeem(self, ticket: str) -> Identity | Refusal:
+        """The identity a ticket stands for, spending it; 401 for any ticket that is not live."""
+        refused = "invalid, expired or already used ticket: POST /v1/ws-ticket for a new one"
+        if not ticket or len(ticket) > MAX_TICKET_CHARS:
+            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized", refused)
+        try:
+            key_hash = await self.plane.fleet.take_ws_ticket(hash_key(ticket))
+        except QueueUnavailable as exc:
+            log.warning("ticket lookup failed: %s", exc)
+            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "auth_unavailable", "key store unavailable; retry")
+        if key_hash is None:
+            return _refusal(HTTPStatus.UNAUTHORIZED, "unauthorized", refused)
+        # Looked up again: a key revoked since the ticket was issued does not get in.
+        return await self._identify(key_hash, "the ticket's API key was revoked")
 
     async def lookup(self, key_hash: str) -> Identity | None:
         """The identity of a key hash: settings' static list first, then Redis."""

@@ -35,7 +35,7 @@ from lanes.telemetry import metrics
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.asgi import EdgeApp, listen_socket, serve_app
-from lanes.ws_server.auth import Gate, Identity, Refusal
+from lanes.ws_server.auth import Gate, Identity, Refusal, ticket_param
 from lanes.ws_server.completions import COMPLETIONS_PATH, MODELS_PATH
 from lanes.ws_server.delivery import Delivery
 from lanes.ws_server.intake import NO_WORKER_RETRY_MS, admit_and_enqueue, known_pools
@@ -44,6 +44,7 @@ from lanes.ws_server.lengths import LengthEstimator
 from lanes.ws_server.routing import PoolRouter
 from lanes.ws_server.session import Session
 from lanes.ws_server.settings import EdgeSettings
+from lanes.ws_server.stats import EdgeStats, StatsRelay, ship_windows
 from starlette.datastructures import Headers
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class Edge:
         self.gate = Gate(settings, plane, frozenset({CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH}))
         self.keys = KeyGuard(plane, fleet_rate=settings.rate_limit_scope == "fleet")
         self.port = settings.port
+        #: The dashboard's view from this edge (TTFT, refusals) and its relay of the samples.
+        self.stats = EdgeStats(self.edge_id, int(time.time() * 1000))
+        self.stats_relay = StatsRelay(plane)
         self._conn_ids = itertools.count(1)
         self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -91,9 +95,11 @@ class Edge:
                     metrics.ERRORS.labels(action.error_code).inc()
             elif isinstance(action, delivery.FirstToken):
                 metrics.TTFT.labels(action.lane).observe(action.ttft_s)
+                self.stats.first_token(action.lane, action.ttft_s)
             elif isinstance(action, delivery.Finished):
                 self._pool_of.pop(action.request_id, None)
                 _record(action)
+                self.stats.finished(action)
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
             elif isinstance(action, delivery.CancelRequest):
@@ -199,7 +205,7 @@ class Edge:
 
     async def handle_ws(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """One chat WebSocket (ASGI): the handshake's checks, then frames until it closes."""
-        verdict = await self.gate.check(scope["path"], Headers(scope=scope))
+        verdict = await self.gate.check(scope["path"], Headers(scope=scope), ticket_param(scope["query_string"]))
         if (await receive())["type"] != "websocket.connect":
             return
         if isinstance(verdict, Refusal):  # an HTTP answer instead of 101 (401, 403, 503)
@@ -319,7 +325,8 @@ class Edge:
         self.port = sock.getsockname()[1]
         try:
             async with asyncio.TaskGroup() as group:
-                for loop in (self.read_tokens(), self.tick(), self.reload_predictor()):
+                for loop in (self.read_tokens(), self.tick(), self.reload_predictor(),
+                             ship_windows(self.stats, self.plane), self.stats_relay.run()):
                     group.create_task(loop)
                 await self._ready.wait()  # subscribed before the first connection is accepted
                 log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port,

@@ -1,26 +1,31 @@
 """Plain HTTP on the edge's port (Starlette routes): health, Prometheus metrics, lane depths,
-workers and the dashboard. A path answers the methods it serves and 405 (with ``Allow``) to
-the others."""
+workers, the dashboard's statistics (history and a live server-sent event stream), WebSocket
+tickets for browsers, and the two pages (chat at ``/``, dashboard at ``/dashboard``) with their
+static files. A path answers the methods it serves and 405 (with ``Allow``) to the others."""
 
 from __future__ import annotations
 
 import json
-from importlib import resources
 from typing import TYPE_CHECKING
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
-from lanes.queue.keys import DEFAULT_POOL
+from lanes.queue.keys import DEFAULT_POOL, STATS_HISTORY_LEN
+from lanes.telemetry import metrics
+from lanes.ws_server import pages
 from lanes.ws_server.auth import Refusal
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from lanes.ws_server.stats import sse_stream
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 if TYPE_CHECKING:
     from lanes.ws_server.edge import Edge
 
 _NO_STORE = {"Cache-Control": "no-store"}
+#: How far back ``/v1/stats/history`` reaches (s): one sample a second, 900 kept.
+STATS_WINDOW_S = STATS_HISTORY_LEN
 
 
 def refusal_response(refusal: Refusal) -> Response:
@@ -50,7 +55,7 @@ def routes(edge: Edge) -> list[BaseRoute]:
     async def prometheus(request: Request) -> Response:
         if refusal := await guarded(request):
             return refusal_response(refusal)
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST, headers=_NO_STORE)
+        return Response(metrics.exposition(metrics.EDGE), media_type=CONTENT_TYPE_LATEST, headers=_NO_STORE)
 
     async def depths(request: Request) -> Response:
         if refusal := await guarded(request):
@@ -68,9 +73,38 @@ def routes(edge: Edge) -> list[BaseRoute]:
         except QueueUnavailable:
             return _json(b'{"error":"redis unreachable"}', 503)
 
-    async def dashboard(request: Request) -> Response:
-        page = resources.files("lanes.ws_server").joinpath("static/dashboard.html").read_bytes()
-        return Response(page, media_type="text/html; charset=utf-8", headers=_NO_STORE)
+    async def stats_history(request: Request) -> Response:
+        if refusal := await guarded(request):
+            return refusal_response(refusal)
+        try:
+            after_ms = int(request.query_params.get("after_ms", "0"))
+        except ValueError:
+            return PlainTextResponse("after_ms must be an integer (ms since the epoch)\n", 400)
+        try:
+            stored = await edge.plane.fleet.stats_history(after_ms)
+        except QueueUnavailable:
+            return _json(b'{"error":"redis unreachable"}', 503)
+        head = b'{"interval_s":1.0,"window_s":%d,"samples":[' % STATS_WINDOW_S
+        return _json(head + b",".join(data for _, data in stored) + b"]}")
+
+    async def stats_stream(request: Request) -> Response:
+        if refusal := await guarded(request):
+            return refusal_response(refusal)
+        # ``Last-Event-ID``: the browser's own reconnection (or ours) says which sample it has.
+        last = request.headers.get("last-event-id") or request.query_params.get("after_ms") or "0"
+        try:
+            after_ms = int(last)
+        except ValueError:
+            return PlainTextResponse("Last-Event-ID / after_ms must be an integer (ms since the epoch)\n", 400)
+        return StreamingResponse(sse_stream(edge.stats_relay, edge.plane, after_ms), media_type="text/event-stream",
+                                 headers={**_NO_STORE, "X-Accel-Buffering": "no"})
+
+    async def ws_ticket(request: Request) -> Response:
+        issued = await edge.gate.issue_ticket(request.headers)
+        if isinstance(issued, Refusal):
+            return refusal_response(issued)
+        body = {"ticket": issued, "expires_in_s": edge.settings.ws_ticket_ttl_s, "auth_required": edge.gate.enabled}
+        return _json(json.dumps(body).encode())
 
     async def chat_over_http(request: Request) -> Response:
         return PlainTextResponse("the chat endpoint is a WebSocket: connect with ws:// (Upgrade: websocket)\n",
@@ -82,6 +116,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
         Route("/v1/depths", depths, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),
         Route("/v1/chat", chat_over_http, methods=["GET"]),
-        Route("/dashboard", dashboard, methods=["GET"]),
-        Route("/", dashboard, methods=["GET"]),
+        Route("/v1/stats/history", stats_history, methods=["GET"]),
+        Route("/v1/stats/stream", stats_stream, methods=["GET"]),
+        Route("/v1/ws-ticket", ws_ticket, methods=["POST"]),
+        *pages.routes(),
     ]

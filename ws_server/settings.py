@@ -48,6 +48,8 @@ class EdgeSettings(RedisSettings):
     #: With auth on, ``/metrics`` and ``/v1/depths`` need a key too; false leaves them open
     #: (a Prometheus scraper on a private network). ``/healthz`` and the dashboard page stay open.
     protect_metrics: bool = True
+    #: How long a browser's WebSocket ticket (``POST /v1/ws-ticket``) stays valid; it works once.
+    ws_ticket_ttl_s: float = 10.0
     #: Comma list of browser origins allowed to open the chat socket
     #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
     allowed_origins: str = ""

@@ -66,6 +66,10 @@ class Finished:
     outcome: str
     e2e_s: float | None = None
     queue_ms: float | None = None
+    #: Refused before it was enqueued (``outcome`` is the error code), and why (admission's
+    #: reason such as ``lane_full``; "" when the code says it all).
+    refused: bool = False
+    reason: str = ""
 
 
 Action = Send | ReadStream | CancelRequest | Repoint | CheckRequests | FirstToken | Finished

@@ -105,7 +105,8 @@ class Delivery:
         if entry is None or entry.phase is not Phase.OPENING:
             return []
         self._remove(entry)
-        actions: list[Action] = [Finished(request_id, lane, str(code))]
+        actions: list[Action] = [Finished(request_id, lane, str(code), refused=True,
+                                           reason=str(extra.get("reason", "")))]
         if entry.conn is not None:
             actions.append(_send_error(entry.conn, code, message, request_id, **extra))
         return actions

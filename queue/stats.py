@@ -1,0 +1,82 @@
+"""Fleet statistics that cross Redis (msgspec, JSON): each edge's one-second window and the
+scheduler's one sample per second that the dashboard draws.
+
+An edge measures what only it sees (time to first token, refusals) and ships a small window
+of it every second; the scheduler merges every edge's windows with its depth snapshot and the
+workers' reports into one ``StatsSample`` (``scheduler/sampling.py``) and keeps the last 15
+minutes of them in Redis. Units live in field names.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: The lane of a refusal that came before a lane was chosen (no worker, rate limit, Redis down).
+NO_LANE = "none"
+#: A log-bucket histogram: bucket index -> count (``scheduler/histogram.py`` maps ms to buckets).
+Histogram = dict[int, int]
+
+
+class EdgeWindow(msgspec.Struct, frozen=True):
+    """What one edge saw between ``start_ms`` and ``end_ms`` (its wall clock)."""
+
+    edge: str
+    start_ms: int
+    end_ms: int
+    #: Lane -> histogram of times to first token (ms).
+    ttft_ms: dict[str, Histogram] = {}
+    #: Lane (``NO_LANE`` before a lane was chosen) -> reason -> requests refused.
+    refusals: dict[str, dict[str, int]] = {}
+    #: Lane -> requests that ended (any outcome but a refusal) on the edge that accepted them.
+    finished: dict[str, int] = {}
+
+
+class LaneStats(msgspec.Struct, frozen=True):
+    """One lane in one sample."""
+
+    depth: int = 0
+    running: int = 0
+    oldest_wait_ms: int = 0
+    #: Over the last ``ttft_window_s`` of the sample (None: no first token in that time).
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    num_first_tokens: int = 0
+    #: Reason -> refusals in this second.
+    refusals: dict[str, int] = {}
+    #: Requests that ended in this second.
+    finished: int = 0
+
+
+class WorkerStats(msgspec.Struct, frozen=True):
+    """One worker in one sample (from its latest heartbeat report)."""
+
+    worker: str
+    pool: str = "default"
+    engine: str = ""
+    slots: int = 0
+    #: Lane -> slots in use.
+    running: dict[str, int] = {}
+    tokens_per_s: float = 0.0
+    #: Share of the engine's KV cache in use, 0..1 (None: the engine does not say).
+    kv_cache_usage: float | None = None
+    #: Share of drafted tokens accepted, 0..1 (None: no speculation).
+    spec_acceptance: float | None = None
+
+
+class StatsSample(msgspec.Struct, frozen=True):
+    """The fleet in one second: what ``/v1/stats/history`` and ``/v1/stats/stream`` carry."""
+
+    #: Redis clock (ms) when the scheduler took the sample.
+    at_ms: int
+    #: ``at_ms`` of the depth snapshot the depths come from (the same one ``/v1/depths`` served).
+    depths_at_ms: int
+    lanes: dict[str, LaneStats]
+    #: Generated tokens per second over every worker.
+    tokens_per_s: float
+    workers: list[WorkerStats]
+    #: Trailing time over which the TTFT percentiles are taken (s).
+    ttft_window_s: float
+    #: Edges whose windows arrived for this sample.
+    num_edges: int = 0
+    #: Reason -> refusals in this second that came before a lane was chosen.
+    refusals_no_lane: dict[str, int] = {}

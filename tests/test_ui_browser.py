@@ -1,0 +1,353 @@
+"""The chat page and the dashboard in a real browser (Chromium, driven by Playwright) against
+real processes: scheduler, edge and worker on a real Redis.
+
+- Chat (tiny transformers model, greedy): an answer streams and equals the model's own greedy
+  answer; Stop ends it ``cancelled``; a dropped socket and a ``kill -9`` of the edge both resume
+  with the full text, nothing repeated or missing.
+- Keys on (sim worker): the page without a key asks for one and cannot open the socket; with a
+  key (form or ``#key=``) it gets a ticket and chats, and the key is in no URL it requested.
+- Dashboard (keys on, the demo model on three slots kept busy by long answers): the numbers
+  follow a burst of load and its refusals, and match ``/v1/depths`` snapshot for snapshot; a
+  page opened later shows the past.
+
+Screenshots of both pages go to ``docs/screenshots/`` (shown in the README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import websockets
+from typer.testing import CliRunner
+
+from browser_support import CHROMIUM, FLAGS, chromium_or_reason
+from conftest import REPO_ROOT, scaled
+from e2e_support import Client, System
+from lanes.cli.main import app
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
+#: The tiny model's greedy answer to this runs past 400 tokens.
+LONG_PROMPT = "Explain it all, slowly."
+CHAT_ENV = {"LANES_RESUME_GRACE_S": "60", "LANES_ORPHAN_GRACE_S": "60"}
+DEMO = REPO_ROOT / "workers" / "models" / "demo"
+#: The demo model's greedy answer to this runs past 1500 tokens (no end of sequence).
+BLOCKER_PROMPT = "Describe every module in the standard library."
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    reason = chromium_or_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        yield launched
+        await launched.close()
+
+
+class Tab:
+    """One page in its own browser context, remembering every URL it asked for."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.urls: list[str] = []
+        self.sockets: list[str] = []
+        self.errors: list[str] = []
+        page.on("request", lambda request: self.urls.append(request.url))
+        page.on("websocket", lambda ws: self.sockets.append(ws.url))
+        page.on("pageerror", lambda error: self.errors.append(str(error)))
+
+    async def until(self, expression: str, timeout_s: float = 30, arg: Any = None) -> Any:
+        handle = await self.page.wait_for_function(expression, arg=arg, timeout=scaled(timeout_s) * 1000)
+        return await handle.json_value()
+
+    async def ask(self, prompt: str, max_tokens: int, temperature: float = 0.0) -> None:
+        await self.until("() => document.querySelector('#status').dataset.state === 'ok'")
+        await self.page.fill("#max-tokens", str(max_tokens))
+        await self.page.fill("#temperature", str(temperature))
+        await self.page.fill("#prompt", prompt)
+        await self.page.press("#prompt", "Enter")
+
+    async def answer(self, index: int = -1) -> dict[str, Any]:
+        return await self.page.evaluate("""i => {
+            const el = [...document.querySelectorAll('.turn.assistant')].at(i);
+            return {...el.dataset, text: el.querySelector('.text').textContent,
+                    meta: el.querySelector('.meta').textContent};
+        }""", index)
+
+    async def finished(self, timeout_s: float = 60) -> dict[str, Any]:
+        await self.until("() => document.querySelector('.turn.assistant:last-of-type')?.dataset.state !== 'streaming'",
+                         timeout_s)
+        return await self.answer()
+
+    async def streamed_past(self, seq: int) -> None:
+        await self.until("s => Number(document.querySelector('.turn.assistant:last-of-type')?.dataset.lastSeq) >= s",
+                         arg=seq)
+
+
+@pytest.fixture
+async def new_tab(browser: Any) -> AsyncIterator[Any]:
+    contexts = []
+
+    async def make() -> Tab:
+        context = await browser.new_context(viewport={"width": 1200, "height": 820})
+        contexts.append(context)
+        return Tab(await context.new_page())
+
+    yield make
+    for context in contexts:
+        await context.close()
+
+
+def base_url(sys_: System) -> str:
+    return f"http://127.0.0.1:{sys_.edge_ports['edge']}"
+
+
+def only_local(tab: Tab, base: str) -> None:
+    outside = [u for u in tab.urls + tab.sockets if not u.startswith((base, base.replace("http", "ws", 1), "data:"))]
+    assert not outside, f"the page asked for something off this edge: {outside}"
+    assert not tab.errors, tab.errors
+
+
+# -- chat ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_system(make_cluster) -> System:
+    return make_cluster(workers=1, env=CHAT_ENV)
+
+
+async def test_chat_page_streams_an_answer(chat_system: System, new_tab, greedy_reference) -> None:
+    tab, base = await new_tab(), base_url(chat_system)
+    await tab.page.goto(base + "/")
+    prompt = "What does a class definition do?"
+    await tab.ask(prompt, max_tokens=40)
+    answer = await tab.finished()
+    expected = greedy_reference(prompt, 40)
+    assert answer["state"] == "done" and answer["text"] == expected.text, "the model's own greedy answer"
+    assert answer["lane"] in ("short", "medium", "long") and f"{answer['lane']} lane" in answer["meta"]
+    assert float(answer["ttftMs"]) > 0 and float(answer["tokensPerS"]) > 0
+    assert "TTFT" in answer["meta"] and "tokens/s" in answer["meta"] and "repeated" not in answer
+    await tab.ask("And what is a method?", max_tokens=48, temperature=0.7)  # the conversation goes on
+    follow_up = await tab.finished()
+    assert follow_up["state"] == "done" and follow_up["text"]
+    only_local(tab, base)
+
+
+async def test_stop_ends_the_answer_cancelled(chat_system: System, new_tab, greedy_reference) -> None:
+    tab, base = await new_tab(), base_url(chat_system)
+    await tab.page.goto(base + "/")
+    await tab.ask(LONG_PROMPT, max_tokens=1500)
+    await tab.streamed_past(3)
+    await tab.page.click("#stop")
+    answer = await tab.finished()
+    assert answer["state"] == "cancelled" and answer["finish"] == "cancelled" and "cancelled" in answer["meta"]
+    full = greedy_reference(LONG_PROMPT, 400).text
+    assert answer["text"] and full.startswith(answer["text"]), "what was shown is the answer's true beginning"
+    assert await tab.page.is_disabled("#stop") and await tab.page.is_enabled("#send")
+
+
+async def test_a_dropped_connection_resumes_with_the_full_text(chat_system: System, new_tab,
+                                                               greedy_reference) -> None:
+    tab, base = await new_tab(), base_url(chat_system)
+    await tab.page.goto(base + "/")
+    await tab.ask(LONG_PROMPT, max_tokens=300)
+    await tab.streamed_past(5)
+    await tab.page.evaluate("() => lanesChat.drop()")
+    answer = await tab.finished()
+    assert answer["state"] == "done" and answer.get("resumes") == "1", answer
+    assert answer["text"] == greedy_reference(LONG_PROMPT, 300).text, "nothing repeated or missing"
+    assert "gap" not in answer and len(tab.sockets) == 2
+
+
+async def test_a_killed_edge_is_resumed_after_its_restart(chat_system: System, new_tab, greedy_reference) -> None:
+    tab, base = await new_tab(), base_url(chat_system)
+    await tab.page.goto(base + "/")
+    await tab.ask(LONG_PROMPT, max_tokens=400)
+    await tab.streamed_past(5)
+    chat_system.kill("edge")  # SIGKILL: no close frame, the socket just dies
+    await tab.until("() => document.querySelector('#status').dataset.state === 'warn'")
+    chat_system.restart("edge")
+    await asyncio.to_thread(chat_system.wait_edge, "edge", scaled(60))
+    answer = await tab.finished(timeout_s=90)
+    assert answer["state"] == "done" and int(answer.get("resumes", "0")) >= 1, answer
+    assert answer["text"] == greedy_reference(LONG_PROMPT, 400).text, "the full answer across the restart"
+    assert "gap" not in answer
+
+
+# -- keys on: tickets ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ops_system(make_cluster) -> tuple[System, str]:
+    """Keys on; the shipped demo model on two workers (two slots, and one with speculative decoding)
+    (so the dashboard has KV-cache use and acceptance to show); lanes capped at 12 waiting."""
+    caps = {f"LANES_MAX_DEPTH_{lane}": "12" for lane in ("SHORT", "MEDIUM", "LONG")}
+    sys_ = make_cluster(workers=1, env={"LANES_AUTH_REQUIRED": "true", **caps},
+                        worker_args=("--model", str(DEMO / "target"), "--max-slots", "2"))
+    # The speculative engine runs one request at a time: its one slot cannot hold the default
+    # two guaranteed long-lane slots.
+    sys_.start_worker("worker-spec", str(DEMO / "target"), "--spec-method", "draft_model",
+                      "--draft-model", str(DEMO / "draft"), LANES_MIN_LONG_SLOTS="1")
+    sys_.wait_workers(2, timeout_s=scaled(120))
+    result = CliRunner().invoke(app, ["keys", "create", "ops"],
+                                env={"LANES_REDIS_URL": sys_.redis_url, "LANES_KEY_PREFIX": sys_.prefix})
+    assert result.exit_code == 0, result.output
+    return sys_, result.stdout.strip()
+
+
+async def test_with_keys_on_the_page_needs_a_key_and_uses_a_ticket(ops_system: tuple[System, str], new_tab) -> None:
+    sys_, key = ops_system
+    base = base_url(sys_)
+    tab = await new_tab()
+    await tab.page.goto(base + "/")
+    await tab.until("() => !document.querySelector('#key-panel').hidden")
+    assert await tab.page.get_attribute("#status", "data-state") == "bad"
+    refused = await tab.page.evaluate("""url => new Promise(done => {
+        const ws = new WebSocket(url);
+        ws.onopen = () => done('open'); ws.onclose = (e) => done('closed ' + e.code);
+    })""", base.replace("http", "ws", 1) + "/v1/chat")
+    assert refused == "closed 1006", "no key, no ticket: the handshake is refused"
+    await tab.page.fill("#key-panel input", key)
+    await tab.page.click("#key-panel button")
+    await tab.ask("hello there", max_tokens=8)
+    assert (await tab.finished())["state"] == "done"
+    assert any("ticket=" in url for url in tab.sockets)
+    assert not any(key in url for url in tab.urls + tab.sockets), "the key never travels in a URL"
+
+    by_fragment = await new_tab()
+    await by_fragment.page.goto(f"{base}/#key={key}")
+    await by_fragment.ask("Explain what a class definition does", max_tokens=60, temperature=0.7)
+    assert (await by_fragment.finished())["state"] == "done"
+    await by_fragment.ask(BLOCKER_PROMPT, max_tokens=1500)
+    await by_fragment.streamed_past(12)
+    await by_fragment.page.click("#stop")
+    assert (await by_fragment.finished())["state"] == "cancelled"
+    assert key not in by_fragment.page.url, "the fragment is cleared from the address bar"
+    assert not any(key in url for url in by_fragment.urls + by_fragment.sockets)
+    only_local(by_fragment, base)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    await by_fragment.page.screenshot(path=str(SCREENSHOTS / "chat.png"))
+
+
+# -- dashboard -------------------------------------------------------------------------
+
+
+async def first_frame(client: Client, request_id: str, timeout_s: float = 20) -> dict[str, Any]:
+    async def wait() -> dict[str, Any]:
+        while not client.frames[request_id]:
+            await asyncio.sleep(0.01)
+        return client.frames[request_id][0]
+
+    return await asyncio.wait_for(wait(), scaled(timeout_s))
+
+
+def depths_snapshot(base: str, key: str) -> dict[str, Any]:
+    request = urllib.request.Request(base + "/v1/depths", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+SHOWN = """() => {
+    const table = document.querySelector('#lanes-now');
+    const rows = [...table.querySelectorAll('tbody tr')];
+    return {at_ms: Number(table.dataset.depthsAtMs),
+            depth: Object.fromEntries(rows.map(r => [r.dataset.lane, Number(r.querySelector('[data-field=depth]').textContent)])),
+            ttft50: Object.fromEntries(rows.map(r => [r.dataset.lane, r.querySelector('[data-field=ttft50]').textContent])),
+            slots: [...document.querySelectorAll('#workers-now [data-field=slots]')].map(td => td.textContent),
+            samples: lanesDashboard.samples.length};
+}"""
+
+
+async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[System, str], new_tab) -> None:
+    sys_, key = ops_system
+    base = base_url(sys_)
+    seen: dict[int, dict[str, int]] = {}
+    polling = True
+
+    def poll() -> None:  # every snapshot the scheduler publishes (each 0.5 s), by its time
+        while polling:
+            snapshot = depths_snapshot(base, key)
+            if "at_ms" in snapshot:
+                seen[snapshot["at_ms"]] = snapshot["pending"]
+            time.sleep(0.1)
+
+    poller = asyncio.create_task(asyncio.to_thread(poll))
+    tab = await new_tab()
+    await tab.page.goto(f"{base}/dashboard#key={key}")
+    await tab.until("() => document.querySelector('#status').dataset.state === 'ok'")
+    ws = await websockets.connect(base.replace("http", "ws", 1) + "/v1/chat",
+                                  additional_headers={"Authorization": f"Bearer {key}"})
+    client = Client(ws)
+    # Three long answers take the three slots (the demo model's greedy answer to this runs
+    # past 1500 tokens), so what comes next waits in its lane until the end of the test.
+    blockers = [f"block-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    for rid in blockers:
+        await client.chat(rid, BLOCKER_PROMPT, max_tokens=1500)
+    await tab.until("() => [...document.querySelectorAll('#workers-now [data-field=slots]')]"
+                    ".reduce((n, td) => n + td.textContent.split(' of ')[0].split(' / ').reduce((a, b) => a + +b, 0), 0) === 3")
+    # A burst over the key's bucket (burst 20: the rest are rate_limited) and over the lane's
+    # cap (12 waiting: lane_full).
+    ids = [f"load-{i}-{uuid.uuid4().hex[:6]}" for i in range(28)]
+    for rid in ids:
+        await client.chat(rid, "Write a long story about queues.", max_tokens=400, temperature=0.7)
+
+    matched: list[dict[str, Any]] = []
+    deadline = time.monotonic() + scaled(40)
+    while time.monotonic() < deadline and len(matched) < 3:
+        shown = await tab.page.evaluate(SHOWN)
+        if sum(shown["depth"].values()) > 0 and shown["at_ms"] in seen:
+            assert shown["depth"] == seen[shown["at_ms"]], (shown, seen[shown["at_ms"]])
+            if not matched or matched[-1]["at_ms"] != shown["at_ms"]:
+                matched.append(shown)
+        await asyncio.sleep(0.2)
+    assert len(matched) >= 3, f"the page never showed a queue that /v1/depths had: {matched}"
+    assert any(not slots.startswith("0 / 0 / 0") for m in matched for slots in m["slots"]), "slots in use shown"
+    await tab.until("() => [...document.querySelectorAll('#lanes-now [data-field=ttft50]')]"
+                    ".some(td => td.textContent !== '–')", timeout_s=60)
+    for rid in ids:
+        await first_frame(client, rid)
+    expected: dict[str, int] = {}
+    for rid in ids:
+        frame = client.frames[rid][0]
+        if frame["type"] == "error":
+            reason = frame.get("reason") or frame["code"]
+            expected[reason] = expected.get(reason, 0) + 1
+    assert expected.get("rate_limited") and expected.get("lane_full"), expected
+    await tab.until("""expected => {
+        const counts = {};
+        for (const s of lanesDashboard.samples) {
+            for (const [r, n] of Object.entries(s.refusals_no_lane)) counts[r] = (counts[r] || 0) + n;
+            for (const lane of Object.values(s.lanes))
+                for (const [r, n] of Object.entries(lane.refusals)) counts[r] = (counts[r] || 0) + n;
+        }
+        return JSON.stringify(Object.fromEntries(Object.entries(counts).sort())) === JSON.stringify(expected);
+    }""", arg=dict(sorted(expected.items())), timeout_s=20)
+
+    for rid in ids + blockers:  # drain: the queue empties and the page follows
+        await client.send({"type": "cancel", "id": rid})
+    await tab.until("() => [...document.querySelectorAll('#lanes-now [data-field=depth]')]"
+                    ".every(td => td.textContent === '0')", timeout_s=30)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    await tab.page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
+    only_local(tab, base)
+
+    opened_at_ms = time.time() * 1000
+    later = await new_tab()  # the history is the server's: a new page shows the past at once
+    await later.page.goto(f"{base}/dashboard#key={key}")
+    first = await later.until("() => lanesDashboard.samples.length > 0 && lanesDashboard.samples[0].at_ms")
+    assert first < opened_at_ms - 15_000 and (await later.page.evaluate(SHOWN))["samples"] >= 15
+    polling = False
+    await poller
+    await client.close()

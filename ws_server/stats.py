@@ -1,0 +1,168 @@
+"""The edge's part of the dashboard: what only an edge sees, shipped every second, and the
+scheduler's samples relayed to browsers as server-sent events.
+
+- ``EdgeStats`` collects one window: time to first token per lane (a mergeable histogram,
+  ``scheduler/histogram.py``), refusals per lane and reason, finished requests per lane. The
+  edge feeds it the delivery core's ``FirstToken`` / ``Finished`` actions.
+- ``ship_windows`` hands the window to Redis once a second (``Fleet.push_edge_window``); when
+  Redis is down the window is kept and the next one covers both.
+- ``StatsRelay`` holds one subscription to the samples channel per edge and fans each sample
+  out to the open ``/v1/stats/stream`` responses; ``sse_stream`` first replays the stored
+  history after the client's last sample (``Last-Event-ID``), so a page opened now shows the
+  last 15 minutes and a reconnecting one misses nothing still stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import msgspec
+from lanes.queue.backoff import Backoff
+from lanes.queue.errors import ErrorCode, QueueUnavailable
+from lanes.queue.fleet import sample_time_ms
+from lanes.queue.plane import QueuePlane
+from lanes.queue.pubsub import listen
+from lanes.queue.stats import EdgeWindow, Histogram
+from lanes.scheduler import histogram
+from lanes.telemetry import metrics
+from lanes.ws_server.delivery import Entry, Finished
+
+log = logging.getLogger(__name__)
+
+#: How often an edge ships its window (s): the dashboard's resolution.
+WINDOW_S = 1.0
+#: Samples queued for one slow SSE client before the oldest are dropped.
+MAX_QUEUED_SAMPLES = 64
+#: A comment line this often keeps proxies from closing an idle stream (s).
+KEEPALIVE_S = 15.0
+#: The lane the delivery core gives a request this edge took over by ``resume``.
+_RESUMED = Entry.lane
+
+
+class EdgeStats:
+    """This edge's current window. No I/O and no clock: times come in as arguments."""
+
+    def __init__(self, edge_id: str, now_ms: int) -> None:
+        self.edge_id = edge_id
+        self._start_ms = now_ms
+        self._ttft: dict[str, Histogram] = {}
+        self._refusals: dict[str, dict[str, int]] = {}
+        self._finished: dict[str, int] = {}
+
+    def first_token(self, lane: str, ttft_s: float) -> None:
+        by_bucket = self._ttft.setdefault(lane, {})
+        bucket = histogram.bucket_of(ttft_s * 1000)
+        by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
+
+    def finished(self, action: Finished) -> None:
+        if action.refused:
+            reason = action.reason or action.outcome
+            by_reason = self._refusals.setdefault(action.lane, {})
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+            metrics.REJECTIONS.labels(action.lane, reason).inc()
+        elif action.outcome != ErrorCode.RESUMED_ELSEWHERE and action.lane != _RESUMED:
+            # A request taken over by another edge ends there, where its lane is not known
+            # (the resume frame does not say it): counted nowhere rather than twice.
+            self._finished[action.lane] = self._finished.get(action.lane, 0) + 1
+
+    def take(self, now_ms: int) -> EdgeWindow | None:
+        """The window so far (None when nothing happened); a new one starts at ``now_ms``."""
+        empty = not (self._ttft or self._refusals or self._finished)
+        window = None if empty else EdgeWindow(self.edge_id, self._start_ms, now_ms, self._ttft, self._refusals,
+                                               self._finished)
+        self._start_ms, self._ttft, self._refusals, self._finished = now_ms, {}, {}, {}
+        return window
+
+    def restore(self, window: EdgeWindow) -> None:
+        """Put back a window that could not be shipped: the next one covers both."""
+        self._start_ms = window.start_ms
+        for lane, by_bucket in window.ttft_ms.items():
+            self._ttft[lane] = histogram.merge([by_bucket, self._ttft.get(lane, {})])
+        for lane, by_reason in window.refusals.items():
+            mine = self._refusals.setdefault(lane, {})
+            for reason, n in by_reason.items():
+                mine[reason] = mine.get(reason, 0) + n
+        for lane, n in window.finished.items():
+            self._finished[lane] = self._finished.get(lane, 0) + n
+
+
+async def ship_windows(stats: EdgeStats, plane: QueuePlane, interval_s: float = WINDOW_S) -> None:
+    """Forever: every ``interval_s`` hand the window to the scheduler's next sample."""
+    failing = False
+    while True:
+        await asyncio.sleep(interval_s)
+        window = stats.take(int(time.time() * 1000))
+        if window is None:
+            continue
+        try:
+            await plane.fleet.push_edge_window(window)
+            failing = False
+        except QueueUnavailable as exc:
+            if not failing:
+                log.warning("stats window not shipped (kept for the next one): %s", exc)
+            failing = True
+            stats.restore(window)
+
+
+class StatsRelay:
+    """One subscription to the samples channel, fanned out to every open stream."""
+
+    def __init__(self, plane: QueuePlane) -> None:
+        self.plane = plane
+        self._queues: set[asyncio.Queue[bytes]] = set()
+
+    async def run(self) -> None:
+        async for _, data in listen(self.plane.redis, [self.plane.keys.stats_channel], Backoff("stats channel", log)):
+            for queue in self._queues:
+                if queue.full():  # a client that does not read loses its oldest samples, not the edge
+                    queue.get_nowait()
+                queue.put_nowait(data)
+
+    @contextlib.contextmanager
+    def subscription(self) -> Iterator[asyncio.Queue[bytes]]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_QUEUED_SAMPLES)
+        self._queues.add(queue)
+        try:
+            yield queue
+        finally:
+            self._queues.discard(queue)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._queues)
+
+
+def sse_event(at_ms: int, data: bytes) -> bytes:
+    """One server-sent event; its id lets a reconnecting client say where it left off."""
+    return b"id: %d\ndata: %s\n\n" % (at_ms, data)
+
+
+async def sse_stream(relay: StatsRelay, plane: QueuePlane, after_ms: int) -> AsyncIterator[bytes]:
+    """The stored samples newer than ``after_ms``, then each new one as it is published.
+
+    Subscribes before reading the history, so a sample published in between is not lost; one
+    that is both stored and queued is sent once (samples are sent in ``at_ms`` order).
+    """
+    with relay.subscription() as queue:
+        yield b"retry: 1000\n\n"
+        newest_ms = after_ms
+        for at_ms, data in await plane.fleet.stats_history(after_ms):
+            newest_ms = at_ms
+            yield sse_event(at_ms, data)
+        while True:
+            try:
+                data = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+            except TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            try:
+                at_ms = sample_time_ms(data)
+            except msgspec.DecodeError:
+                continue
+            if at_ms > newest_ms:
+                newest_ms = at_ms
+                yield sse_event(at_ms, data)
