@@ -84,7 +84,7 @@ async def test_scheduler_sample_merges_real_depths_reports_and_windows(redis_set
                              now_ms, ttl_ms=10_000)
     await plane.fleet.push_edge_window(EdgeWindow("edge-x", 0, 1000, {"short": {60: 4}},
                                                   {"long": {"lane_full": 2}}, {"short": 4}))
-    snapshot = await scheduler.snapshot_once()
+    (snapshot,) = await scheduler.snapshot_once()  # one pool: the default
     assert await scheduler.sample_once()
     (at_ms, data), *_ = await plane.fleet.stats_history()
     sample = msgspec.json.decode(data, type=StatsSample)

@@ -97,8 +97,8 @@ def test_lanes_up_prints_a_metrics_url_for_every_process(redis_url: str, tmp_pat
     assert sum(v for k, v in edge.items() if k.startswith("lanes_requests_total")) == 1, edge
     assert not any(k.startswith(("lanes_worker_", "lanes_lane_", "lanes_kv_")) for k in edge), "edge: its own only"
     for lane in ("short", "medium", "long"):
-        assert f'lanes_lane_depth{{lane="{lane}"}}' in scheduler
-        assert f'lanes_lane_oldest_wait_seconds{{lane="{lane}"}}' in scheduler
+        assert f'lanes_lane_depth{{lane="{lane}",pool="default"}}' in scheduler
+        assert f'lanes_lane_oldest_wait_seconds{{lane="{lane}",pool="default"}}' in scheduler
     # ``ready`` needs one warm worker; the second registers when it is warm too.
     wait_for(lambda: scrape(urls["scheduler"]).get("lanes_live_workers") == 2, scaled(30), "both workers counted")
     for name in ("worker-0", "worker-1"):
