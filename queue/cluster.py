@@ -69,7 +69,7 @@ def connect_cluster(url: str) -> ClusterClient:
 
 
 class ClusterClient(RedisCluster):
-    """``RedisCluster`` with four repairs for redis-py 5.3 (each met in the tests):
+    """``RedisCluster`` with these repairs for redis-py 5.3 (each met in the tests):
 
     - "cannot reach the cluster now" is a ``RedisError`` (redis-py raises a plain ``Exception``
       subclass), so every ``except QueueUnavailable`` retries it; a key-routing bug (keys of
@@ -80,7 +80,7 @@ class ClusterClient(RedisCluster):
       empty it could never reconnect. The seed and every node seen are put back before each
       rediscovery;
     - its default node (``TIME``, ``PING``, ``CLUSTER SLOTS``) is a master that answers, not
-      the first one listed (``initialize``);
+      the first one listed (``initialize``), and never None (its pipeline would crash on it);
     - ``SCRIPT LOAD`` (after a failover's ``NoScriptError``) goes to the masters one at a time
       and succeeds if one took it, so a dead master does not fail it for the live ones.
     """
@@ -132,11 +132,20 @@ class ClusterClient(RedisCluster):
 
     def _restore_startup_nodes(self) -> None:
         manager = self.nodes_manager
-        known = [*self._seeds, *((node.host, node.port) for node in manager.nodes_cache.values())]
-        for host, port in known:
+        for name, node in manager.nodes_cache.items():  # the same objects, as redis-py keeps them
+            manager.startup_nodes.setdefault(name, node)
+        for host, port in self._seeds:
             name = get_node_name(host, port)
             if name not in manager.startup_nodes:
                 manager.startup_nodes[name] = ClusterNode(host, port, **manager.connection_kwargs)
+
+    def get_default_node(self) -> ClusterNode:
+        # None between a dropped connection and the rediscovery: redis-py's pipeline then fails
+        # with AttributeError on its ``.name``.
+        node = self.nodes_manager.default_node
+        if node is None:
+            node = next(iter(self.get_primaries() or self.get_nodes()), None)
+        return node  # type: ignore[return-value]
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -164,18 +164,18 @@ class TokenStreams:
         return appended, receivers
 
     async def _append_each(self, calls: list[tuple[object, ...]]) -> list[Any]:
-        """Cluster: APPEND per request, one pipeline per node (in parallel); what that did not
-        answer (a node down mid-failover, ``NoScriptError`` on a new master) is sent again call
-        by call. Returns per call its result or its ``RedisError``. Sending a call again is
-        safe: APPEND accepts an event the stream holds already."""
+        """Cluster: APPEND per request, one pipeline per node (in parallel). If it fails (a node
+        down mid-failover, ``NoScriptError`` on a new master), every call is sent again on its
+        own: sending one twice is safe, APPEND accepts an event the stream holds already.
+        Returns per call its result or its ``RedisError``."""
         outcomes: list[Any]
         try:
             async with self.redis.pipeline() as pipe:
                 for call in calls:
                     # redis-py's cluster pipeline refuses evalsha(); the raw command is routed by its keys.
                     pipe.execute_command("EVALSHA", self._append.sha, 2, *call)
-                outcomes = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:  # a node failed: the pipeline does not say which calls ran
+                outcomes = await pipe.execute()
+        except RedisError as exc:  # the pipeline does not say which calls ran: each again, below
             outcomes = [exc] * len(calls)
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, BaseException):
