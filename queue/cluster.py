@@ -1,6 +1,6 @@
-"""Redis Cluster for the queue plane: the client, and the two things redis-py 5.x's asyncio
-cluster client cannot do for us (docs/redis-cluster.md): a blocking pop on a connection of its
-own, and a classic subscription.
+"""Redis Cluster for the queue plane (docs/redis-cluster.md): the client, with the repairs
+redis-py 5.3's asyncio cluster client needs to survive a failover, and the two connections it
+cannot give us: one for a blocking pop, one for a classic subscription.
 
 A cluster is chosen by the URL scheme: ``LANES_REDIS_URL=redis+cluster://[user:pass@]host:port``
 (``rediss+cluster://`` for TLS). ``host:port`` is one seed node; the client learns the others
@@ -13,10 +13,9 @@ Both dedicated connections go to the master serving one hash slot, found by a fr
   error closes it (a failover answers ``UNBLOCKED``, a moved slot ``MOVED``, a dead master
   drops the socket) and the next use reconnects to the slot's master then.
 - ``listen`` (``pubsub.py``) subscribes at the master of its first channel's slot. Classic
-  pub/sub is broadcast over the cluster bus, so any node would deliver; the owner is chosen
-  because ``PUBLISH`` goes there too (redis-py routes it by the channel's slot), and the
-  subscriber count a ``PUBLISH`` returns counts only that node's subscribers: the worker's
-  orphan check reads it.
+  pub/sub is broadcast over the cluster bus, so any node would deliver; the master is chosen
+  because token batches are published there (``SlotOwners``), and the subscriber count a
+  ``PUBLISH`` returns counts only that node's subscribers: the worker's orphan check reads it.
 """
 
 from __future__ import annotations
@@ -42,6 +41,8 @@ from redis.exceptions import (
 
 log = logging.getLogger(__name__)
 
+#: Default connect timeout of every cluster connection (s).
+_CONNECT_TIMEOUT_S = 2.0
 #: Connection settings a dedicated node connection copies from the cluster client.
 _NODE_KWARGS = ("username", "password", "credential_provider", "client_name", "socket_timeout",
                 "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options", "health_check_interval",
@@ -64,7 +65,10 @@ def connect_cluster(url: str) -> ClusterClient:
                          "drop the /<db> part of the URL")
     # require_full_coverage=False: a shard that lost its master and every replica fails only
     # its own slots; the other pools and streams keep working.
+    # A connect timeout (the URL may set another): without one, connecting to a master whose
+    # host went away waits for the OS's TCP timeout, minutes, instead of failing over.
     return ClusterClient.from_url(node_url, require_full_coverage=False, health_check_interval=10,
+                                  socket_connect_timeout=_CONNECT_TIMEOUT_S,
                                   retry=TransientRetry(ExponentialBackoff(cap=0.5, base=0.02), retries=2))
 
 

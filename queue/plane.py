@@ -14,6 +14,7 @@ then one ``PUBLISH`` per edge instead of one script, and redis-py's cluster pipe
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +87,7 @@ class QueuePlane(TokenStreams):
         #: A Redis Cluster: keys of different hash slots cannot meet in one script.
         self.cluster = isinstance(client, RedisCluster)
         #: Cluster: the blocking connections handed out (``unblock`` finds the node by them).
-        self._blockers: list[SlotConnection] = []
+        self._blockers: weakref.WeakSet[SlotConnection] = weakref.WeakSet()
         #: Cluster: where each edge channel's PUBLISH goes (its subscriber's node).
         self._slot_owners = SlotOwners(client)
         self._enqueue = client.register_script(scripts.ENQUEUE)
@@ -179,7 +180,7 @@ class QueuePlane(TokenStreams):
         cluster, one to the master of this pool's slot that follows failovers."""
         if self.cluster:
             blocker = SlotConnection(self.redis, self.keys.pending(LANE_ORDER[0]))
-            self._blockers.append(blocker)
+            self._blockers.add(blocker)
             return blocker
         return connect(self.settings.redis_url, single_connection_client=True)
 
@@ -196,7 +197,7 @@ class QueuePlane(TokenStreams):
         if not self.cluster:
             await self.redis.client_unblock(client_id)
             return
-        for blocker in self._blockers:
+        for blocker in list(self._blockers):
             await blocker.unblock(client_id)
 
     async def pop(self, conn: aioredis.Redis | SlotConnection, lanes: tuple[Lane, ...],
