@@ -1,5 +1,6 @@
 """Redis connections for the queue plane: retries of transient errors with capped backoff,
-never of a refused login."""
+never of a refused login. A ``redis+cluster://`` (or ``rediss+cluster://``) URL gives a Redis
+Cluster client instead (``cluster.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
-class _TransientRetry(Retry):
+class TransientRetry(Retry):
     """Retries connection errors, except a refused login: a wrong or missing password never
     heals by retrying (redis-py's AuthenticationError is a ConnectionError subclass)."""
 
@@ -28,16 +29,30 @@ class _TransientRetry(Retry):
             raise wrapped.error from None
 
 
+#: URL scheme of a Redis Cluster -> the scheme of its nodes.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    """``redis+cluster://...`` or ``rediss+cluster://...``: a Redis Cluster (``cluster.py``)."""
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
 class _NoRetry(Exception):
     def __init__(self, error: AuthenticationError) -> None:
         self.error = error
 
 
 def connect(url: str, **kwargs: object) -> aioredis.Redis:
-    """A client that retries transient connection errors with capped exponential backoff."""
+    """A client that retries transient connection errors with capped exponential backoff;
+    a ``ClusterClient`` (a ``RedisCluster``) for a cluster URL (``kwargs`` do not apply)."""
+    if is_cluster_url(url):
+        from lanes.queue.cluster import connect_cluster
+
+        return connect_cluster(url)  # type: ignore[return-value]
     return aioredis.Redis.from_url(
         url,
-        retry=_TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5),
+        retry=TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=10,
         **kwargs,

@@ -98,7 +98,7 @@ class Fleet:
         """Keep the newest snapshot of its pool (for ``/v1/depths``) and publish it (edges, workers)."""
         data = encode(snapshot)
         await self.redis.set(self.keys.for_pool(snapshot.pool).depths, data, px=ttl_ms)
-        await self.redis.publish(self.keys.depth_channel, data)
+        await self.redis.execute_command("PUBLISH", self.keys.depth_channel, data)  # a cluster client has no publish()
 
     async def depths_json(self, pool: str) -> bytes | None:
         """``pool``'s newest snapshot as stored (JSON), None when none was published lately."""
@@ -136,6 +136,11 @@ class Fleet:
         if version is None or int(version) <= known_version or not weights:
             return None
         return int(version), weights
+
+    async def claim_tick(self, job: str, tick: int, ttl_ms: int) -> bool:
+        """True for the one caller that takes ``job``'s ``tick`` (``SET NX``): a periodic job
+        runs once per tick however many schedulers run it."""
+        return bool(await self.redis.set(self.keys.cron_tick(job, tick), b"1", nx=True, px=ttl_ms))
 
     # -- API keys ------------------------------------------------------------------------
 

@@ -84,6 +84,11 @@ class Keys:
         """STRING: a worker's latest stats (JSON), with a TTL."""
         return f"{self.prefix}:{{q}}:worker:{worker_id}"
 
+    def cron_tick(self, job: str, tick: int) -> str:
+        """STRING: taken (``SET NX``) by the one scheduler that runs ``job`` at ``tick`` (the
+        periodic jobs' lock where arq cannot run: a Redis Cluster)."""
+        return f"{self.prefix}:{{q}}:cron:{job}:{tick}"
+
     def stream(self, request_id: str) -> str:
         """STREAM of token deltas with explicit ids ``<seq+1>-0``."""
         return f"{self.prefix}:{{r:{request_id}}}:tok"

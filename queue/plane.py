@@ -3,15 +3,25 @@
 Edges enqueue and cancel; workers pop, claim, heartbeat, append tokens and complete; the
 scheduler reaps expired leases and reads depths. Each state change is one Lua script (see
 ``scripts.py``), so a crash between two calls never leaves a request half-moved.
+
+The same calls run on one Redis or on a Redis Cluster (``cluster.py``; ``self.cluster``). Every
+script's keys share one hash slot: a pool's queue plane (``{q}`` / ``{q:<pool>}``) or one
+request's stream and fence (``{r:<id>}``). What differs on a cluster: the blocking pop uses a
+connection to the slot's master (``SlotConnection``), a worker's flush is per-request appends
+then one ``PUBLISH`` per edge instead of one script, and redis-py's cluster pipeline refuses
+``EVALSHA`` and ``PUBLISH``, so those go as raw commands.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 from lanes.queue import scripts
+from lanes.queue.cluster import SlotConnection, SlotOwners
 from lanes.queue.connection import connect
 from lanes.queue.fleet import Fleet
 from lanes.queue.keys import (
@@ -19,22 +29,19 @@ from lanes.queue.keys import (
     FINISHED_TTL_S,
     LANE_ORDER,
     REQUEST_TTL_S,
-    STREAM_MAXLEN,
     Keys,
 )
 from lanes.queue.messages import (
     Control,
     Lane,
     RequestPayload,
-    TokenBatch,
-    TokenEvent,
     encode,
 )
 from lanes.queue.settings import RedisSettings
-from redis.exceptions import NoScriptError
+from lanes.queue.streams import TokenStreams
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
 
-_event_decoder = msgspec.json.Decoder(TokenEvent)
-_json = msgspec.json.encode
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
 
 
@@ -66,19 +73,23 @@ class Reaped:
     attempt: int
 
 
-class QueuePlane:
+class QueuePlane(TokenStreams):
     """Redis I/O of the request path. Safe to share within one event loop."""
 
-    def __init__(self, client: aioredis.Redis, settings: RedisSettings, pool: str = DEFAULT_POOL) -> None:
-        self.redis = client
+    def __init__(self, client: aioredis.Redis | RedisCluster, settings: RedisSettings, pool: str = DEFAULT_POOL) -> None:
+        self.redis: Any = client
         self.settings = settings
         #: The model pool whose lanes and request hashes this plane reads and writes.
         self.pool = pool
         self.keys = Keys(settings.key_prefix, pool)
         self._pools: dict[str, QueuePlane] = {pool: self}
         self.fleet = Fleet(client, self.keys)
-        #: Keys of different hash slots cannot meet in one script on a Redis Cluster.
-        self.cluster = False
+        #: A Redis Cluster: keys of different hash slots cannot meet in one script.
+        self.cluster = isinstance(client, RedisCluster)
+        #: Cluster: the blocking connections handed out (``unblock`` finds the node by them).
+        self._blockers: weakref.WeakSet[SlotConnection] = weakref.WeakSet()
+        #: Cluster: where each edge channel's PUBLISH goes (its subscriber's node).
+        self._slot_owners = SlotOwners(client)
         self._enqueue = client.register_script(scripts.ENQUEUE)
         self._claim = client.register_script(scripts.CLAIM)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
@@ -97,7 +108,8 @@ class QueuePlane:
         plane = self._pools.get(pool)
         if plane is None:
             plane = self._pools[pool] = QueuePlane(self.redis, self.settings, pool)
-            plane.fleet, plane.cluster, plane._pools = self.fleet, self.cluster, self._pools
+            plane.fleet, plane._pools, plane._blockers = self.fleet, self._pools, self._blockers
+            plane._slot_owners = self._slot_owners
         return plane
 
     @classmethod
@@ -135,7 +147,8 @@ class QueuePlane:
         )
         state, worker = state.decode(), worker.decode()
         if state == "running" and worker:
-            await self.redis.publish(k.control_channel(worker), encode(Control(request_id)))
+            # A raw PUBLISH: redis-py's cluster client has no publish() (the same command on one Redis).
+            await self.redis.execute_command("PUBLISH", k.control_channel(worker), encode(Control(request_id)))
         return state, worker
 
     async def repoint(self, request_id: str, edge_id: str, owner: str = "") -> str | None:
@@ -147,16 +160,6 @@ class QueuePlane:
     async def take_token(self, key_id: str, rate_per_s: float, burst: int) -> int:
         """Take one token from a key's fleet-wide bucket: 0, or the wait (ms) until one is back."""
         return int(await self._take_token(keys=[self.keys.rate_bucket(key_id)], args=[rate_per_s, burst]))
-
-    async def read_stream(self, request_id: str, after_seq: int = -1) -> list[TokenEvent]:
-        """Events with ``seq > after_seq``, in order."""
-        entries = await self.redis.xrange(self.keys.stream(request_id), min=f"{after_seq + 2}-0")
-        return [_event_decoder.decode(fields[b"e"]) for _, fields in entries]
-
-    async def last_event(self, request_id: str) -> TokenEvent | None:
-        """The newest event of a request's stream (its end, once it has ended)."""
-        entries = await self.redis.xrevrange(self.keys.stream(request_id), count=1)
-        return _event_decoder.decode(entries[0][1][b"e"]) if entries else None
 
     async def request_records(self, request_ids: list[str]) -> dict[str, tuple[str, str] | None]:
         """Per request ``(edge, state)``, None when its record is gone (one pipeline)."""
@@ -172,26 +175,49 @@ class QueuePlane:
 
     # -- worker -----------------------------------------------------------------------
 
-    def blocking_client(self) -> aioredis.Redis:
-        """A dedicated connection for ``pop`` (a blocked connection serves nobody else)."""
+    def blocking_client(self) -> aioredis.Redis | SlotConnection:
+        """A dedicated connection for ``pop`` (a blocked connection serves nobody else); on a
+        cluster, one to the master of this pool's slot that follows failovers."""
+        if self.cluster:
+            blocker = SlotConnection(self.redis, self.keys.pending(LANE_ORDER[0]))
+            self._blockers.add(blocker)
+            return blocker
         return connect(self.settings.redis_url, single_connection_client=True)
 
-    @staticmethod
-    async def client_id(conn: aioredis.Redis) -> int:
+    async def client_id(self, conn: aioredis.Redis | SlotConnection) -> int:
+        """The id ``unblock`` takes for ``conn`` (connects it if need be)."""
+        if isinstance(conn, SlotConnection):
+            await conn.connection()
+            assert conn.client_id is not None
+            return conn.client_id
         return int(await conn.client_id())
 
     async def unblock(self, client_id: int) -> None:
         """Make a ``pop`` blocked on connection ``client_id`` return None now."""
-        await self.redis.client_unblock(client_id)
+        if not self.cluster:
+            await self.redis.client_unblock(client_id)
+            return
+        for blocker in list(self._blockers):
+            await blocker.unblock(client_id)
 
-    async def pop(self, conn: aioredis.Redis, lanes: tuple[Lane, ...], timeout_s: float) -> tuple[str, Lane] | None:
+    async def pop(self, conn: aioredis.Redis | SlotConnection, lanes: tuple[Lane, ...],
+                  timeout_s: float) -> tuple[str, Lane] | None:
         """Block until a request is in one of ``lanes`` (first non-empty wins) or timeout.
 
         ``conn`` must be a dedicated connection (it blocks); ``CLIENT UNBLOCK`` on its id
-        makes it return None early.
+        makes it return None early. On a cluster any error (``UNBLOCKED`` by a failover,
+        ``MOVED``, a dead master) drops the connection: the next ``client_id`` or ``pop``
+        reconnects to the slot's master of the moment.
         """
         keys = [self.keys.pending(lane) for lane in lanes]
-        popped = await conn.bzpopmin(keys, timeout=timeout_s)
+        if isinstance(conn, SlotConnection):
+            try:
+                popped = await (await conn.connection()).bzpopmin(keys, timeout=timeout_s)
+            except RedisError:
+                await conn.reset()
+                raise
+        else:
+            popped = await conn.bzpopmin(keys, timeout=timeout_s)
         if popped is None:
             return None
         key, member, _score = popped
@@ -210,11 +236,6 @@ class QueuePlane:
         return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
                      int(preempted))
 
-    async def fence(self, request_id: str, attempt: int) -> int:
-        """Make ``attempt`` the only writer of the request's stream; returns the fence."""
-        k = self.keys
-        return int(await self._fence(keys=[k.fence(request_id), k.stream(request_id)], args=[attempt, REQUEST_TTL_S]))
-
     async def heartbeat(self, runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
         """Renew leases of ``(id, attempt)`` runs; per run ``(status, edge)``."""
         if not runs:
@@ -225,68 +246,6 @@ class QueuePlane:
             args += [request_id, attempt]
         out = await self._heartbeat(keys=[k.watch, *(k.request(r) for r, _ in runs)], args=args)
         return [(status.decode(), edge.decode()) for status, edge in out]
-
-    async def append(self, events_by_request: dict[str, list[TokenEvent]]) -> dict[str, int]:
-        """Append each request's events to its stream, fenced by attempt (one pipeline).
-
-        Returns per request the number appended, or -1 (stale attempt) / -2 (seq taken).
-        """
-        k = self.keys
-        calls = []
-        for request_id, events in events_by_request.items():
-            args: list[object] = [events[0].attempt, STREAM_MAXLEN, REQUEST_TTL_S]
-            for event in events:
-                args += [event.seq, encode(event)]
-            calls.append((k.stream(request_id), k.fence(request_id), *args))
-        try:
-            results = await self._append_pipeline(calls)
-        except NoScriptError:  # Redis restarted and lost its script cache
-            await self.redis.script_load(scripts.APPEND)
-            results = await self._append_pipeline(calls)
-        return dict(zip(events_by_request, (int(r) for r in results)))
-
-    async def _append_pipeline(self, calls: list[tuple[object, ...]]) -> list[object]:
-        # Plain EVALSHA: a registered Script in a pipeline costs an extra SCRIPT EXISTS round
-        # trip per flush (redis-py checks every script before each pipeline).
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.evalsha(self._append.sha, 2, *call)
-            return await pipe.execute()
-
-    async def append_publish(self, worker_id: str, events_by_request: dict[str, list[TokenEvent]],
-                             edge_of: dict[str, str]) -> tuple[dict[str, int], dict[str, int]]:
-        """``append`` then ``publish`` of one engine step in one round trip (single Redis only:
-        the keys span hash slots). Each event is encoded once, for its stream and its batch.
-
-        Returns (per request: appended, -1 stale or -2 seq taken; per edge: subscribers).
-        """
-        k = self.keys
-        edges = list(dict.fromkeys(edge_of[rid] for rid in events_by_request))
-        edge_index = {edge: i + 1 for i, edge in enumerate(edges)}
-        keys: list[str] = []
-        args: list[object] = [STREAM_MAXLEN, REQUEST_TTL_S, _json(worker_id), len(edges),
-                              *(k.edge_channel(e) for e in edges)]
-        for request_id, events in events_by_request.items():
-            keys += (k.stream(request_id), k.fence(request_id))
-            args += (edge_index[edge_of[request_id]], events[0].attempt, len(events))
-            for event in events:
-                args += (event.seq, encode(event))
-        try:
-            out = await self.redis.evalsha(self._append_publish.sha, len(keys), *keys, *args)
-        except NoScriptError:  # Redis restarted and lost its script cache
-            await self.redis.script_load(scripts.APPEND_PUBLISH)
-            out = await self.redis.evalsha(self._append_publish.sha, len(keys), *keys, *args)
-        num = len(events_by_request)
-        return (dict(zip(events_by_request, (int(n) for n in out[:num]))),
-                dict(zip(edges, (int(n) for n in out[num:]))))
-
-    async def publish(self, batches: dict[str, TokenBatch]) -> dict[str, int]:
-        """One PUBLISH per edge, pipelined; returns how many subscribers each edge channel had."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for edge, batch in batches.items():
-                pipe.publish(self.keys.edge_channel(edge), encode(batch))
-            receivers = await pipe.execute()
-        return dict(zip(batches, (int(n) for n in receivers)))
 
     async def complete(self, request_id: str, attempt: int, final_state: str) -> bool:
         k = self.keys
@@ -359,3 +318,4 @@ class QueuePlane:
         """``(state, worker)`` of a request ("" for each when unknown or expired)."""
         state, worker = await self.redis.hmget(self.keys.request(request_id), "state", "worker")
         return (state or b"").decode(), (worker or b"").decode()
+

@@ -129,14 +129,20 @@ return {'requeued', h[5], tonumber(h[3])}
 
 #: KEYS: stream, fence. ARGV: attempt, maxlen, ttl_s, seq1, event1, ..., seqN, eventN.
 #: Appends events with explicit ids ``<seq+1>-0``. Returns the number appended, -1 when a
-#: newer attempt holds the fence (this writer is stale), -2 when a seq already exists.
+#: newer attempt holds the fence (this writer is stale), -2 when a seq already holds another
+#: event. An event already in the stream byte for byte counts as appended: a flush retried
+#: after a lost answer (on a cluster, a flush that failed on one node only) sends it again.
 APPEND = """
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[1]) < fence then return -1 end
 local n = 0
 for i = 4, #ARGV, 2 do
-  local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], (tonumber(ARGV[i]) + 1) .. '-0', 'e', ARGV[i + 1])
-  if type(ok) == 'table' and ok.err then return -2 end
+  local id = (tonumber(ARGV[i]) + 1) .. '-0'
+  local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], id, 'e', ARGV[i + 1])
+  if type(ok) == 'table' and ok.err then
+    local held = redis.call('XRANGE', KEYS[1], id, id)
+    if #held == 0 or held[1][2][2] ~= ARGV[i + 1] then return -2 end
+  end
   n = n + 1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -150,7 +156,7 @@ return n
 #: by attempt, explicit ids ``<seq+1>-0``, as APPEND) and publishes per edge one ``TokenBatch``
 #: (``[worker,[event,...]]``) built from the same encoded events. Returns {appended_1 .. appended_n,
 #: receivers_1 .. receivers_m}; appended -1 (stale) or -2 (seq taken) publishes nothing for it.
-#: Its keys span hash slots, so a Redis Cluster takes APPEND then PUBLISH instead.
+#: Its keys span hash slots, so a Redis Cluster takes APPEND (per request) then PUBLISH instead.
 APPEND_PUBLISH = """
 local maxlen, ttl, worker, num_edges = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local batches = {}

@@ -12,7 +12,9 @@ class RedisSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="LANES_", extra="ignore")
 
-    #: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password goes in the URL.
+    #: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password goes in the URL. A Redis
+    #: Cluster: ``redis+cluster://host:port`` (``rediss+cluster://`` for TLS), one seed node
+    #: (docs/redis-cluster.md).
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Prefix of every key and channel (lets several deployments share one Redis).
     key_prefix: str = "lanes"

@@ -62,7 +62,8 @@ class Scheduler:
             group.create_task(self._every(self.settings.depth_interval_s, self.snapshot_once, "depth snapshots"))
             group.create_task(self._sample_every_second())
             if self.settings.predictor_refresh_minutes > 0:
-                group.create_task(self._arq_cron())
+                # arq cannot use a Redis Cluster (docs/redis-cluster.md): a plain periodic task there.
+                group.create_task(self._refresh_loop() if self.plane.cluster else self._arq_cron())
 
     async def _arq_cron(self) -> None:
         """arq runs the periodic jobs (off the request path): unique per tick across schedulers."""
@@ -88,6 +89,27 @@ class Scheduler:
                 await worker.async_run()
             except (QueueUnavailable, OSError) as exc:
                 await asyncio.sleep(backoff.failed(exc))
+
+    async def _refresh_loop(self, every_s: float | None = None) -> None:
+        """The predictor refresh without arq, for a Redis Cluster (arq pins redis-py < 6 and its
+        job queue's MULTI spans hash slots): on each tick of the Redis clock every ``every_s``
+        (default ``predictor_refresh_minutes``), the scheduler that takes the tick's lock key
+        refits, as arq's ``unique`` cron would."""
+        every_ms = int((every_s or self.settings.predictor_refresh_minutes * 60) * 1000)
+        ctx = {"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
+               "max_observations": self.settings.predictor_max_observations}
+        log.info("predictor refresh every %.0f s without arq (a Redis Cluster: arq cannot use one)", every_ms / 1000)
+        backoff = Backoff("predictor refresh", log, min_s=1.0, max_s=30.0)
+        while True:
+            try:
+                tick = await self.plane.server_time_ms() // every_ms + 1
+                await asyncio.sleep(max(0, tick * every_ms - await self.plane.server_time_ms()) / 1000)
+                if await self.plane.fleet.claim_tick("refresh", tick, ttl_ms=2 * every_ms):
+                    await refresh_predictor(ctx)
+            except QueueUnavailable as exc:
+                await asyncio.sleep(backoff.failed(exc))
+                continue
+            backoff.succeeded()
 
     async def _every(self, interval_s: float, step: Callable[[], Awaitable[object]], name: str) -> None:
         backoff = Backoff(name, log, min_s=interval_s, max_s=max(interval_s, 2.0))

@@ -10,6 +10,7 @@ create``, so only ``redis-server`` is needed::
         master = cluster.owner("{q:small}")             # the master serving that hash tag
         new_master = cluster.failover(master)           # CLUSTER FAILOVER on its replica, waited for
         new_master = cluster.kill(master)               # SIGKILL; waits for the replica's promotion
+        cluster.url                                     # redis+cluster://127.0.0.1:<port>: LANES_REDIS_URL
 
 Every wait polls the servers themselves (CLUSTER INFO / CLUSTER NODES) under a deadline scaled by
 ``LANES_TEST_TIME_SCALE``; nothing asserts a duration.
@@ -265,6 +266,11 @@ class LocalCluster:
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", n.port) for n in self.live_nodes()]
+
+    @property
+    def url(self) -> str:
+        """``LANES_REDIS_URL`` of this cluster: ``redis+cluster://`` and one live seed node."""
+        return f"redis+cluster://127.0.0.1:{self.live_nodes()[0].port}"
 
     def async_client(self, **kwargs: object) -> AsyncRedisCluster:
         """A redis-py asyncio cluster client seeded with one live node."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from lanes.queue.messages import TokenBatch, TokenEvent
+from lanes.queue.messages import TokenEvent
 from lanes.queue.plane import QueuePlane
 from lanes.telemetry import metrics
 from lanes.workers.runs import FlushResult, Run
@@ -17,7 +17,7 @@ from lanes.workers.runs import FlushResult, Run
 
 async def flush(plane: QueuePlane, worker_id: str, batch: list[tuple[Run, TokenEvent]]) -> FlushResult:
     """Append ``batch`` to the streams (fenced by attempt), then publish what was accepted: one
-    round trip on a single Redis (``APPEND_PUBLISH``), two on a cluster.
+    round trip on a single Redis (``APPEND_PUBLISH``), two on a cluster (``QueuePlane.append_publish``).
 
     Raises ``QueueUnavailable``; nothing is published unless its append succeeded.
     """
@@ -27,15 +27,5 @@ async def flush(plane: QueuePlane, worker_id: str, batch: list[tuple[Run, TokenE
         by_request[run.id].append(event)
         edge_of[run.id] = run.edge
     metrics.BATCH_SIZE.observe(len(by_request))
-    if not plane.cluster:
-        appended, receivers = await plane.append_publish(worker_id, by_request, edge_of)
-        return FlushResult(appended, receivers)
-    appended = await plane.append(by_request)
-    by_edge: dict[str, list[TokenEvent]] = defaultdict(list)
-    for request_id, num in appended.items():
-        if num > 0:
-            by_edge[edge_of[request_id]].extend(by_request[request_id])
-    receivers = {}
-    if by_edge:
-        receivers = await plane.publish({edge: TokenBatch(worker_id, tuple(evs)) for edge, evs in by_edge.items()})
+    appended, receivers = await plane.append_publish(worker_id, by_request, edge_of)
     return FlushResult(appended, receivers)

@@ -214,11 +214,25 @@ class Worker:
 
     def _start(self, claim: Claim, lane: Lane) -> None:
         payload = claim.payload
+        if payload.id in self.table.runs:
+            # Our own earlier attempt lost its lease (Redis answered nobody for longer than a
+            # lease: a cluster failover, a paused server) and the reaper handed the request back,
+            # to us: that attempt must end before this one starts (one engine request per id).
+            self._spawn(self._restart(claim, lane))
+            return
         run = self.table.start(payload.id, claim.edge, claim.attempt, lane, max_tokens=payload.max_tokens,
                                predicted_tokens=payload.predicted_tokens, times_preempted=claim.times_preempted,
                                now_ms=time.monotonic() * 1000)
         metrics.RUNNING.labels(lane.value).inc()
         self._tasks[run.id] = asyncio.create_task(self._execute(run, claim), name=f"run-{run.id}")
+
+    async def _restart(self, claim: Claim, lane: Lane) -> None:
+        request_id = claim.payload.id
+        previous = self._tasks.get(request_id)
+        self.carry(self.table.heartbeat({request_id: ("lost", "")}))  # stale: aborted, dropped when its task ends
+        if previous is not None:
+            await asyncio.wait({previous})
+        self._start(claim, lane)
 
     def _lanes_changed(self) -> None:
         """A slot freed or a run was demoted: the lanes this worker may pop may differ now."""
