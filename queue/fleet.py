@@ -15,6 +15,8 @@ from lanes.queue.messages import DepthSnapshot, Observation, WorkerReport, encod
 from lanes.queue.stats import EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
+#: KEYS: list. Returns every element and deletes the list, atomically.
+_TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return items"
 _observation_decoder = msgspec.json.Decoder(Observation)
 #: Newest observations kept for the predictor refresh (a capped list).
 MAX_OBSERVATIONS = 5000
@@ -162,6 +164,7 @@ class Fleet:
 
     async def delete_api_key(self, key_hash: str) -> None:
         await self.redis.delete(self.keys.api_key(key_hash))
+
     # -- dashboard statistics ------------------------------------------------------------
 
     async def push_edge_window(self, window: EdgeWindow) -> None:
@@ -176,11 +179,8 @@ class Fleet:
     async def take_edge_windows(self) -> list[EdgeWindow]:
         """Every window pushed since the last call, oldest first, atomically removed (a window
         counts in exactly one sample); malformed entries are skipped."""
-        key = self.keys.stats_windows
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.lrange(key, 0, -1)
-            pipe.delete(key)
-            raw, _ = await pipe.execute()
+        # One script (not MULTI, which a Redis Cluster client refuses): read and delete at once.
+        raw = await self.redis.eval(_TAKE_ALL, 1, self.keys.stats_windows)
         found = []
         for item in raw:
             try:
@@ -200,8 +200,9 @@ class Fleet:
             pipe.rpush(key, data)
             pipe.ltrim(key, -STATS_HISTORY_LEN, -1)
             pipe.pexpire(key, _HISTORY_TTL_MS)
-            pipe.publish(self.keys.stats_channel, data)
             await pipe.execute()
+        # Apart from the pipeline: a cluster client's pipeline refuses PUBLISH.
+        await self.redis.execute_command("PUBLISH", self.keys.stats_channel, data)
 
     async def stats_history(self, after_ms: int = 0) -> list[tuple[int, bytes]]:
         """Stored samples newer than ``after_ms``, oldest first, as ``(at_ms, JSON)``."""
