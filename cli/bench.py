@@ -177,3 +177,140 @@ def write_plot(sweep: dict[float, dict[str, dict[str, Any]]], path: Path, title:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- the live system --------------------------------------------------------------------------
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
+PlotOption = Annotated[Path | None, typer.Option(help="Write a PNG here.")]
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, not {text!r}", param_hint=option) from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"expected positive integers, not {text!r}", param_hint=option)
+    return values
+
+
+def _emit(result: dict[str, Any], as_json: bool, table: Any) -> None:
+    from lanes.bench.common import write_json
+
+    if as_json:
+        write_json(None, result)
+    else:
+        table()
+
+
+@app.command("overhead")
+def overhead(
+    requests: Annotated[int, typer.Option(min=1, help="Timed rounds per engine.")] = 100,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed rounds first.")] = 5,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 8,
+    engines: Annotated[str, typer.Option(help="sim (no model cost: the queue plane alone) and/or hf "
+                                              "(the tiny transformers model).")] = "sim,hf",
+    deadline_s: Annotated[float, typer.Option(help="Stop measuring after this long.")] = 600.0,
+    keep_logs: Annotated[bool, typer.Option(help="Keep the child processes' logs.")] = False,
+    as_json: JsonOption = False,
+    plot: PlotOption = None,
+) -> None:
+    """Latency lanes adds to time-to-first-token: each request through a real edge, Redis and
+    worker, paired with the same request on the engine in this process."""
+    from lanes.bench import overhead as bench
+    from lanes.bench.common import print_table
+
+    names = tuple(n.strip() for n in engines.split(",") if n.strip())
+    try:
+        options = bench.Options(requests, warmup, max_tokens, names, deadline_s)
+        result = bench.run(options, keep_logs=keep_logs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--engines") from None
+
+    def table() -> None:
+        rows = []
+        for label, key in bench.ROWS:
+            rows.append([label, *(f"{p[key][q]:.2f}" for p in result["phases"] for q in ("p50", "p99"))])
+        columns = ["ms", *(f"{p['engine']} {q}" for p in result["phases"] for q in ("p50", "p99"))]
+        print_table(f"Added latency, {requests} requests per engine (load {result['machine']['loadavg_1m']})",
+                    columns, rows)
+
+    _emit(result, as_json, table)
+    if plot is not None:
+        bench.write_plot(result, plot)
+
+
+@app.command("fanout")
+def fanout(
+    concurrency: Annotated[str, typer.Option(help="Requests in flight, comma-separated: one run each.")] = "16,64,256",
+    seconds: Annotated[float, typer.Option(min=0.5, help="Measured window per concurrency.")] = 8.0,
+    warmup_s: Annotated[float, typer.Option(min=0.0, help="Untimed seconds before each window.")] = 2.0,
+    workers: Annotated[int, typer.Option(min=1, help="Sim-engine workers.")] = 2,
+    slots: Annotated[int, typer.Option(min=1, help="Slots per worker.")] = 128,
+    time_scale: Annotated[float, typer.Option(min=1.0, help="Sim engine speed-up (high: tokens as fast as "
+                                                             "the CPU allows).")] = 200.0,
+    as_json: JsonOption = False,
+    plot: PlotOption = None,
+) -> None:
+    """Tokens per second one edge and one Redis deliver, and the CPU each 1,000 tokens costs."""
+    from lanes.bench import fanout as bench
+    from lanes.bench.common import plot_lines, print_table
+
+    levels = _ints(concurrency, "--concurrency")
+    result = bench.run(levels, seconds, warmup_s, workers, slots, time_scale)
+
+    def table() -> None:
+        rows = []
+        for r in result["runs"]:
+            per = r["cpu_ms_per_1k_tokens"]
+            rows.append([r["concurrency"], r["tokens_per_s"], r["server_cpu_ms_per_1k_tokens"], per["edge"],
+                         per["workers"], per["redis"], per["client"], r["gaps"], r["completed"], r["not_done"]])
+        print_table(f"Token fan-out, {workers} sim workers (load {result['machine']['loadavg_1m']})",
+                    ["in flight", "tokens/s", "server CPU ms/1k", "edge", "workers", "redis", "client (load)",
+                     "gaps", "done", "not done"], rows)
+
+    _emit(result, as_json, table)
+    if plot is not None:
+        xs = [float(r["concurrency"]) for r in result["runs"]]
+        plot_lines(plot, "Tokens/s delivered by one edge", "requests in flight", "tokens/s",
+                   {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in result["runs"]])})
+    failures = sum(r["gaps"] + r["not_done"] for r in result["runs"])
+    if failures:
+        typer.echo(f"{failures} streams had gaps or did not end with done", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("connections")
+def connections(
+    connections: Annotated[int, typer.Option(min=1, help="Idle WebSocket connections to hold.")] = 10_000,
+    batch: Annotated[int, typer.Option(min=1, help="Connections opened at once.")] = 200,
+    probe_every: Annotated[int, typer.Option(min=1, help="One held connection in this many sends a chat.")] = 100,
+    churn: Annotated[int, typer.Option(min=0, help="Then this many connections that each make one request and "
+                                                   "close: the RSS each leaves behind.")] = 0,
+    as_json: JsonOption = False,
+) -> None:
+    """Idle connections one edge holds, its RSS per connection, and (--churn) what finished ones leave."""
+    from lanes.bench import connections as bench
+    from lanes.bench.common import print_table
+
+    result = bench.run(bench.Options(connections, batch, probe_every, churn))
+
+    def table() -> None:
+        rows = [["held", result["connections"], result["rss_mb_baseline"], result["rss_mb"],
+                 f"{result['kib_per_connection']:.2f} KiB", f"{result['probes_done']}/"
+                 f"{result['probes_done'] + result['probes_failed']}"]]
+        if "churn" in result:
+            c = result["churn"]
+            rows.append(["churned", c["connections"], round(c["rss_kib_before"] / 1024, 1),
+                         round(c["rss_kib_after"] / 1024, 1), f"{c['growth_bytes_per_connection']:.0f} B",
+                         f"{c['done']}/{c['connections']}"])
+        print_table(f"Connections on one edge (load {result['machine']['loadavg_1m']})",
+                    ["", "connections", "edge RSS before MB", "edge RSS after MB", "per connection",
+                     "chats done"], rows)
+
+    _emit(result, as_json, table)
+    failed = result["probes_failed"] + result.get("churn", {}).get("failed", 0)
+    if failed or result["connections"] < connections:
+        typer.echo(f"{connections - result['connections']} connections dropped, {failed} chats failed", err=True)
+        raise typer.Exit(1)

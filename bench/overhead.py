@@ -19,33 +19,34 @@ by request with the same prompt, after ``--warmup`` untimed rounds, so that nois
 work on the machine hits both alike. Overhead = lanes - baseline TTFT, reported as the
 difference of each side's p50/p99, as p50/p99 of the per-round paired difference, and as the
 ratio of the p50s. Loopback only; ``--deadline-s`` bounds the run and every child process
-is stopped at the end.
+is stopped at the end. The headline, ``added_ms_p50`` / ``added_ms_p99``, is the per-round
+paired difference (client send -> first delta, minus the in-process call -> first token) with
+the sim engine; ``hf_added_ms_p50`` / ``hf_added_ms_p99`` the same with the tiny model.
 
-    .venv/bin/python benchmarks/edge_overhead.py [--requests 100] [--json]
+    lanes bench overhead [--requests 100] [--engines sim,hf] [--json] [--plot FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import websockets
-from websockets.asyncio.client import ClientConnection
-
+from lanes.bench.common import console, machine_load, progress
 from lanes.cli.cluster import Cluster
 from lanes.queue.messages import ChatMessage
 from lanes.workers.engines.base import Engine, EngineRequest
+from websockets.asyncio.client import ClientConnection
 
 PROMPTS = (
     "What does a class definition do?",
@@ -127,19 +128,30 @@ async def one_round(engine: Engine, ws: ClientConnection, i: int, max_tokens: in
     return Round(base, client_ms, accepted_ms, float(timing["ttft_ms"]), float(timing["queue_ms"]))
 
 
-async def run_phase(name: str, engine: Engine, url: str, args: argparse.Namespace, deadline: float) -> Phase:
-    """Warm up, then ``args.requests`` alternating rounds (stops early at the deadline)."""
+@dataclass(frozen=True)
+class Options:
+    requests: int = 100
+    warmup: int = 5
+    max_tokens: int = 8
+    engines: tuple[str, ...] = ("sim", "hf")
+    deadline_s: float = 600.0
+
+
+async def run_phase(name: str, engine: Engine, url: str, options: Options, deadline: float,
+                    tick: Callable[..., Any]) -> Phase:
+    """Warm up, then ``options.requests`` alternating rounds (stops early at the deadline)."""
     phase = Phase(name)
     await engine.start()
     try:
         async with websockets.connect(url, max_size=None) as ws:
-            for i in range(args.warmup + args.requests):
+            for i in range(options.warmup + options.requests):
                 if time.monotonic() > deadline:
-                    print(f"deadline reached: {name} stopped after {len(phase.rounds)} rounds", file=sys.stderr)
+                    console.print(f"deadline reached: {name} stopped after {len(phase.rounds)} rounds")
                     break
-                result = await asyncio.wait_for(one_round(engine, ws, i, args.max_tokens), 60)
-                if i >= args.warmup:
+                result = await asyncio.wait_for(one_round(engine, ws, i, options.max_tokens), 60)
+                if i >= options.warmup:
                     phase.rounds.append(result)
+                tick()
     finally:
         await engine.close()
     return phase
@@ -234,58 +246,60 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-async def measure(args: argparse.Namespace, work_dir: Path) -> list[Phase]:
-    from lanes.workers.models.tiny import build_tiny
-
-    deadline = time.monotonic() + args.deadline_s
-    model_dir = build_tiny(work_dir / "tiny").target
+async def measure(options: Options, work_dir: Path) -> list[Phase]:
+    deadline = time.monotonic() + options.deadline_s
     phases = []
-    with Cluster.embedded(f"bench{uuid.uuid4().hex[:6]}", work_dir) as cluster:
+    with Cluster.embedded(f"bench{uuid.uuid4().hex[:6]}", work_dir) as cluster, \
+            progress("overhead", len(options.engines) * (options.warmup + options.requests)) as tick:
         cluster.start_scheduler()
         url = cluster.start_edge("edge")
-        cluster.start_worker("worker-hf", "", *hf_worker_args(model_dir))
-        cluster.wait_workers(1, timeout_s=180)
-        print(f"edge pid {cluster.procs['edge'].pid}, hf worker pid {cluster.procs['worker-hf'].pid}, "
-              f"logs {work_dir}", file=sys.stderr)
-        phases.append(await run_phase("hf", hf_engine(model_dir), url, args, deadline))
-        cluster.stop(names=["worker-hf"])
-        if args.sim:
-            cluster.start_worker("worker-sim", "", *sim_worker_args())
+        for name in options.engines:
+            if name == "hf":
+                from lanes.workers.models.tiny import build_tiny
+
+                model_dir = build_tiny(work_dir / "tiny").target
+                worker_args, engine = hf_worker_args(model_dir), hf_engine(model_dir)
+            else:
+                worker_args, engine = sim_worker_args(), sim_engine()
+            cluster.start_worker(f"worker-{name}", "", *worker_args)
             cluster.wait_workers(1, timeout_s=180)
-            phases.append(await run_phase("sim", sim_engine(), url, args, deadline))
+            phases.append(await run_phase(name, engine, url, options, deadline, tick))
+            cluster.stop(names=[f"worker-{name}"])
     return phases
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=100, help="timed rounds per engine")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure with the sim engine (default on)")
-    parser.add_argument("--deadline-s", type=float, default=600, help="stop measuring after this long")
-    parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir (process logs)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(options: Options, keep_logs: bool = False) -> dict[str, Any]:
+    """Measure every engine in ``options.engines``; one JSON-ready dict."""
+    unknown = set(options.engines) - {"sim", "hf"}
+    if unknown or not options.engines:
+        raise ValueError(f"engines must be sim and/or hf, not {sorted(unknown) or 'none'}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    work_dir = Path(tempfile.mkdtemp(prefix="lanes-edge-bench-"))
-    phases = asyncio.run(measure(args, work_dir))
-    summaries = [summarize(p) for p in phases]
-    if args.json:
-        print(json.dumps({"max_tokens": args.max_tokens, "warmup": args.warmup, "cpus": os.cpu_count(),
-                          "phases": summaries}))
-    else:
-        print(markdown_table(summaries))
-    if not args.keep_logs:
-        import shutil
+    work_dir = Path(tempfile.mkdtemp(prefix="lanes-overhead-"))
+    try:
+        phases = asyncio.run(measure(options, work_dir))
+    finally:
+        if keep_logs:
+            console.print(f"process logs kept in {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    summaries = {p.engine: summarize(p) for p in phases}
+    result: dict[str, Any] = {"max_tokens": options.max_tokens, "warmup": options.warmup,
+                              "machine": machine_load(), "phases": list(summaries.values())}
+    for name, summary in summaries.items():
+        prefix = "" if name == "sim" else f"{name}_"
+        result[f"{prefix}added_ms_p50"] = summary["overhead_paired_ms"]["p50"]
+        result[f"{prefix}added_ms_p99"] = summary["overhead_paired_ms"]["p99"]
+    return result
 
-        shutil.rmtree(work_dir, ignore_errors=True)
 
+def write_plot(result: dict[str, Any], path: Path) -> None:
+    """Per engine, the sorted per-round added latency (a CDF read sideways)."""
+    from lanes.bench.common import plot_lines
 
-if __name__ == "__main__":
-    main()
+    series = {}
+    for phase in result["phases"]:
+        added = sorted(r["client_ttft_ms"] - r["baseline_ttft_ms"] for r in phase["rounds"])
+        series[f"{phase['engine']} engine"] = ([100 * (i + 0.5) / len(added) for i in range(len(added))], added)
+    plot_lines(path, "Added latency (client send -> first delta, minus in-process TTFT)", "percentile",
+               "added ms", series)

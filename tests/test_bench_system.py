@@ -1,0 +1,82 @@
+"""Smoke tests of the live-system benchmarks, run small as a user would run them: ``lanes bench
+overhead | fanout | connections`` start real Redis, scheduler, edge and worker processes and
+drive them over real WebSockets. They check the JSON each promises and that nothing was lost;
+the numbers themselves are recorded by full runs in ``benchmarks/RESULTS.md``, not asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def lanes(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+           "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "lanes.cli.main", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def test_overhead_pairs_each_request_with_the_engine_in_process() -> None:
+    out = lanes("overhead", "--requests", "4", "--warmup", "1", "--engines", "sim,hf", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    for key in ("added_ms_p50", "added_ms_p99", "hf_added_ms_p50", "hf_added_ms_p99"):
+        assert finite(result[key]), key
+    assert result["added_ms_p50"] <= result["added_ms_p99"]
+    phases = {p["engine"]: p for p in result["phases"]}
+    assert set(phases) == {"sim", "hf"}
+    for phase in phases.values():
+        assert phase["num_requests"] == 4 and len(phase["rounds"]) == 4
+        for r in phase["rounds"]:
+            # Through lanes the first token comes after the request was accepted, and took some time.
+            assert 0 < r["client_accepted_ms"] < r["client_ttft_ms"]
+            assert r["baseline_ttft_ms"] > 0
+    assert result["machine"]["cores"] >= 1
+
+
+def test_overhead_refuses_an_unknown_engine() -> None:
+    out = lanes("overhead", "--engines", "gpu", "--requests", "1")
+    assert out.returncode == 2 and "--engines" in out.stderr
+
+
+def test_fanout_delivers_every_token_in_order_and_meters_cpu() -> None:
+    out = lanes("fanout", "--concurrency", "4,16", "--seconds", "1", "--warmup-s", "0.5", "--workers", "1",
+                "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["tokens_per_s"] > 0 and result["server_cpu_ms_per_1k_tokens"] > 0
+    assert [r["concurrency"] for r in result["runs"]] == [4, 16]
+    for r in result["runs"]:
+        assert r["gaps"] == 0 and r["not_done"] == 0 and r["completed"] > 0
+        assert set(r["cpu_ms_per_1k_tokens"]) >= {"edge", "workers", "redis", "client"}
+        assert r["cpu_ms_per_1k_tokens"]["edge"] > 0 and r["cpu_ms_per_1k_tokens"]["client"] > 0
+
+
+def test_connections_holds_idle_connections_that_still_serve() -> None:
+    out = lanes("connections", "--connections", "150", "--batch", "50", "--probe-every", "10", "--churn", "60",
+                "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["connections"] == 150
+    assert result["probes_done"] == 15 and result["probes_failed"] == 0
+    assert result["rss_mb"] >= result["rss_mb_baseline"] > 0
+    assert finite(result["kib_per_connection"])
+    churn = result["churn"]
+    assert churn["done"] == 60 and churn["failed"] == 0
+    assert finite(churn["growth_bytes_per_connection"])
+
+
+def test_bad_concurrency_is_named() -> None:
+    out = lanes("fanout", "--concurrency", "4,lots")
+    assert out.returncode == 2 and "--concurrency" in out.stderr
