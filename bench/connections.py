@@ -7,7 +7,7 @@ Real processes: an embedded redis-server, a scheduler, one edge and one fast sim
   from ``/proc`` before the first and after the last; then one connection in every
   ``--probe-every`` sends a short chat, which must end with ``done`` (the connections are
   served, not merely accepted by the kernel).
-- **churn** (``--churn N``): N more connections, one wave of ``--batch`` at a time, each sends
+- **churn** (``--churn N``, measured first): N connections, one wave of ``--batch`` at a time, each sends
   one chat, reads it to ``done`` and closes; the RSS growth divided by N is what each finished
   connection leaves behind (the edge used to keep every finished route forever: ~56 KB each).
 
@@ -77,9 +77,12 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     warm = await LeanClient.connect(host, port)
     await _chat_all([warm], f"warm{tag}")
     warm.close()
+    result: dict[str, Any] = {}
+    if options.churn:  # first: closing thousands of held connections would shrink the RSS under it
+        result["churn"] = await _churn(cluster, options, tag)
     await asyncio.sleep(options.settle_s)
     baseline_kib = rss_kib(pid)
-    result: dict[str, Any] = {"rss_mb_baseline": round(baseline_kib / 1024, 1)}
+    result["rss_mb_baseline"] = round(baseline_kib / 1024, 1)
     meter = CpuMeter({"edge": pid})
     meter.start()
     started = time.monotonic()
@@ -100,14 +103,17 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     }
     for client in clients:
         client.close()
-    if options.churn:
-        result["churn"] = await _churn(cluster, options, tag)
     return result
 
 
 async def _churn(cluster: Cluster, options: Options, tag: str) -> dict[str, Any]:
     host, port = cluster.edge_hosts["edge"], cluster.edge_ports["edge"]
     pid = cluster.procs["edge"].pid
+    # One untimed wave first: the allocator's pools grow to their working size once.
+    warm = await asyncio.gather(*(LeanClient.connect(host, port) for _ in range(options.batch)))
+    await _chat_all(list(warm), f"churnwarm{tag}")
+    for client in warm:
+        client.close()
     await asyncio.sleep(options.settle_s)
     gc.collect()
     before = rss_kib(pid)

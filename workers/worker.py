@@ -28,6 +28,7 @@ from lanes.queue.messages import (
     Lane,
     RequestState,
     TokenBatch,
+    TokenEvent,
     Usage,
     decode,
 )
@@ -259,8 +260,13 @@ class Worker:
         try:
             with tracer().start_as_current_span("lanes.generate", context=extract_context(payload.trace),
                                                 attributes=attrs) as span:
-                await self.plane.fence(run.id, run.attempt)
-                prior = await self.plane.read_stream(run.id)
+                prior: list[TokenEvent] = []
+                if run.attempt > 1:
+                    # An earlier attempt may still be writing (fence it off) and may have streamed
+                    # tokens (resume after them). A first attempt has neither: two round trips
+                    # fewer before the first token.
+                    await self.plane.fence(run.id, run.attempt)
+                    prior = await self.plane.read_stream(run.id)
                 if prior and prior[-1].finish is not None:
                     # An earlier attempt finished but died before completing: re-send the end.
                     await self.plane.publish({run.edge: TokenBatch(self.worker_id, (prior[-1],))})
