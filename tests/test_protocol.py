@@ -89,3 +89,13 @@ def test_error_frame_shape() -> None:
 @pytest.mark.parametrize("content", ["\ud800", "\\ud800"])
 def test_lone_surrogates_are_invalid_json(content: str) -> None:
     assert code_of('{"type":"chat","messages":[{"role":"user","content":"a%sb"}]}' % content) == "invalid_json"
+
+
+@pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 65535, 65536, 300_000])
+def test_the_edge_frames_text_exactly_as_the_websockets_library_does(size: int) -> None:
+    from websockets.frames import Frame, Opcode
+
+    from lanes.ws_server.session import _text_header
+
+    payload = b"{" + b"x" * max(0, size - 2) + b"}" if size >= 2 else b"x" * size
+    assert _text_header(len(payload)) + payload == Frame(Opcode.TEXT, payload).serialize(mask=False, extensions=[])

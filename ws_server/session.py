@@ -21,11 +21,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lanes.telemetry import metrics
+from websockets.protocol import State
 
 log = logging.getLogger(__name__)
 
 SLOW_CLIENT_CLOSE_CODE = 4008
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def _text_header(size: int) -> bytes:
+    if size < 126:
+        return bytes((0x81, size))
+    if size < 65536:
+        return b"\x81\x7e" + size.to_bytes(2, "big")
+    return b"\x81\x7f" + size.to_bytes(8, "big")
 
 
 class ClientGone(Exception):
@@ -83,9 +92,17 @@ class Session:
         if proto.disconnected or proto.close_sent:
             raise ClientGone
         conn = proto.conn
-        for frame in frames:
-            conn.send_text(frame)
-        proto.transport.write(b"".join(conn.data_to_send()))
+        if conn.extensions or conn.state is not State.OPEN or conn.expect_continuation_frame:
+            for frame in frames:
+                conn.send_text(frame)  # compression negotiated, or closing: the library frames them
+            proto.transport.write(b"".join(conn.data_to_send()))
+            return
+        # Plain server frames are a 2-10 byte header and the payload (RFC 6455 5.2: FIN, opcode
+        # 1, unmasked): built here, once per frame, instead of a Frame object and its serializer
+        # per token. Whatever the library had queued (a pong) goes first.
+        out = conn.data_to_send()
+        out += [_text_header(len(frame)) + frame for frame in frames]
+        proto.transport.write(b"".join(out))
 
     async def _close_slow(self) -> None:
         """Close with 4008; drop the TCP connection if the client has not read up to the close
