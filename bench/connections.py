@@ -38,6 +38,8 @@ class Options:
     batch: int = 200
     probe_every: int = 100
     churn: int = 0
+    #: Finished connections before the churn's first RSS reading (the allocator's pools grow once).
+    churn_warmup: int = 200
     settle_s: float = 2.0
 
 
@@ -106,31 +108,38 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     return result
 
 
+async def _waves(host: str, port: int, count: int, batch: int, tag: str, tick: Any = None) -> tuple[int, int]:
+    """``count`` connections, ``batch`` at a time: each connects, sends one chat, reads it to
+    its end and closes. Returns (done, failed)."""
+    done = failed = 0
+    for start in range(0, count, batch):
+        num = min(batch, count - start)
+        clients = await asyncio.gather(*(LeanClient.connect(host, port) for _ in range(num)))
+        ok, bad = await _chat_all(list(clients), f"{tag}-{start}")
+        done, failed = done + ok, failed + bad
+        for client in clients:
+            client.close()
+        if tick is not None:
+            tick(num)
+    return done, failed
+
+
 async def _churn(cluster: Cluster, options: Options, tag: str) -> dict[str, Any]:
+    """RSS after ``churn_warmup`` finished connections vs after ``churn`` more (issue 8's
+    measure: 200 then 2,000)."""
     host, port = cluster.edge_hosts["edge"], cluster.edge_ports["edge"]
     pid = cluster.procs["edge"].pid
-    # One untimed wave first: the allocator's pools grow to their working size once.
-    warm = await asyncio.gather(*(LeanClient.connect(host, port) for _ in range(options.batch)))
-    await _chat_all(list(warm), f"churnwarm{tag}")
-    for client in warm:
-        client.close()
+    await _waves(host, port, options.churn_warmup, options.batch, f"churnwarm{tag}")
     await asyncio.sleep(options.settle_s)
     gc.collect()
     before = rss_kib(pid)
-    done = failed = 0
     with progress("churn", options.churn) as tick:
-        for start in range(0, options.churn, options.batch):
-            count = min(options.batch, options.churn - start)
-            clients = await asyncio.gather(*(LeanClient.connect(host, port) for _ in range(count)))
-            ok, bad = await _chat_all(list(clients), f"churn{tag}-{start}")
-            done, failed = done + ok, failed + bad
-            for client in clients:
-                client.close()
-            tick(count)
+        done, failed = await _waves(host, port, options.churn, options.batch, f"churn{tag}", tick)
     await asyncio.sleep(options.settle_s)
     after = rss_kib(pid)
-    return {"connections": options.churn, "done": done, "failed": failed, "rss_kib_before": before,
-            "rss_kib_after": after, "growth_bytes_per_connection": round((after - before) * 1024 / options.churn, 1)}
+    return {"connections": options.churn, "warmup": options.churn_warmup, "done": done, "failed": failed,
+            "rss_kib_before": before, "rss_kib_after": after,
+            "growth_bytes_per_connection": round((after - before) * 1024 / options.churn, 1)}
 
 
 def run(options: Options) -> dict[str, Any]:

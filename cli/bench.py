@@ -288,13 +288,15 @@ def connections(
     probe_every: Annotated[int, typer.Option(min=1, help="One held connection in this many sends a chat.")] = 100,
     churn: Annotated[int, typer.Option(min=0, help="Then this many connections that each make one request and "
                                                    "close: the RSS each leaves behind.")] = 0,
+    churn_warmup: Annotated[int, typer.Option(min=0, help="Finished connections before the churn's first "
+                                                          "RSS reading.")] = 200,
     as_json: JsonOption = False,
 ) -> None:
     """Idle connections one edge holds, its RSS per connection, and (--churn) what finished ones leave."""
     from lanes.bench import connections as bench
     from lanes.bench.common import print_table
 
-    result = bench.run(bench.Options(connections, batch, probe_every, churn))
+    result = bench.run(bench.Options(connections, batch, probe_every, churn, churn_warmup))
 
     def table() -> None:
         rows = [["held", result["connections"], result["rss_mb_baseline"], result["rss_mb"],

@@ -65,7 +65,7 @@ def test_fanout_delivers_every_token_in_order_and_meters_cpu() -> None:
 
 def test_connections_holds_idle_connections_that_still_serve() -> None:
     out = lanes("connections", "--connections", "150", "--batch", "50", "--probe-every", "10", "--churn", "60",
-                "--json")
+                "--churn-warmup", "20", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["connections"] == 150
