@@ -256,8 +256,8 @@ def print_live_table(result: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         for cls in ("short", "long", "all"):
             lv, sv = result[name].get(cls, {}), result["sim"][name][cls]
-            rows.append((name, cls, lv.get("ttft_ms_p50", float("nan")), sv["ttft_ms_p50"],
-                         lv.get("ttft_ms_p99", float("nan")), sv["ttft_ms_p99"],
+            rows.append((name, cls, _ms(lv.get("ttft_ms_p50")), _ms(sv["ttft_ms_p50"]),
+                         _ms(lv.get("ttft_ms_p99")), _ms(sv["ttft_ms_p99"]),
                          f"{lv.get('throughput_rps', float('nan')):.3f}", f"{sv['throughput_rps']:.3f}"))
     gain = result["short_p99_gain"]
     cfg, machine = result["config"], result["machine"]["after"]
@@ -268,6 +268,10 @@ def print_live_table(result: dict[str, Any], names: tuple[str, ...]) -> None:
     typer.echo(f"short TTFT p99 gain (fcfs/lanes): live {gain['live']:.2f}, sim {gain['sim']:.2f}; "
                f"sim_gap {result['sim_gap']:+.1%} (goal within {result['sim_gap_goal']:.0%}); "
                f"cores used by the run: {cores}; load average {machine['loadavg_1m']} on {machine['cores']} cores")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or not np.isfinite(value) else f"{value:,.0f}"
 
 
 def write_live_plot(result: dict[str, Any], names: tuple[str, ...], path: Path) -> None:
