@@ -38,11 +38,17 @@ Method
    scheduled time to the first delta, so a late client counts against the system; the send lag
    is reported. Every request must end with ``done`` with gap-free sequence numbers and the
    expected number of tokens.
+   The command starts its own Redis and processes; it does not target an existing deployment
+   (``--url`` / ``LANES_REDIS_URL``): the policy, slot and threshold settings must be the
+   replay's, and a fresh, empty system per policy keeps the two runs comparable.
 6. **Metrics**, for live and simulated runs alike (``np.percentile``): TTFT p50/p99 (ms) of
    short (answer <= the slice's p50) and long (> p90) requests and of all, and throughput
    (requests / (last finish - first arrival), trace time). ``sim_gap`` is the relative
    difference of the short TTFT p99 gain (fcfs p99 / lanes p99), live vs simulated:
-   ``gain_live / gain_sim - 1`` (goal: within +-20 %).
+   ``gain_live / gain_sim - 1`` (goal: within +-20 %). The simulator charges each request the
+   predictor time measured while planning (as ``bench policy`` does), so its figures move by a
+   few per cent from one invocation to the next; so do the live ones (p99 of ~200 short and
+   ~40 long requests is their 2nd and 1st largest value).
 """
 
 from __future__ import annotations
@@ -319,7 +325,7 @@ def _live_result(p: Plan, replay: Replay, time_scale: float, cpu_s: dict[str, fl
     return result
 
 
-def run(p: Plan, *, time_scale: float, num_edges: int = 1, num_clients: int = 16,
+def run(p: Plan, *, time_scale: float, num_edges: int = 2, num_clients: int = 32,
         policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """Both policies live, the simulator beside them, ``sim_gap`` and the machine's load."""
     sim = simulate(p)

@@ -193,8 +193,8 @@ def live(
                                              "on --workers.")] = 0.9,
     workers: Annotated[int, typer.Option(help="Sim-engine worker processes.")] = 2,
     slots: Annotated[int, typer.Option(help="Slots per worker (max_num_seqs, here and in the simulator).")] = 16,
-    edges: Annotated[int, typer.Option(help="Edge processes (clients are spread over them).")] = 1,
-    clients: Annotated[int, typer.Option(help="WebSocket client connections.")] = 16,
+    edges: Annotated[int, typer.Option(help="Edge processes (clients are spread over them).")] = 2,
+    clients: Annotated[int, typer.Option(help="WebSocket client connections.")] = 32,
     time_scale: Annotated[float, typer.Option(help="Run this many times faster than the trace's time.")] = 2.0,
     profile: Annotated[str, typer.Option(help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
     policy: Annotated[str, typer.Option(help="Policies run live (comma list of fcfs, lanes; sim_gap needs "
