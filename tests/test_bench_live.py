@@ -57,7 +57,7 @@ def test_bench_live_small(tmp_path: Path) -> None:
                 for key in ("ttft_ms_p50", "ttft_ms_p99", "throughput_rps"):
                     assert math.isfinite(source[cls][key]) and source[cls][key] > 0, (policy, cls, key)
                 assert source[cls]["ttft_ms_p50"] <= source[cls]["ttft_ms_p99"]
-    assert math.isfinite(result["sim_gap"])
+    assert math.isfinite(result["sim_gap"]) and result["sim_gap_by_class"]["short"] == pytest.approx(result["sim_gap"])
     assert result["machine"]["after"]["cores"] >= 1 and "loadavg_1m" in result["machine"]["after"]
     # Same slice, same arrivals: live throughput is the simulator's within a few per cent.
     for policy in ("fcfs", "lanes"):
