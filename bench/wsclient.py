@@ -28,6 +28,9 @@ class ServerFrame(msgspec.Struct):
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     timing: dict[str, float] | None = None
+    #: ``accepted``: the lane the edge chose and its predicted answer length.
+    lane: str | None = None
+    predicted_tokens: int | None = None
 
 
 _decode = msgspec.json.Decoder(ServerFrame).decode
@@ -57,6 +60,8 @@ class Stream:
     num_deltas: int = 0
     gaps: int = 0
     end: ServerFrame | None = None
+    #: The ``accepted`` frame (lane, predicted tokens).
+    accepted: ServerFrame | None = None
 
 
 @dataclass
@@ -102,10 +107,15 @@ class LeanClient(asyncio.Protocol):
         assert self._transport is not None
         self._transport.write(_frame(0x1, payload))
 
-    def chat(self, rid: str, content: str, max_tokens: int, **fields: object) -> None:
-        self.streams[rid] = Stream(time.perf_counter())
+    def chat(self, rid: str, content: str, max_tokens: int, *, messages: list[dict[str, str]] | None = None,
+             **fields: object) -> Stream:
+        """Send a chat request: one user message ``content``, after ``messages`` if given
+        (e.g. a system message); ``fields`` are further request fields (``stop``, ...)."""
+        stream = self.streams[rid] = Stream(time.perf_counter())
         self.send_json(msgspec.json.encode({"type": "chat", "id": rid, "max_tokens": max_tokens,
-                                            "messages": [{"role": "user", "content": content}], **fields}))
+                                            "messages": [*(messages or []), {"role": "user", "content": content}],
+                                            **fields}))
+        return stream
 
     def close(self) -> None:
         if self._transport is not None:
@@ -167,7 +177,7 @@ class LeanClient(asyncio.Protocol):
             if stream.first_delta_at is None:
                 stream.first_delta_at = now
         elif kind == "accepted":
-            stream.accepted_at = now
+            stream.accepted_at, stream.accepted = now, frame
         elif kind in ("done", "error"):
             stream.ended_at, stream.end = now, frame
             self.on_end(frame.id or "", stream)

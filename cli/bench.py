@@ -16,6 +16,9 @@ DEFAULT_PLOT_LOADS = "0.5,0.73,0.88,0.95,1.1"
 DEFAULT_POLICIES = "fcfs,lanes,priority,mlfq"
 #: Prompts with known answer lengths that the shipped predictor was not trained on.
 DEFAULT_PROMPT_POOL = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompt_pool.json"
+#: The public data beside a checkout (``../shared/data``; its READMEs name the public sources).
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_TRACE = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
 PREDICTORS = ("real", "noise", "random", "oracle")
 
 
@@ -24,9 +27,7 @@ def _floats(text: str) -> list[float]:
 
 
 def _fallback_prompts() -> Path:
-    from lanes.cli.predictor import DEFAULT_DATA, MISTRAL_JSON
-
-    return DEFAULT_DATA / MISTRAL_JSON
+    return SHARED_DATA / "prompts" / "alpaca_eval_Mistral-7B-Instruct-v0.2.json"
 
 
 def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
@@ -316,3 +317,122 @@ def connections(
     if failed or result["connections"] < connections:
         typer.echo(f"{connections - result['connections']} connections dropped, {failed} chats failed", err=True)
         raise typer.Exit(1)
+
+
+
+
+@app.command("live")
+def live(
+    trace: Annotated[Path, typer.Option(help="Azure LLM inference trace CSV (read in place).")] = DEFAULT_TRACE,
+    prompts: Annotated[Path | None, typer.Option(help="Prompts with known answer lengths, as for `bench policy`. "
+                       "Default: benchmarks/data/prompt_pool.json.")] = None,
+    requests: Annotated[int, typer.Option("--requests", help="Rows of the trace replayed (the slice).")] = 400,
+    start: Annotated[int, typer.Option(help="First row of the slice.")] = 0,
+    load: Annotated[float, typer.Option(help="Offered load as a fraction of the slice's FCFS capacity "
+                                             "on --workers.")] = 0.9,
+    workers: Annotated[int, typer.Option(help="Sim-engine worker processes.")] = 2,
+    slots: Annotated[int, typer.Option(help="Slots per worker (max_num_seqs, here and in the simulator).")] = 16,
+    edges: Annotated[int, typer.Option(help="Edge processes (clients are spread over them).")] = 2,
+    clients: Annotated[int, typer.Option(help="WebSocket client connections.")] = 32,
+    time_scale: Annotated[float, typer.Option(help="Run this many times faster than the trace's time.")] = 2.0,
+    profile: Annotated[str, typer.Option(help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
+    policy: Annotated[str, typer.Option(help="Policies run live (comma list of fcfs, lanes; sim_gap needs "
+                                             "both).")] = "fcfs,lanes",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (or write --json-file).")] = False,
+    json_file: Annotated[Path | None, typer.Option(help="Write the JSON here (implies --json).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of TTFT p50/p99, live vs simulated.")] = None,
+) -> None:
+    """Replay a trace slice through real edges, Redis and sim workers, fcfs vs lanes, beside the simulator."""
+    from lanes.bench import live as bench_live
+    from lanes.bench.common import write_json
+    from lanes.cli.predictor import load_observations
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.sim.trace import Trace, load_azure_csv
+
+    names = tuple(n.strip() for n in policy.split(",") if n.strip())
+    if not names or set(names) - set(bench_live.POLICIES):
+        raise typer.BadParameter(f"--policy takes {', '.join(bench_live.POLICIES)}", param_hint="--policy")
+    if not trace.is_file():
+        raise typer.BadParameter(f"trace {trace} not found", param_hint="--trace")
+    full = load_azure_csv(trace)
+    if requests < 10 or start < 0 or start + requests > len(full):
+        raise typer.BadParameter(f"the trace has {len(full)} rows; need 10 <= --requests and "
+                                 f"--start + --requests <= {len(full)}")
+    path = prompts or DEFAULT_PROMPT_POOL
+    if prompts is None and not path.is_file():
+        path = _fallback_prompts()
+    if not path.is_file():
+        raise typer.BadParameter(f"prompt file {path} not found", param_hint="--prompts")
+    observations = load_observations(path)
+    if not observations:
+        raise typer.BadParameter(f"{path} holds no prompts", param_hint="--prompts")
+    end = start + requests
+    sliced = Trace(full.arrival_s[start:end], full.prompt_tokens[start:end], full.output_tokens[start:end])
+    pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
+    plan = bench_live.plan(sliced, [o.prompt for o in observations], pool_tokens, load_default().predict,
+                           workers=workers, slots=slots, profile=profile, load=load)
+    typer.echo(f"slice rows {start}..{end - 1}: FCFS capacity {plan.capacity_rps:.3f} req/s on {workers} x {slots} "
+               f"slots; offered {plan.trace.rate_rps:.3f} req/s over {plan.trace.duration_s:.0f} s of trace time "
+               f"(~{plan.trace.duration_s / time_scale:.0f} s wall per policy); predictor tau {plan.tau:.2f}, "
+               f"long lane above {plan.routing_max_tokens} tokens ({plan.share_long_lane:.0%})", err=True)
+    result = bench_live.run(plan, time_scale=time_scale, num_edges=edges, num_clients=clients, policies=names)
+    if as_json or json_file is not None:
+        write_json(json_file, result)
+    if json_file is not None or not as_json:
+        print_live_table(result, names)
+    if plot is not None:
+        write_live_plot(result, names, plot)
+    bad = {n: result[n]["checks"] for n in names if result[n]["checks"]["not_done"] or result[n]["checks"]["gaps"]}
+    if bad:
+        typer.echo(f"not every request ended with done, gap-free: {json.dumps(bad)}", err=True)
+        raise typer.Exit(1)
+
+
+def print_live_table(result: dict[str, Any], names: tuple[str, ...]) -> None:
+    from lanes.bench.common import print_table
+
+    rows = []
+    for name in names:
+        for cls in ("short", "long", "all"):
+            lv, sv = result[name].get(cls, {}), result["sim"][name][cls]
+            rows.append((name, cls, _ms(lv.get("ttft_ms_p50")), _ms(sv["ttft_ms_p50"]),
+                         _ms(lv.get("ttft_ms_p99")), _ms(sv["ttft_ms_p99"]),
+                         f"{lv.get('throughput_rps', float('nan')):.3f}", f"{sv['throughput_rps']:.3f}"))
+    gain = result["short_p99_gain"]
+    cfg, machine = result["config"], result["machine"]["after"]
+    print_table(f"lanes bench live: {cfg['requests']} requests, {cfg['workers']} workers x {cfg['slots']} slots, "
+                f"load {cfg['load']}, time scale {cfg['time_scale']} (TTFT ms in trace time)",
+                ("policy", "class", "live p50", "sim p50", "live p99", "sim p99", "live req/s", "sim req/s"), rows)
+    cores = ", ".join(f"{n} {result[n]['cpu_cores_used_total']:.2f}" for n in names)
+    typer.echo(f"short TTFT p99 gain (fcfs/lanes): live {gain['live']:.2f}, sim {gain['sim']:.2f}; "
+               f"sim_gap {result['sim_gap']:+.1%} (goal within {result['sim_gap_goal']:.0%}); "
+               f"cores used by the run: {cores}; load average {machine['loadavg_1m']} on {machine['cores']} cores")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or not np.isfinite(value) else f"{value:,.0f}"
+
+
+def write_live_plot(result: dict[str, Any], names: tuple[str, ...], path: Path) -> None:
+    """Bars of TTFT p50 and p99 per policy and class, live beside simulated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"{n}\n{c}" for n in names for c in ("short", "long")]
+    x = np.arange(len(labels))
+    for ax, q in zip(axes, ("p50", "p99"), strict=True):
+        live_v = [result[n].get(c, {}).get(f"ttft_ms_{q}", np.nan) / 1000 for n in names for c in ("short", "long")]
+        sim_v = [result["sim"][n][c][f"ttft_ms_{q}"] / 1000 for n in names for c in ("short", "long")]
+        ax.bar(x - 0.2, live_v, 0.4, label="live")
+        ax.bar(x + 0.2, sim_v, 0.4, label="simulated")
+        ax.set(xticks=x, xticklabels=labels, title=f"TTFT {q} (s, trace time)")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"lanes bench live: sim_gap {result['sim_gap']:+.1%}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import pytest
-
 from lanes.queue.messages import ChatMessage, FinishReason
 from lanes.scheduler.costmodel import SpecDecoding, get_profile
 from lanes.workers.engines.base import Engine, EngineRequest, RequestRejected
@@ -89,3 +88,20 @@ async def test_rejects_nothing_left_to_generate() -> None:
     engine = SimEngine(PROFILE)
     with pytest.raises(RequestRejected):
         await anext(engine.generate(EngineRequest(id="r", messages=PROMPT, max_tokens=2, resume_token_ids=(1, 2))))
+
+
+async def test_stop_string_ends_the_answer_before_it() -> None:
+    """``stop=[" tok<N>"]``: exactly N tokens, finish ``stop``, in the time N tokens take."""
+    engine = SimEngine(PROFILE, time_scale=4.0)
+    await engine.start()
+    try:
+        stopped, stop_s = await collect(engine, EngineRequest(id="s", messages=PROMPT, max_tokens=4096,
+                                                              stop=(" tok12",)))
+        length, length_s = await collect(engine, request("l", 12))
+        one, _ = await collect(engine, EngineRequest(id="o", messages=PROMPT, max_tokens=4096, stop=(" tok1",)))
+    finally:
+        await engine.close()
+    assert "".join(d.text for d in stopped).split() == [f"tok{i}" for i in range(12)]
+    assert stopped[-1].finish_reason is FinishReason.STOP and sum(len(d.token_ids) for d in stopped) == 12
+    assert stop_s == pytest.approx(length_s, rel=0.2)
+    assert "".join(d.text for d in one).split() == ["tok0"] and one[-1].finish_reason is FinishReason.STOP

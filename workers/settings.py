@@ -51,6 +51,9 @@ class WorkerSettings(RedisSettings):
     #: Let long requests use reserved slots while the shorter lanes are empty (more
     #: throughput, but a short request arriving then waits for a slot).
     borrow_when_idle: bool = False
+    #: Priority only under load: while the short lane's oldest request has waited less than
+    #: this, lanes are popped oldest-first (``SlotConfig.fcfs_below_ms``; 0 = always by priority).
+    fcfs_below_ms: float = 0.0
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True
@@ -59,6 +62,8 @@ class WorkerSettings(RedisSettings):
     preempt_after_ms: float = 20_000.0
     #: A request is handed back at most this many times.
     max_preemptions: int = 1
+    #: A run that (re)started less than this long ago is not handed back.
+    preempt_min_run_ms: float = DEFAULT_PREEMPTION.min_run_ms
     #: Cancel a running request whose edge channel has had no subscriber this long (its edge
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
     orphan_grace_s: float = 15.0
@@ -98,9 +103,10 @@ class WorkerSettings(RedisSettings):
             max_slots=max_slots, max_long=self.max_long_slots, max_medium_long=self.max_medium_long_slots,
             min_medium=min(self.min_medium_slots, max_slots - min_long), min_long=min_long,
             starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
-            borrow_when_idle=self.borrow_when_idle,
+            borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.fcfs_below_ms,
         )
 
     def preemption(self) -> PreemptionConfig | None:
         return None if self.preempt_after_ms <= 0 else replace(
-            DEFAULT_PREEMPTION, wait_bound_ms=self.preempt_after_ms, max_preemptions=self.max_preemptions)
+            DEFAULT_PREEMPTION, wait_bound_ms=self.preempt_after_ms, max_preemptions=self.max_preemptions,
+            min_run_ms=self.preempt_min_run_ms)

@@ -5,6 +5,13 @@ admitted requests (up to ``max_num_seqs`` running and ``max_num_batched_tokens``
 tokens) or one decode step for every running request, timed by the cost profile and divided
 by ``time_scale``. With speculative decoding each step yields 1 + (accepted drafts) tokens.
 No torch: it exists for capacity planning and fleet-scale queueing benchmarks.
+
+The filler text is `` tok0 tok1 ...`` (numbered from the first token of the answer, resumed
+attempts included). Stop strings end the answer as on a real engine, before the token whose
+text would complete one (finish reason ``stop``); the filler being known in advance, the
+answer ends with the step that emits the last token before it (no step is spent on a token
+that is not sent). So ``stop=[" tok<N>"]`` gives exactly N tokens in the steps N tokens take
+(``lanes bench live`` replays a trace's answer lengths this way, with a large ``max_tokens``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class _Seq:
     num_output_tokens: int
     queue: asyncio.Queue[EngineDelta] = field(default_factory=asyncio.Queue)
     num_done: int = 0
+    #: The end of the text so far (as long as the longest stop string), for stop matching.
+    tail: str = ""
 
 
 def prompt_token_count(request: EngineRequest) -> int:
@@ -166,10 +175,31 @@ class SimEngine:
     def _emit(self, seq: _Seq, num_tokens: int) -> None:
         start = seq.num_done + len(seq.request.resume_token_ids)
         num_tokens = min(num_tokens, seq.num_output_tokens - seq.num_done)
+        pieces = [f" tok{start + i}" for i in range(num_tokens)]
+        stopped = False
+        if seq.request.stop:  # one piece more: does the token after these complete a stop string?
+            pieces, stopped = _until_stop(seq, [*pieces, f" tok{start + num_tokens}"])
+            pieces = pieces[:num_tokens]
+            num_tokens = len(pieces)
         ids = tuple(TOKEN_ID_BASE + start + i for i in range(num_tokens))
         seq.num_done += num_tokens
-        done = seq.num_done >= seq.num_output_tokens
+        done = stopped or seq.num_done >= seq.num_output_tokens
         if done:
             self._running.pop(seq.request.id, None)
-        text = "".join(f" tok{start + i}" for i in range(num_tokens))
-        seq.queue.put_nowait(EngineDelta(ids, text, FinishReason.LENGTH if done else None, seq.prompt_tokens))
+        reason = FinishReason.STOP if stopped else FinishReason.LENGTH if done else None
+        seq.queue.put_nowait(EngineDelta(ids, "".join(pieces), reason, seq.prompt_tokens))
+
+
+def _until_stop(seq: _Seq, pieces: list[str]) -> tuple[list[str], bool]:
+    """The pieces before the first one that completes a stop string, and whether one did
+    (``seq.tail`` advances over the pieces returned, except a lookahead piece: the last one)."""
+    keep = max(len(s) for s in seq.request.stop)
+    tail = seq.tail
+    for i, piece in enumerate(pieces):
+        text = tail + piece
+        if any(s and s in text for s in seq.request.stop):
+            return pieces[:i], True
+        tail = text[-keep:]
+        if i < len(pieces) - 1:
+            seq.tail = tail
+    return pieces, False

@@ -1,0 +1,65 @@
+"""`lanes bench live` as a user runs it, small: both policies through real processes, JSON out."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPTS = [
+    {"prompt": "Say hi.", "output_tokens": 3},
+    {"prompt": "Name a colour.", "output_tokens": 5},
+    {"prompt": "Give me a one-line summary of photosynthesis.", "output_tokens": 30},
+    {"prompt": "Write a short poem about the sea.", "output_tokens": 120},
+    {"prompt": "Explain, step by step, how a compiler turns source code into machine code.", "output_tokens": 600},
+    {"prompt": "Write a detailed essay on the causes of the First World War.", "output_tokens": 900},
+]
+
+
+def test_bench_live_small(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    trace = tmp_path / "trace.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(60):
+        seconds = 0.3 * i
+        rows.append(f"2023-11-16 18:{int(seconds // 60):02d}:{seconds % 60:09.6f}0,{rng.integers(50, 1500)},"
+                    f"{int(rng.lognormal(4.0, 1.0)) + 1}")
+    trace.write_text("\n".join(rows) + "\n")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out, plot = tmp_path / "live.json", tmp_path / "live.png"
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+           **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
+    done = subprocess.run([sys.executable, "-m", "lanes.cli.main", "bench", "live", "--trace", str(trace),
+                           "--prompts", str(prompts), "--requests", "40", "--workers", "2", "--slots", "4",
+                           "--time-scale", "10", "--clients", "4", "--json-file", str(out), "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=150, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sim_gap" in done.stdout and plot.stat().st_size > 0
+    result = json.loads(out.read_text())
+    for policy in ("fcfs", "lanes"):
+        checks = result[policy]["checks"]
+        assert checks["num_done"] == 40 and checks["not_done"] == 0 and checks["gaps"] == 0, checks
+        assert checks["wrong_length"] == 0 and checks["crashed"] == [] and not checks["errors"], checks
+        # The edges predicted what the simulator was given, and routed by policy.
+        assert checks["predictions_differing_from_sim"] == 0, checks
+        assert set(checks["lanes"]) <= ({"medium"} if policy == "fcfs" else {"short", "long"}), checks
+        for source in (result[policy], result["sim"][policy]):
+            for cls in ("short", "long", "all"):
+                for key in ("ttft_ms_p50", "ttft_ms_p99", "throughput_rps"):
+                    assert math.isfinite(source[cls][key]) and source[cls][key] > 0, (policy, cls, key)
+                assert source[cls]["ttft_ms_p50"] <= source[cls]["ttft_ms_p99"]
+    assert math.isfinite(result["sim_gap"]) and result["sim_gap_by_class"]["short"] == pytest.approx(result["sim_gap"])
+    assert result["machine"]["after"]["cores"] >= 1 and "loadavg_1m" in result["machine"]["after"]
+    # Same slice, same arrivals: live throughput is the simulator's within a few per cent.
+    for policy in ("fcfs", "lanes"):
+        assert result[policy]["all"]["throughput_rps"] == pytest.approx(result["sim"][policy]["all"]["throughput_rps"],
+                                                                        rel=0.15)
