@@ -436,3 +436,34 @@ def write_live_plot(result: dict[str, Any], names: tuple[str, ...], path: Path) 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@app.command("background")
+def background(
+    long: Annotated[int, typer.Option(min=1, help="Long chats holding the worker.")] = 24,
+    long_tokens: Annotated[int, typer.Option(min=1, help="Tokens per long answer.")] = 1000,
+    short: Annotated[int, typer.Option(min=1, help="Short chats measured.")] = 40,
+    interval_ms: Annotated[float, typer.Option(min=0.0, help="Between two short chats.")] = 100.0,
+    time_scale: Annotated[float, typer.Option(min=0.1, help="Sim engine speed-up over the L70-H100 cost "
+                                                           "model.")] = 10.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Short requests' TTFT while long answers hold the worker: one lane (LANES_POLICY=fcfs) vs lanes."""
+    from lanes.bench import background as bench
+    from lanes.bench.common import print_table
+
+    result = bench.run(bench.Options(long, long_tokens, short, 16, interval_ms, time_scale))
+
+    def table() -> None:
+        rows = [[policy, r["short_ttft_ms_p50"], r["short_ttft_ms_p99"], r["short_ttft_ms_max"],
+                 f"{r['short_done']}/{short}", " ".join(f"{k}:{v}" for k, v in r["short_lanes"].items()),
+                 " ".join(f"{k}:{v}" for k, v in r["long_lanes"].items())]
+                for policy in bench.POLICIES for r in [result[policy]]]
+        print_table(f"Short TTFT (ms) with {long} long chats in the background, time scale {time_scale:g} "
+                    f"(load {result['machine']['loadavg_1m']})",
+                    ["policy", "p50", "p99", "max", "done", "short lanes", "long lanes"], rows)
+
+    _emit(result, as_json, table)
+    if any(result[p]["short_done"] < short or result[p]["short_gaps"] for p in bench.POLICIES):
+        typer.echo("short chats did not all end with done, or had gaps", err=True)
+        raise typer.Exit(1)

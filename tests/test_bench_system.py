@@ -80,3 +80,20 @@ def test_connections_holds_idle_connections_that_still_serve() -> None:
 def test_bad_concurrency_is_named() -> None:
     out = lanes("fanout", "--concurrency", "4,lots")
     assert out.returncode == 2 and "--concurrency" in out.stderr
+
+
+def test_background_short_chats_skip_the_long_ones_only_with_lanes() -> None:
+    # 1,000 tokens: the prediction is capped by max_tokens, and the long lane starts above 750.
+    out = lanes("background", "--long", "8", "--long-tokens", "1000", "--short", "5", "--interval-ms", "20",
+                "--time-scale", "40", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    fcfs, lanes_ = result["fcfs"], result["lanes"]
+    for r in (fcfs, lanes_):
+        assert r["short_done"] == 5 and r["short_gaps"] == 0 and r["all_short_ended"]
+    # One lane: everything in it. Lanes: the predictor splits the two kinds of prompt.
+    assert len(fcfs["short_lanes"]) == 1 and fcfs["short_lanes"] == {k: 5 for k in fcfs["long_lanes"]}
+    assert lanes_["short_lanes"] == {"short": 5} and lanes_["long_lanes"] == {"long": 8}
+    # With one lane the 8 long answers hold all 8 slots and the short ones wait for a long one to
+    # end; with lanes they get the slots the long lane may not take.
+    assert fcfs["short_ttft_ms_p50"] > lanes_["short_ttft_ms_p99"]
