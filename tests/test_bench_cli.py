@@ -7,17 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-
-PROMPTS = [
-    {"prompt": "Say hi.", "output_tokens": 3},
-    {"prompt": "Name a colour.", "output_tokens": 5},
-    {"prompt": "Give me a one-line summary of photosynthesis.", "output_tokens": 30},
-    {"prompt": "Write a short poem about the sea.", "output_tokens": 120},
-    {"prompt": "Explain, step by step, how a compiler turns source code into machine code.", "output_tokens": 600},
-    {"prompt": "Write a detailed essay on the causes of the First World War.", "output_tokens": 900},
-]
+from bench_support import write_prompts, write_trace
 
 
 def lanes(*args: str) -> subprocess.CompletedProcess[str]:
@@ -27,17 +18,7 @@ def lanes(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def files(tmp_path: Path) -> tuple[Path, Path]:
-    rng = np.random.default_rng(0)
-    trace = tmp_path / "trace.csv"
-    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for i in range(300):
-        seconds = 0.2 * i
-        rows.append(f"2023-11-16 18:{int(seconds // 60):02d}:{seconds % 60:09.6f}0,{rng.integers(100, 1500)},"
-                    f"{int(rng.lognormal(4.5, 1.0)) + 1}")
-    trace.write_text("\n".join(rows) + "\n")
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(PROMPTS))
-    return trace, prompts
+    return write_trace(tmp_path / "trace.csv", 300, 0.2, 100, 4.5), write_prompts(tmp_path / "prompts.json")
 
 
 def test_bench_policy_with_prompts_prints_the_json_shape(files: tuple[Path, Path]) -> None:

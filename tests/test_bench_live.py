@@ -9,32 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from bench_support import write_prompts, write_trace
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PROMPTS = [
-    {"prompt": "Say hi.", "output_tokens": 3},
-    {"prompt": "Name a colour.", "output_tokens": 5},
-    {"prompt": "Give me a one-line summary of photosynthesis.", "output_tokens": 30},
-    {"prompt": "Write a short poem about the sea.", "output_tokens": 120},
-    {"prompt": "Explain, step by step, how a compiler turns source code into machine code.", "output_tokens": 600},
-    {"prompt": "Write a detailed essay on the causes of the First World War.", "output_tokens": 900},
-]
 
 
 def test_bench_live_small(tmp_path: Path) -> None:
-    rng = np.random.default_rng(0)
-    trace = tmp_path / "trace.csv"
-    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for i in range(60):
-        seconds = 0.3 * i
-        rows.append(f"2023-11-16 18:{int(seconds // 60):02d}:{seconds % 60:09.6f}0,{rng.integers(50, 1500)},"
-                    f"{int(rng.lognormal(4.0, 1.0)) + 1}")
-    trace.write_text("\n".join(rows) + "\n")
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(PROMPTS))
+    trace = write_trace(tmp_path / "trace.csv", 60, 0.3, 50, 4.0)
+    prompts = write_prompts(tmp_path / "prompts.json")
     out, plot = tmp_path / "live.json", tmp_path / "live.png"
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
