@@ -86,6 +86,7 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
         "long_running_when_shorts_sent": sum(s.first_delta_at is not None and s.first_delta_at < shorts[0].sent_at
                                              for s in longs) if shorts else 0,
         "all_short_ended": all_ended,
+        "short_ttft_ms": [round(float(x), 2) for x in ttft],
     }
 
 

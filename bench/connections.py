@@ -43,12 +43,16 @@ class Options:
     settle_s: float = 2.0
 
 
-async def _open(host: str, port: int, count: int, batch: int, tick: Any) -> list[LeanClient]:
+async def _open(host: str, port: int, count: int, batch: int, tick: Any, pid: int
+                ) -> tuple[list[LeanClient], list[tuple[int, float]]]:
+    """Open ``count`` connections ``batch`` at a time; the edge's RSS (MB) after each batch."""
     clients: list[LeanClient] = []
+    curve: list[tuple[int, float]] = []
     for start in range(0, count, batch):
         clients += await asyncio.gather(*(LeanClient.connect(host, port) for _ in range(min(batch, count - start))))
+        curve.append((len(clients), round(rss_kib(pid) / 1024, 1)))
         tick(min(batch, count - start))
-    return clients
+    return clients, curve
 
 
 async def _chat_all(clients: list[LeanClient], tag: str, timeout_s: float = 60.0) -> tuple[int, int]:
@@ -89,7 +93,7 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     meter.start()
     started = time.monotonic()
     with progress("connections", options.connections) as tick:
-        clients = await _open(host, port, options.connections, options.batch, tick)
+        clients, curve = await _open(host, port, options.connections, options.batch, tick, pid)
     open_s = time.monotonic() - started
     await asyncio.sleep(options.settle_s)
     held_kib = rss_kib(pid)
@@ -102,6 +106,8 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
         "kib_per_connection": round((held_kib - baseline_kib) / max(alive, 1), 2),
         "open_s": round(open_s, 1), "probes_done": probes_done, "probes_failed": probes_failed,
         "cpu_s": {k: round(v, 2) for k, v in used.items()},
+        #: (connections open, edge RSS MB) after each batch: ``--plot``.
+        "rss_curve": curve,
     }
     for client in clients:
         client.close()

@@ -292,6 +292,7 @@ def connections(
     churn_warmup: Annotated[int, typer.Option(min=0, help="Finished connections before the churn's first "
                                                           "RSS reading.")] = 200,
     as_json: JsonOption = False,
+    plot: PlotOption = None,
 ) -> None:
     """Idle connections one edge holds, its RSS per connection, and (--churn) what finished ones leave."""
     from lanes.bench import connections as bench
@@ -313,6 +314,12 @@ def connections(
                      "chats done"], rows)
 
     _emit(result, as_json, table)
+    if plot is not None:
+        from lanes.bench.common import plot_lines
+
+        xs, ys = zip(*result["rss_curve"], strict=True)
+        plot_lines(plot, "Edge RSS while connections open (idle)", "connections open", "edge RSS (MB)",
+                   {"edge RSS": (list(map(float, xs)), list(ys))})
     failed = result["probes_failed"] + result.get("churn", {}).get("failed", 0)
     if failed or result["connections"] < connections:
         typer.echo(f"{connections - result['connections']} connections dropped, {failed} chats failed", err=True)
@@ -447,6 +454,7 @@ def background(
     time_scale: Annotated[float, typer.Option(min=0.1, help="Sim engine speed-up over the L70-H100 cost "
                                                            "model.")] = 10.0,
     as_json: JsonOption = False,
+    plot: PlotOption = None,
 ) -> None:
     """Short requests' TTFT while long answers hold the worker: one lane (LANES_POLICY=fcfs) vs lanes."""
     from lanes.bench import background as bench
@@ -464,6 +472,15 @@ def background(
                     ["policy", "p50", "p99", "max", "done", "short lanes", "long lanes"], rows)
 
     _emit(result, as_json, table)
+    if plot is not None:
+        from lanes.bench.common import plot_lines
+
+        series = {}
+        for policy in bench.POLICIES:
+            ttft = sorted(result[policy]["short_ttft_ms"])
+            series[policy] = ([100 * (i + 0.5) / len(ttft) for i in range(len(ttft))], ttft)
+        plot_lines(plot, f"Short chats' TTFT with {long} long chats in the background", "percentile",
+                   "TTFT (ms)", series, logy=True)
     if any(result[p]["short_done"] < short or result[p]["short_gaps"] for p in bench.POLICIES):
         typer.echo("short chats did not all end with done, or had gaps", err=True)
         raise typer.Exit(1)

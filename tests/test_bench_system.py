@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +28,9 @@ def finite(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def test_overhead_pairs_each_request_with_the_engine_in_process() -> None:
-    out = lanes("overhead", "--requests", "4", "--warmup", "1", "--engines", "sim,hf", "--json")
+def test_overhead_pairs_each_request_with_the_engine_in_process(tmp_path: Path) -> None:
+    out = lanes("overhead", "--requests", "4", "--warmup", "1", "--engines", "sim,hf", "--json",
+                "--plot", str(tmp_path / "added.png"))
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     for key in ("added_ms_p50", "added_ms_p99", "hf_added_ms_p50", "hf_added_ms_p99"):
@@ -43,6 +45,7 @@ def test_overhead_pairs_each_request_with_the_engine_in_process() -> None:
             assert 0 < r["client_accepted_ms"] < r["client_ttft_ms"]
             assert r["baseline_ttft_ms"] > 0
     assert result["machine"]["cores"] >= 1
+    assert (tmp_path / "added.png").stat().st_size > 0
 
 
 def test_overhead_refuses_an_unknown_engine() -> None:
@@ -50,9 +53,9 @@ def test_overhead_refuses_an_unknown_engine() -> None:
     assert out.returncode == 2 and "--engines" in out.stderr
 
 
-def test_fanout_delivers_every_token_in_order_and_meters_cpu() -> None:
+def test_fanout_delivers_every_token_in_order_and_meters_cpu(tmp_path: Path) -> None:
     out = lanes("fanout", "--concurrency", "4,16", "--seconds", "1", "--warmup-s", "0.5", "--workers", "1",
-                "--json")
+                "--json", "--plot", str(tmp_path / "fanout.png"))
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["tokens_per_s"] > 0 and result["server_cpu_ms_per_1k_tokens"] > 0
@@ -61,11 +64,13 @@ def test_fanout_delivers_every_token_in_order_and_meters_cpu() -> None:
         assert r["gaps"] == 0 and r["not_done"] == 0 and r["completed"] > 0
         assert set(r["cpu_ms_per_1k_tokens"]) >= {"edge", "workers", "redis", "client"}
         assert r["cpu_ms_per_1k_tokens"]["edge"] > 0 and r["cpu_ms_per_1k_tokens"]["client"] > 0
+    assert (tmp_path / "fanout.png").stat().st_size > 0
 
 
-def test_connections_holds_idle_connections_that_still_serve() -> None:
+def test_connections_holds_idle_connections_that_still_serve(tmp_path: Path) -> None:
+    plot = tmp_path / "rss.png"
     out = lanes("connections", "--connections", "150", "--batch", "50", "--probe-every", "10", "--churn", "60",
-                "--churn-warmup", "20", "--json")
+                "--churn-warmup", "20", "--json", "--plot", str(plot))
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["connections"] == 150
@@ -75,6 +80,7 @@ def test_connections_holds_idle_connections_that_still_serve() -> None:
     churn = result["churn"]
     assert churn["done"] == 60 and churn["failed"] == 0
     assert finite(churn["growth_bytes_per_connection"])
+    assert [n for n, _ in result["rss_curve"]] == [50, 100, 150] and plot.stat().st_size > 0
 
 
 def test_bad_concurrency_is_named() -> None:
@@ -82,10 +88,10 @@ def test_bad_concurrency_is_named() -> None:
     assert out.returncode == 2 and "--concurrency" in out.stderr
 
 
-def test_background_short_chats_skip_the_long_ones_only_with_lanes() -> None:
+def test_background_short_chats_skip_the_long_ones_only_with_lanes(tmp_path: Path) -> None:
     # 1,000 tokens: the prediction is capped by max_tokens, and the long lane starts above 750.
     out = lanes("background", "--long", "8", "--long-tokens", "1000", "--short", "5", "--interval-ms", "20",
-                "--time-scale", "40", "--json")
+                "--time-scale", "40", "--json", "--plot", str(tmp_path / "ttft.png"))
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     fcfs, lanes_ = result["fcfs"], result["lanes"]
@@ -97,3 +103,4 @@ def test_background_short_chats_skip_the_long_ones_only_with_lanes() -> None:
     # With one lane the 8 long answers hold all 8 slots and the short ones wait for a long one to
     # end; with lanes they get the slots the long lane may not take.
     assert fcfs["short_ttft_ms_p50"] > lanes_["short_ttft_ms_p99"]
+    assert len(fcfs["short_ttft_ms"]) == 5 and (tmp_path / "ttft.png").stat().st_size > 0
