@@ -50,6 +50,20 @@ def test_a_refused_append_makes_the_run_stale_it_is_neither_completed_nor_releas
     assert table.ended("r", None) == [] and table.runs == {}
 
 
+def test_events_queued_before_a_run_turned_stale_are_not_flushed() -> None:
+    table = RunTable()
+    started(table, "r")
+    started(table, "s")
+    table.submit("r", "a", (1,), None)
+    table.submit("s", "x", (9,), None)
+    table.retry(table.take_outbox())  # the flush failed: its events wait for the next one
+    assert table.heartbeat({"s": ("lost", "")}) == [AbortEngine("s")]  # another attempt owns s now
+    table.submit("s", "y", (10,), None)  # ignored: stale
+    assert [(run.id, e.seq) for run, e in table.take_outbox()] == [("r", 0)], "s's queued event is left out"
+    table.submit("r", "b", (2,), None)
+    assert [(run.id, e.seq) for run, e in table.take_outbox()] == [("r", 1)]
+
+
 def test_an_interrupted_run_is_released_and_a_preempted_one_goes_to_its_lane() -> None:
     table = RunTable()
     started(table, "a")

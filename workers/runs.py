@@ -114,6 +114,8 @@ class RunTable:
     #: Events waiting for the next flush, in submission order.
     outbox: list[tuple[Run, TokenEvent]] = field(default_factory=list)
     num_finished: Counter[str] = field(default_factory=Counter)
+    #: A run turned stale since the last ``take_outbox``: its events (if any) must be left out.
+    _stale_since_take: bool = field(default=False, init=False, repr=False)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -166,6 +168,9 @@ class RunTable:
     def take_outbox(self) -> list[tuple[Run, TokenEvent]]:
         """Everything submitted since the last call, stale runs' events left out."""
         batch, self.outbox = self.outbox, []
+        if not self._stale_since_take:  # a stale run submits nothing, so the batch is clean
+            return batch
+        self._stale_since_take = False
         return [(run, event) for run, event in batch if not run.stale]
 
     def flushed(self, batch: Iterable[tuple[Run, TokenEvent]], result: FlushResult, now: float) -> list[RunAction]:
@@ -237,6 +242,7 @@ class RunTable:
         if run.stale:
             return []
         run.stale = True
+        self._stale_since_take = True
         if run.ended:
             return self._drop(run, "stale")
         return [AbortEngine(run.id)]

@@ -359,8 +359,9 @@ class Worker:
             demotion = self.policy.demotion
             if demotion is not None:
                 generated = run.prior_tokens + run.completion_tokens
-                if any(generated - len(token_ids) <= bound < generated
-                       for bound in (demotion.short_max_tokens, demotion.medium_max_tokens)):
+                before = generated - len(token_ids)
+                if (before <= demotion.short_max_tokens < generated
+                        or before <= demotion.medium_max_tokens < generated):
                     self._lanes_changed()  # demoted: it now counts against a later lane
 
     # -- loops ----------------------------------------------------------------------------
