@@ -27,6 +27,7 @@ import numpy as np
 from lanes.bench.common import machine_load
 from lanes.bench.wsclient import LeanClient, Stream
 from lanes.cli.cluster import Cluster
+from lanes.workers.settings import WorkerSettings
 
 LONG_PROMPT = ("Write a detailed, 3000-word essay on the history of the Roman Empire, with chapters on each "
                "dynasty.")
@@ -60,7 +61,8 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     shorts_client = await LeanClient.connect(host, port)
     longs = [longs_client.chat(f"long{tag}-{i}", LONG_PROMPT, options.long_tokens, temperature=0.0)
              for i in range(options.num_long)]
-    running = min(options.num_long, 6)
+    # The worker runs them all up to its long cap (the default, as the worker has no override).
+    running = min(options.num_long, WorkerSettings.model_fields["max_long_slots"].default)
     await _until(lambda: sum(s.first_delta_at is not None for s in longs) >= running, 60.0)
     shorts: list[Stream] = []
     for i in range(options.num_short):
