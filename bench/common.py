@@ -4,7 +4,6 @@ table, JSON and PNG outputs, and the machine's load (recorded beside every resul
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -40,14 +39,6 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100, nearest rank); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def machine_load() -> dict[str, float]:

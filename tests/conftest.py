@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-
 from lanes.queue.embedded import EmbeddedRedis
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
@@ -58,6 +58,36 @@ async def plane(redis_settings: RedisSettings) -> AsyncIterator[QueuePlane]:
     p = QueuePlane.from_settings(redis_settings)
     yield p
     await p.close()
+
+
+#: ``await start_edge(**settings overrides)`` -> the in-process edge's ``host:port``.
+StartEdge = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def start_edge(redis_url: str, key_prefix: str) -> AsyncIterator[StartEdge]:
+    """Start in-process edges with settings overrides; each returns its ``127.0.0.1:port``."""
+    import asyncio
+
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+
+    running: list[tuple[asyncio.Task[None], QueuePlane]] = []
+
+    async def start(**overrides: Any) -> str:
+        settings = EdgeSettings(redis_url=redis_url, key_prefix=key_prefix, port=0, **overrides)
+        plane = QueuePlane.from_settings(settings)
+        edge = Edge(settings, plane)
+        ready = asyncio.Event()
+        running.append((asyncio.create_task(edge.serve(ready)), plane))
+        await asyncio.wait_for(ready.wait(), 30)
+        return f"127.0.0.1:{edge.port}"
+
+    yield start
+    for task, plane in running:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await plane.close()
 
 
 @pytest.fixture(scope="session")

@@ -11,25 +11,25 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 import websockets
-from typer.testing import CliRunner
-from starlette.datastructures import Headers
-from websockets.exceptions import InvalidStatus
-
+from conftest import StartEdge
 from e2e_support import Client
 from lanes.cli.main import app
-from lanes.queue.plane import QueuePlane
-from lanes.ws_server.auth import bearer_token, generate_key, hash_key, origin_allowed, parse_csv
-from lanes.ws_server.edge import Edge
-from lanes.ws_server.settings import EdgeSettings
-
-StartEdge = Callable[..., Awaitable[str]]
-
+from lanes.ws_server.auth import (
+    bearer_token,
+    generate_key,
+    hash_key,
+    origin_allowed,
+    parse_csv,
+)
+from starlette.datastructures import Headers
+from typer.testing import CliRunner
+from websockets.exceptions import InvalidStatus
 
 # -- pure parts ----------------------------------------------------------------------
 
@@ -88,24 +88,12 @@ def create_key(cli: Callable[..., Any]) -> Callable[..., str]:
 
 
 @pytest.fixture
-async def start_edge(redis_url: str, key_prefix: str) -> AsyncIterator[StartEdge]:
-    """Start an in-process edge with settings overrides; returns its ``ws://`` base URL."""
-    running: list[tuple[asyncio.Task[None], QueuePlane]] = []
-
+def start_edge(start_edge: StartEdge) -> StartEdge:
+    """conftest's in-process edge, returning its ``ws://`` base URL."""
     async def start(**overrides: Any) -> str:
-        settings = EdgeSettings(redis_url=redis_url, key_prefix=key_prefix, port=0, **overrides)
-        plane = QueuePlane.from_settings(settings)
-        edge = Edge(settings, plane)
-        ready = asyncio.Event()
-        running.append((asyncio.create_task(edge.serve(ready)), plane))
-        await asyncio.wait_for(ready.wait(), 30)
-        return f"ws://127.0.0.1:{edge.port}"
+        return f"ws://{await start_edge(**overrides)}"
 
-    yield start
-    for task, plane in running:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await plane.close()
+    return start
 
 
 async def connect(base: str, key: str | None = None, *, origin: str | None = None, query: str = "") -> Client:

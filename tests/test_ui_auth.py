@@ -12,22 +12,18 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import websockets
-from typer.testing import CliRunner
-from websockets.exceptions import InvalidStatus
-
+from conftest import StartEdge
 from e2e_support import Client
 from lanes.cli.main import app
 from lanes.queue.plane import QueuePlane
 from lanes.ws_server.auth import generate_key, hash_key, ticket_param
-from lanes.ws_server.edge import Edge
-from lanes.ws_server.settings import EdgeSettings
-
-StartEdge = Callable[..., Awaitable[str]]
+from typer.testing import CliRunner
+from websockets.exceptions import InvalidStatus
 
 
 def test_ticket_parameter_parsing() -> None:
@@ -53,26 +49,6 @@ def cli(redis_url: str, key_prefix: str) -> Callable[..., str]:
 @pytest.fixture
 def create_key(cli: Callable[..., str]) -> Callable[..., str]:
     return lambda name: cli("keys", "create", name)
-
-
-@pytest.fixture
-async def start_edge(redis_url: str, key_prefix: str) -> AsyncIterator[StartEdge]:
-    running: list[tuple[asyncio.Task[None], QueuePlane]] = []
-
-    async def start(**overrides: Any) -> str:
-        settings = EdgeSettings(redis_url=redis_url, key_prefix=key_prefix, port=0, **overrides)
-        plane = QueuePlane.from_settings(settings)
-        edge = Edge(settings, plane)
-        ready = asyncio.Event()
-        running.append((asyncio.create_task(edge.serve(ready)), plane))
-        await asyncio.wait_for(ready.wait(), 30)
-        return f"127.0.0.1:{edge.port}"
-
-    yield start
-    for task, plane in running:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await plane.close()
 
 
 async def post_ticket(host: str, key: str | None = None, origin: str | None = None) -> tuple[int, dict[str, Any]]:
