@@ -90,6 +90,24 @@ async def start_edge(redis_url: str, key_prefix: str) -> AsyncIterator[StartEdge
         await plane.close()
 
 
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[LocalCluster]
+    """A local Redis Cluster (3 masters + 3 replicas) shared by one test module."""
+    from cluster_support import LocalCluster
+
+    with LocalCluster.start(tmp_path_factory.mktemp("redis-cluster")) as started:
+        yield started
+
+
+@pytest.fixture
+def fresh_redis_cluster(tmp_path: Path):  # -> Iterator[LocalCluster]
+    """A cluster of its own for a test that changes the topology."""
+    from cluster_support import LocalCluster
+
+    with LocalCluster.start(tmp_path) as started:
+        yield started
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):  # -> TinyModelPaths
     from lanes.workers.models.tiny import build_tiny

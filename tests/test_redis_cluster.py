@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import redis
@@ -35,22 +34,9 @@ ENQUEUE = "redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2]); return redis.call('INC
 PROBE = "return redis.call('GET', KEYS[1])"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster.start(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
-
-
 @pytest.fixture
-def fresh_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    """A cluster of its own for a test that changes the topology."""
-    with LocalCluster.start(tmp_path) as started:
-        yield started
-
-
-@pytest.fixture
-async def client(cluster: LocalCluster) -> AsyncIterator[AsyncRedisCluster]:
-    c = cluster.async_client()
+async def client(redis_cluster: LocalCluster) -> AsyncIterator[AsyncRedisCluster]:
+    c = redis_cluster.async_client()
     yield c
     await c.aclose()
 
@@ -77,26 +63,26 @@ async def test_multi_key_lua_within_one_pool_tag(client: AsyncRedisCluster) -> N
     assert await client.bzpopmin([LANE, "lanes:{q:small}:pending:long"], timeout=1) == (LANE, "r1", 1.0)
 
 
-async def test_keys_of_two_pools_cannot_share_a_script(client: AsyncRedisCluster, cluster: LocalCluster) -> None:
+async def test_keys_of_two_pools_cannot_share_a_script(client: AsyncRedisCluster, redis_cluster: LocalCluster) -> None:
     other = "lanes:{q:large}:seq"
     assert key_slot(other.encode()) != key_slot(SEQ.encode())
     # redis-py refuses before sending: it cannot pick one node for keys of two slots.
     with pytest.raises(RedisClusterException, match="same key slot|same slot|all keys"):
         await client.eval(ENQUEUE, 2, LANE, other, 1, "r1")
     # Sent to a node anyway, the server refuses it too (CROSSSLOT), even when it owns one key.
-    owner = cluster.owner(SEQ)
+    owner = redis_cluster.owner(SEQ)
     with owner.client() as direct, pytest.raises(ResponseError, match="CROSSSLOT"):
         direct.eval(ENQUEUE, 2, LANE, other, 1, "r1")
 
 
 async def test_classic_publish_reaches_subscribers_on_every_node(
-    client: AsyncRedisCluster, cluster: LocalCluster
+    client: AsyncRedisCluster, redis_cluster: LocalCluster
 ) -> None:
     # Classic pub/sub is broadcast over the cluster bus: a subscriber on any node (replicas
     # included) gets what was published on any other.
     channel = "lanes:edge:e1"
     subscribers = []
-    for node in cluster.live_nodes():
+    for node in redis_cluster.live_nodes():
         conn = aredis.Redis(port=node.port, decode_responses=True)
         pubsub = conn.pubsub()
         await pubsub.subscribe(channel)
@@ -106,7 +92,7 @@ async def test_classic_publish_reaches_subscribers_on_every_node(
         # and straight to one node: both fan out everywhere.
         assert not hasattr(AsyncRedisCluster, "publish")
         await client.execute_command("PUBLISH", channel, "via-cluster-client")
-        with cluster.masters()[-1].client() as direct:
+        with redis_cluster.masters()[-1].client() as direct:
             direct.publish(channel, "via-one-node")
         for _, pubsub in subscribers:
             got = [(await next_message(pubsub) or {}).get("data") for _ in range(2)]
@@ -117,7 +103,7 @@ async def test_classic_publish_reaches_subscribers_on_every_node(
             await conn.aclose()
 
 
-async def test_what_redis_py_5_lacks_for_sharded_pubsub(client: AsyncRedisCluster, cluster: LocalCluster) -> None:
+async def test_what_redis_py_5_lacks_for_sharded_pubsub(client: AsyncRedisCluster, redis_cluster: LocalCluster) -> None:
     assert redis.VERSION[0] == 5, "this test documents redis-py 5.x (arq pins redis<6); re-measure on upgrade"
     channel = "lanes:{q:small}:edge:e1"
     # The asyncio cluster client has no pubsub() and no spublish(); the asyncio PubSub does not
@@ -128,7 +114,7 @@ async def test_what_redis_py_5_lacks_for_sharded_pubsub(client: AsyncRedisCluste
     assert not hasattr(AsyncPubSub, "ssubscribe")
     # What works: SPUBLISH as a raw command (the cluster client routes it by the channel's slot),
     # and a raw SSUBSCRIBE on a plain asyncio connection to the slot's owner.
-    owner = cluster.owner(channel)
+    owner = redis_cluster.owner(channel)
     conn = aredis.Redis(port=owner.port, decode_responses=True)
     pubsub = conn.pubsub()
     try:
@@ -141,7 +127,7 @@ async def test_what_redis_py_5_lacks_for_sharded_pubsub(client: AsyncRedisCluste
         await pubsub.aclose()
         await conn.aclose()
     # On any other node the subscription is refused with a redirect.
-    other = next(m for m in cluster.masters() if m.node_id != owner.node_id)
+    other = next(m for m in redis_cluster.masters() if m.node_id != owner.node_id)
     with other.client() as direct, pytest.raises(ResponseError, match="MOVED"):
         direct.execute_command("SSUBSCRIBE", channel)
     # The sync cluster client does have sharded pub/sub in redis-py 5.x.
@@ -230,8 +216,8 @@ async def _outcome(task: asyncio.Task[object]) -> str:
         return f"{type(err).__name__}: {err}"
 
 
-async def test_manual_failover_loses_nothing_and_clients_follow(fresh_cluster: LocalCluster) -> None:
-    cluster = fresh_cluster
+async def test_manual_failover_loses_nothing_and_clients_follow(fresh_redis_cluster: LocalCluster) -> None:
+    cluster = fresh_redis_cluster
     master = cluster.owner(SEQ)
     other = next(m for m in cluster.masters() if m.node_id != master.node_id)
     client, blocker = cluster.async_client(), cluster.async_client()
@@ -290,8 +276,8 @@ async def test_manual_failover_loses_nothing_and_clients_follow(fresh_cluster: L
         await blocker.aclose()
 
 
-async def test_master_kill_what_clients_see(fresh_cluster: LocalCluster) -> None:
-    cluster = fresh_cluster
+async def test_master_kill_what_clients_see(fresh_redis_cluster: LocalCluster) -> None:
+    cluster = fresh_redis_cluster
     master = cluster.owner(SEQ)
     other = next(m for m in cluster.masters() if m.node_id != master.node_id)
     client = cluster.async_client()

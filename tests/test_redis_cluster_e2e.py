@@ -17,13 +17,11 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 from cluster_support import LocalCluster, cluster_skip_reason
 from conftest import scaled
 from e2e_support import Client, System
-
 from lanes.queue.keys import Keys
 from lanes.queue.plane import QueuePlane
 
@@ -35,12 +33,6 @@ MAX_SLOTS = 8
 #: Answers streaming when the fault hits, half on each edge.
 NUM_IN_FLIGHT = 16
 MAX_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster.start(tmp_path_factory.mktemp("redis-cluster")) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

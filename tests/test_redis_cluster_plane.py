@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import suppress
-from pathlib import Path
 
 import pytest
 from cluster_support import LocalCluster, cluster_skip_reason
 from conftest import scaled
-from redis.asyncio.cluster import RedisCluster
-from redis.cluster import key_slot
-
 from lanes.queue.backoff import Backoff
 from lanes.queue.cluster import SlotConnection
 from lanes.queue.connection import connect
@@ -39,6 +35,8 @@ from lanes.queue.messages import (
 from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.queue.settings import RedisSettings
+from redis.asyncio.cluster import RedisCluster
+from redis.cluster import key_slot
 
 _SKIP = cluster_skip_reason()
 pytestmark = [pytest.mark.skipif(bool(_SKIP), reason=_SKIP), pytest.mark.slow]
@@ -54,23 +52,23 @@ def settings(url: str) -> RedisSettings:
     return RedisSettings(redis_url=url, key_prefix=f"t{uuid.uuid4().hex[:8]}", lease_ms=1000, start_timeout_ms=1000)
 
 
-def pools_on_distinct_masters(cluster: LocalCluster, prefix: str, num: int) -> list[str]:
+def pools_on_distinct_masters(redis_cluster: LocalCluster, prefix: str, num: int) -> list[str]:
     """``num`` pool names whose queue planes live on ``num`` different masters."""
     chosen: dict[int, str] = {}
     for name in ["default"] + [f"p{i}" for i in range(200)]:
-        owner = cluster.owner(Keys(prefix, name).watch).port
+        owner = redis_cluster.owner(Keys(prefix, name).watch).port
         chosen.setdefault(owner, name)
         if len(chosen) == num:
             return list(chosen.values())
     raise AssertionError("no pools found on distinct masters")
 
 
-def ids_on(cluster: LocalCluster, prefix: str, master_port: int, num: int, other: bool = False) -> list[str]:
+def ids_on(redis_cluster: LocalCluster, prefix: str, master_port: int, num: int, other: bool = False) -> list[str]:
     """Request ids whose token streams live on (or, ``other``, off) one master."""
     found = []
     for i in range(1000):
         rid = f"r{i}-{uuid.uuid4().hex[:4]}"
-        if (cluster.owner(Keys(prefix).stream(rid)).port == master_port) != other:
+        if (redis_cluster.owner(Keys(prefix).stream(rid)).port == master_port) != other:
             found.append(rid)
         if len(found) == num:
             return found
@@ -106,29 +104,17 @@ class Subscriber:
             await self._task
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster.start(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
-
-
 @pytest.fixture
-def fresh_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster.start(tmp_path) as started:
-        yield started
-
-
-@pytest.fixture
-async def plane(cluster: LocalCluster) -> AsyncIterator[QueuePlane]:
-    p = QueuePlane.from_settings(settings(cluster.url))
+async def plane(redis_cluster: LocalCluster) -> AsyncIterator[QueuePlane]:
+    p = QueuePlane.from_settings(settings(redis_cluster.url))
     yield p
     await p.close()
 
 
 # -- choosing a cluster ----------------------------------------------------------------------
 
-async def test_the_url_scheme_chooses_a_cluster(cluster: LocalCluster, redis_url: str) -> None:
-    plane = QueuePlane.from_settings(settings(cluster.url))
+async def test_the_url_scheme_chooses_a_cluster(redis_cluster: LocalCluster, redis_url: str) -> None:
+    plane = QueuePlane.from_settings(settings(redis_cluster.url))
     try:
         assert plane.cluster and isinstance(plane.redis, RedisCluster)
         assert plane.for_pool("small").cluster
@@ -141,7 +127,7 @@ async def test_the_url_scheme_chooses_a_cluster(cluster: LocalCluster, redis_url
     finally:
         await single.close()
     with pytest.raises(ValueError, match="only database 0"):
-        connect(cluster.url + "/2")
+        connect(redis_cluster.url + "/2")
 
 
 def test_every_script_keeps_its_keys_in_one_slot() -> None:
@@ -160,14 +146,14 @@ def test_every_script_keeps_its_keys_in_one_slot() -> None:
 
 # -- every operation, on pools served by three different masters ------------------------------
 
-async def test_request_path_on_each_master(cluster: LocalCluster, plane: QueuePlane) -> None:
+async def test_request_path_on_each_master(redis_cluster: LocalCluster, plane: QueuePlane) -> None:
     prefix = plane.settings.key_prefix
     edge_channel = plane.keys.edge_channel("e1")
     edge = Subscriber(plane.redis, [edge_channel, plane.keys.depth_channel])
     control = Subscriber(plane.redis, [plane.keys.control_channel("w1")])
     await asyncio.wait_for(asyncio.gather(edge.subscribed.wait(), control.subscribed.wait()), scaled(10))
     try:
-        for pool in pools_on_distinct_masters(cluster, prefix, 3):
+        for pool in pools_on_distinct_masters(redis_cluster, prefix, 3):
             p = plane.for_pool(pool)
             rid, other = f"{pool}-a", f"{pool}-b"
             assert (await p.enqueue(payload(rid), "e1")).created
@@ -179,7 +165,7 @@ async def test_request_path_on_each_master(cluster: LocalCluster, plane: QueuePl
             assert isinstance(blocker, SlotConnection)
             try:
                 assert await p.pop(blocker, (Lane.SHORT, Lane.MEDIUM, Lane.LONG), 1) == (rid, Lane.SHORT)
-                assert blocker.address == (("127.0.0.1", cluster.owner(p.keys.watch).port))
+                assert blocker.address == (("127.0.0.1", redis_cluster.owner(p.keys.watch).port))
                 claim = await p.claim(rid, "w1")
                 assert claim is not None and claim.attempt == 1 and claim.edge == "e1"
                 assert await p.fence(rid, 1) == 1
@@ -243,13 +229,13 @@ async def test_fleet_state_on_a_cluster(plane: QueuePlane) -> None:
     assert await fleet.api_key("0" * 64) is None
 
 
-async def test_refresh_runs_without_arq_once_per_tick(cluster: LocalCluster) -> None:
+async def test_refresh_runs_without_arq_once_per_tick(redis_cluster: LocalCluster) -> None:
     """On a cluster the scheduler refits the predictor from a plain periodic task; two
     schedulers publish one version per tick between them."""
     from lanes.scheduler.service import Scheduler
     from lanes.scheduler.settings import SchedulerSettings
 
-    config = SchedulerSettings(redis_url=cluster.url, key_prefix=f"t{uuid.uuid4().hex[:8]}",
+    config = SchedulerSettings(redis_url=redis_cluster.url, key_prefix=f"t{uuid.uuid4().hex[:8]}",
                                predictor_min_observations=5)
     planes = [QueuePlane.from_settings(config) for _ in range(2)]
     for _ in range(8):
@@ -289,12 +275,12 @@ async def test_unblock_reaches_the_node_holding_the_pop(plane: QueuePlane) -> No
 # -- failovers ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fault", ["failover", "kill"])
-async def test_queue_plane_through_a_failover(fresh_cluster: LocalCluster, fault: str) -> None:
+async def test_queue_plane_through_a_failover(fresh_redis_cluster: LocalCluster, fault: str) -> None:
     """The master of a pool's queue plane, of a token stream and of an edge channel goes away
     (``CLUSTER FAILOVER`` on its replica, or ``kill -9``). The blocked pop ends in an error and
     re-blocks on the new master; scripts (whose cache did not come along) load themselves
     again; the subscriber follows its channel's slot to the new master."""
-    cluster = fresh_cluster
+    cluster = fresh_redis_cluster
     plane = QueuePlane.from_settings(settings(cluster.url))
     prefix = plane.settings.key_prefix
     try:
@@ -358,11 +344,11 @@ async def test_queue_plane_through_a_failover(fresh_cluster: LocalCluster, fault
         await plane.close()
 
 
-async def test_a_step_on_a_dead_master_still_delivers_the_rest(fresh_cluster: LocalCluster) -> None:
+async def test_a_step_on_a_dead_master_still_delivers_the_rest(fresh_redis_cluster: LocalCluster) -> None:
     """A worker's flush for two requests, one whose stream lives on a master just killed: the
     other one is appended and published anyway, the flush raises, and its retry once the
     replica took over appends the rest without refusing what was already there."""
-    cluster = fresh_cluster
+    cluster = fresh_redis_cluster
     plane = QueuePlane.from_settings(settings(cluster.url))
     prefix = plane.settings.key_prefix
     try:
