@@ -30,12 +30,10 @@ def _fallback_prompts() -> Path:
     return SHARED_DATA / "prompts" / "alpaca_eval_Mistral-7B-Instruct-v0.2.json"
 
 
-def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
-    """The shipped predictor on each trace row's paired prompt (see ``sim.predictions``)."""
+def _load_prompt_pool(prompts: Path | None) -> list[Any]:
+    """The prompts with known answer lengths (``--prompts``, else the held-out pool, else the
+    AlpacaEval answers beside the checkout, with a warning); clear errors for bad files."""
     from lanes.cli.predictor import load_observations
-    from lanes.scheduler.predictor import load_default
-    from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
-    from lanes.scheduler.sim.predictions import from_pool, predict_prompts
 
     path = prompts or DEFAULT_PROMPT_POOL
     if prompts is None and not path.is_file():
@@ -51,6 +49,16 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
                                  f"model_outputs.json ({exc})", param_hint="--prompts") from exc
     if not observations:
         raise typer.BadParameter(f"{path} holds no prompts", param_hint="--prompts")
+    return observations
+
+
+def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
+    """The shipped predictor on each trace row's paired prompt (see ``sim.predictions``)."""
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
+    from lanes.scheduler.sim.predictions import from_pool, predict_prompts
+
+    observations = _load_prompt_pool(prompts)
     pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
     predicted, latency_ms = predict_prompts(load_default().predict, [o.prompt for o in observations], SIM_MAX_TOKENS)
     return from_pool(true_tokens, pool_tokens, predicted, latency_ms)
@@ -326,8 +334,6 @@ def connections(
         raise typer.Exit(1)
 
 
-
-
 @app.command("live")
 def live(
     trace: Annotated[Path, typer.Option(help="Azure LLM inference trace CSV (read in place).")] = DEFAULT_TRACE,
@@ -352,7 +358,6 @@ def live(
     """Replay a trace slice through real edges, Redis and sim workers, fcfs vs lanes, beside the simulator."""
     from lanes.bench import live as bench_live
     from lanes.bench.common import write_json
-    from lanes.cli.predictor import load_observations
     from lanes.scheduler.predictor import load_default
     from lanes.scheduler.sim.trace import Trace, load_azure_csv
 
@@ -365,14 +370,7 @@ def live(
     if requests < 10 or start < 0 or start + requests > len(full):
         raise typer.BadParameter(f"the trace has {len(full)} rows; need 10 <= --requests and "
                                  f"--start + --requests <= {len(full)}")
-    path = prompts or DEFAULT_PROMPT_POOL
-    if prompts is None and not path.is_file():
-        path = _fallback_prompts()
-    if not path.is_file():
-        raise typer.BadParameter(f"prompt file {path} not found", param_hint="--prompts")
-    observations = load_observations(path)
-    if not observations:
-        raise typer.BadParameter(f"{path} holds no prompts", param_hint="--prompts")
+    observations = _load_prompt_pool(prompts)
     end = start + requests
     sliced = Trace(full.arrival_s[start:end], full.prompt_tokens[start:end], full.output_tokens[start:end])
     pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
