@@ -137,3 +137,34 @@ async def test_scale_down_under_load_loses_nothing(system: System) -> None:
     await client.close()
     log = Path(system.log_dir / "large-2.log").read_text()
     assert "draining" in log and "released" in log, "it drained, then handed the rest back"
+
+
+def test_a_client_that_leaves_cancels_its_request_in_its_own_pool(system: System) -> None:
+    """An HTTP client that disconnects mid-stream cancels at once (no resume over HTTP): the
+    cancel must reach the pool the request went to, not the default one."""
+    import http.client
+
+    rid_holder: list[str] = []
+    conn = http.client.HTTPConnection("127.0.0.1", system.edge_ports["edge"], timeout=30)
+    body = json.dumps({"model": "small", "stream": True, "max_tokens": 4000,
+                       "messages": [{"role": "user", "content": "Write a very long story about the sea."}]})
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    for line in response:
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                rid_holder.append(chunk["id"])
+                break
+    conn.sock.close()  # gone mid-stream
+    conn.close()
+    rid = rid_holder[0]  # the completion id is the request id
+
+    async def state(plane: QueuePlane) -> str:
+        return (await plane.for_pool("small").request_status(rid))[0]
+
+    deadline = time.monotonic() + scaled(20)
+    while (now := system.query(state)) not in ("cancelled", "done") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now == "cancelled", f"request {rid} in pool small ended {now!r}: the cancel went elsewhere"

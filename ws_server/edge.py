@@ -103,7 +103,8 @@ class Edge:
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
             elif isinstance(action, delivery.CancelRequest):
-                self._spawn(self._cancel(action))
+                # The plane now: a Finished later in this same batch forgets the request's pool.
+                self._spawn(self._cancel(action, self._plane_of(action.request_id)))
             elif isinstance(action, delivery.Repoint):
                 self._spawn(self._repoint(action))
             elif isinstance(action, delivery.CheckRequests):
@@ -129,9 +130,9 @@ class Edge:
         """The queue plane of the pool a request of ours was enqueued in (or resumed from)."""
         return self.plane.for_pool(self._pool_of.get(request_id, DEFAULT_POOL))
 
-    async def _cancel(self, action: delivery.CancelRequest) -> None:
+    async def _cancel(self, action: delivery.CancelRequest, plane: QueuePlane) -> None:
         try:
-            state, _ = await self._plane_of(action.request_id).cancel(action.request_id, only_edge=self.edge_id)
+            state, _ = await plane.cancel(action.request_id, only_edge=self.edge_id)
         except QueueUnavailable as exc:
             log.warning("cancel of %s failed: %s", action.request_id, exc)
             if action.report:
@@ -147,7 +148,8 @@ class Edge:
             for pool in known_pools(self):
                 state = await self.plane.for_pool(pool).repoint(action.request_id, self.edge_id, owner=action.key)
                 if state is not None:
-                    self._pool_of[action.request_id] = pool
+                    if state != "forbidden":  # refused: the core forgets it, so must we
+                        self._pool_of[action.request_id] = pool
                     break
         except QueueUnavailable:
             self.carry(self.core.refuse_resume(action.request_id, "queue unavailable; retry the resume shortly"))
