@@ -191,3 +191,30 @@ def test_an_oversized_body_is_413_even_when_chunked(system: System) -> None:
         pass  # the edge may answer and close before the whole body is sent
     resp = conn.getresponse()
     assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "frame_too_large"
+
+
+async def test_a_refused_streaming_request_leaves_no_session(redis_url: str, key_prefix: str) -> None:
+    """A streaming request refused before it started (here: an unknown model) is answered 404
+    and leaves nothing behind on the edge."""
+    import asyncio
+
+    from lanes.queue.plane import QueuePlane
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+
+    settings = EdgeSettings(redis_url=redis_url, key_prefix=key_prefix, port=0)
+    plane = QueuePlane.from_settings(settings)
+    edge = Edge(settings, plane)
+    ready = asyncio.Event()
+    task = asyncio.create_task(edge.serve(ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{edge.port}/v1", api_key="none", max_retries=0)
+        for _ in range(3):
+            with pytest.raises(openai.NotFoundError):
+                await api.chat.completions.create(**ask(stream=True, model="no-such-pool"))
+        assert edge.sessions == {} and edge.core.entries == {}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await plane.close()

@@ -105,7 +105,8 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
     created, model = int(time.time()), parsed.frame.model or "default"
     session = HttpSession()
     conn = edge.open_session(session)
-    finished = False
+    finished = False  # the answer (or the refusal) was delivered
+    handed_to_stream = False  # the streaming response's own ``finally`` closes the session
     try:
         await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id))
         first = await session.frames.get()  # accepted, or the error that refused it (already queued)
@@ -115,7 +116,7 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
         headers = {"x-lanes-lane": str(first.get("lane", "")), "x-request-id": request_id,
                    "Cache-Control": "no-cache"}
         if parsed.stream:
-            finished = True  # the stream's own ``finally`` closes the session from here on
+            handed_to_stream = True
             return StreamingResponse(_events(edge, conn, session, request_id, created, model, parsed.include_usage),
                                      media_type="text/event-stream", headers=headers)
         body = await _until_done_or_gone(request, session, request_id, created, model)
@@ -125,10 +126,8 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
         status, payload = body
         return Response(payload, status, media_type="application/json", headers=headers)
     finally:
-        if not finished:
-            edge.close_session(conn, abandoned=True)
-        elif not parsed.stream:
-            edge.close_session(conn, abandoned=False)
+        if not handed_to_stream:
+            edge.close_session(conn, abandoned=not finished)
 
 
 async def _events(edge: Edge, conn: int, session: HttpSession, request_id: str, created: int, model: str,
