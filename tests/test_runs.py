@@ -101,3 +101,14 @@ def test_progress_counts_earlier_attempts() -> None:
     table.runs["r"].prior_tokens = 250
     table.submit("r", "x", (1, 2), None)
     assert table.lanes_and_progress() == [(Lane.SHORT, 252)]
+
+
+def test_a_stale_run_dropped_without_an_action_still_frees_its_slot() -> None:
+    table = RunTable()
+    started(table)
+    table.submit("r", "", (), END)
+    assert table.ended("r", RequestState.DONE) == [] and not table.take_slot_freed(), "waits for its flush"
+    # The end's append is refused (another attempt owns it now): the run is dropped silently.
+    _, actions = flush_all(table, appended={"r": -1})
+    assert actions == [] and table.runs == {}
+    assert table.take_slot_freed() and not table.take_slot_freed()

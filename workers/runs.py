@@ -88,8 +88,7 @@ class Run:
     #: The engine task has ended; ``final`` is the state it ended in (None: interrupted).
     ended: bool = False
     final: RequestState | None = None
-    #: The event carrying ``finish`` is submitted / in the stream.
-    finish_submitted: bool = False
+    #: The event carrying ``finish`` is in the stream.
     finish_flushed: bool = False
     #: Since when (monotonic s) nobody has been subscribed to this run's edge channel.
     orphan_since: float | None = None
@@ -116,6 +115,7 @@ class RunTable:
     num_finished: Counter[str] = field(default_factory=Counter)
     #: A run turned stale since the last ``take_outbox``: its events (if any) must be left out.
     _stale_since_take: bool = field(default=False, init=False, repr=False)
+    _slot_freed: bool = field(default=False, init=False, repr=False)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -134,13 +134,11 @@ class RunTable:
         run.completion_tokens += len(token_ids)
         self.outbox.append((run, TokenEvent(run.id, run.attempt, run.seq, text, token_ids, finish)))
         run.seq += 1
-        if finish is not None:
-            run.finish_submitted = True
 
     def end_already_streamed(self, request_id: str) -> None:
         """An earlier attempt put the end in the stream but died before completing."""
         run = self.runs[request_id]
-        run.finish_submitted = run.finish_flushed = True
+        run.finish_flushed = True
 
     def ended(self, request_id: str, final: RequestState | None) -> list[RunAction]:
         """The run's engine task is over: ``final`` when its end was submitted, None when it
@@ -260,4 +258,10 @@ class RunTable:
     def _drop(self, run: Run, outcome: str, actions: list[RunAction] | None = None) -> list[RunAction]:
         self.runs.pop(run.id, None)
         self.num_finished[outcome] += 1
+        self._slot_freed = True
         return actions or []
+
+    def take_slot_freed(self) -> bool:
+        """Whether a run left the table (its slot is free) since the last call."""
+        freed, self._slot_freed = self._slot_freed, False
+        return freed

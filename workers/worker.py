@@ -149,7 +149,9 @@ class Worker:
                         loop.call_later(action.cancel_task_after_s, task.cancel)
             else:
                 self._spawn(self._finish_in_redis(action))
-        if actions:
+        # A run that left the table freed its slot, whether or not it left an action (a stale
+        # run is dropped silently): the claim loop may pop again.
+        if self.table.take_slot_freed() or actions:
             self._lanes_changed()
 
     async def _finish_in_redis(self, action: Complete | Release) -> None:
@@ -281,7 +283,7 @@ class Worker:
                     temperature=payload.temperature, top_p=payload.top_p, seed=payload.seed, stop=payload.stop,
                     lane=run.lane, resume_token_ids=resume_ids, trace_headers=inject_context(),
                 )
-                finish = await self._stream(run, request, queue_ms, len(resume_ids))
+                finish = await self._stream(run, request, queue_ms)
                 if finish is None:  # preempted: handed back, resumes later after its tokens
                     return
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
@@ -305,16 +307,15 @@ class Worker:
             # The request must end up either completed or back in its lane; shutdown waits for
             # these (``_stop_runs``) even though it is cancelling this task.
             self.carry(self.table.ended(run.id, final))
-            self._lanes_changed()
 
-    async def _stream(self, run: Run, request: EngineRequest, queue_ms: float, num_prior: int) -> Finish | None:
+    async def _stream(self, run: Run, request: EngineRequest, queue_ms: float) -> Finish | None:
         """Run the engine and submit each delta; returns the final event's Finish (None when
         the run is being handed back: nothing more is submitted for this attempt)."""
         started_at = time.perf_counter()
         first_at: float | None = None
 
         def usage() -> Usage:
-            return Usage(run.prompt_tokens, num_prior + run.completion_tokens)
+            return Usage(run.prompt_tokens, run.prior_tokens + run.completion_tokens)
 
         try:
             async for delta in self.engine.generate(request):
@@ -327,7 +328,7 @@ class Worker:
                     first_at = time.perf_counter()
                     metrics.PREFILL.labels(run.lane.value).observe(first_at - started_at)
                 if delta.finish_reason is not None:
-                    total = Usage(run.prompt_tokens, num_prior + run.completion_tokens + len(delta.token_ids))
+                    total = Usage(run.prompt_tokens, run.prior_tokens + run.completion_tokens + len(delta.token_ids))
                     finish = Finish(delta.finish_reason, total, queue_ms=queue_ms)
                     self._submit(run, delta.text, delta.token_ids, finish)
                     observe_decode(run.lane.value, first_at, run.completion_tokens)
