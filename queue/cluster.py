@@ -28,8 +28,8 @@ import redis.asyncio as aioredis
 from lanes.queue.connection import CLUSTER_SCHEMES, TransientRetry
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import SSLConnection, parse_url
-from redis.cluster import get_node_name
 from redis.backoff import ExponentialBackoff
+from redis.cluster import get_node_name
 from redis.exceptions import (
     ClusterError,
     ConnectionError,

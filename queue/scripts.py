@@ -127,24 +127,35 @@ redis.call('ZADD', KEYS[2], deadline, ARGV[1])
 return {'requeued', h[5], tonumber(h[3])}
 """
 
+#: Lua, shared by APPEND and APPEND_PUBLISH: appends the (seq, event) pairs ARGV[first..last]
+#: to ``stream`` with explicit ids ``<seq+1>-0``. Returns how many, or -2 when a seq already holds
+#: another event; an event already there byte for byte counts as appended (a retried flush).
+_XADD_EVENTS = """
+local function xadd_events(stream, maxlen, first, last)
+  local n = 0
+  for j = first, last, 2 do
+    local id = (tonumber(ARGV[j]) + 1) .. '-0'
+    local ok = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, id, 'e', ARGV[j + 1])
+    if type(ok) == 'table' and ok.err then
+      local held = redis.call('XRANGE', stream, id, id)
+      if #held == 0 or held[1][2][2] ~= ARGV[j + 1] then return -2 end
+    end
+    n = n + 1
+  end
+  return n
+end
+"""
+
 #: KEYS: stream, fence. ARGV: attempt, maxlen, ttl_s, seq1, event1, ..., seqN, eventN.
 #: Appends events with explicit ids ``<seq+1>-0``. Returns the number appended, -1 when a
 #: newer attempt holds the fence (this writer is stale), -2 when a seq already holds another
 #: event. An event already in the stream byte for byte counts as appended: a flush retried
 #: after a lost answer (on a cluster, a flush that failed on one node only) sends it again.
-APPEND = """
+APPEND = _XADD_EVENTS + """
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[1]) < fence then return -1 end
-local n = 0
-for i = 4, #ARGV, 2 do
-  local id = (tonumber(ARGV[i]) + 1) .. '-0'
-  local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], id, 'e', ARGV[i + 1])
-  if type(ok) == 'table' and ok.err then
-    local held = redis.call('XRANGE', KEYS[1], id, id)
-    if #held == 0 or held[1][2][2] ~= ARGV[i + 1] then return -2 end
-  end
-  n = n + 1
-end
+local n = xadd_events(KEYS[1], ARGV[2], 4, #ARGV)
+if n < 0 then return n end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return n
 """
@@ -154,10 +165,11 @@ return n
 #: in KEYS order: edge_index, attempt, num_events, seq_1, event_1, ..., seq_k, event_k.
 #: One engine step in one round trip on a single Redis: appends each request's events (fenced
 #: by attempt, explicit ids ``<seq+1>-0``, as APPEND) and publishes per edge one ``TokenBatch``
-#: (``[worker,[event,...]]``) built from the same encoded events. Returns {appended_1 .. appended_n,
+#: (``[worker,[event,...]]``) built from the same encoded events (one already in the stream byte for
+#: byte is appended and published again: edges drop seqs they have). Returns {appended_1 .. appended_n,
 #: receivers_1 .. receivers_m}; appended -1 (stale) or -2 (seq taken) publishes nothing for it.
 #: Its keys span hash slots, so a Redis Cluster takes APPEND (per request) then PUBLISH instead.
-APPEND_PUBLISH = """
+APPEND_PUBLISH = _XADD_EVENTS + """
 local maxlen, ttl, worker, num_edges = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local batches = {}
 for e = 1, num_edges do batches[e] = {} end
@@ -172,11 +184,7 @@ for i = 1, #KEYS / 2 do
   if attempt < tonumber(redis.call('GET', fence) or '0') then
     result = -1
   else
-    for j = first, first + 2 * n - 1, 2 do
-      local ok = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, (tonumber(ARGV[j]) + 1) .. '-0', 'e', ARGV[j + 1])
-      if type(ok) == 'table' and ok.err then result = -2; break end
-      result = result + 1
-    end
+    result = xadd_events(stream, maxlen, first, first + 2 * n - 1)
     if result > 0 then
       redis.call('EXPIRE', stream, ttl)
       local batch = batches[edge]

@@ -114,11 +114,7 @@ class TokenStreams:
             args += (edge_index[edge_of[request_id]], events[0].attempt, len(events))
             for event in events:
                 args += (event.seq, encode(event))
-        try:
-            out = await self.redis.evalsha(self._append_publish.sha, len(keys), *keys, *args)
-        except NoScriptError:  # Redis restarted and lost its script cache
-            await self.redis.script_load(scripts.APPEND_PUBLISH)
-            out = await self.redis.evalsha(self._append_publish.sha, len(keys), *keys, *args)
+        out = await self._append_publish(keys=keys, args=args)  # loads itself after a Redis restart
         num = len(events_by_request)
         return (dict(zip(events_by_request, (int(n) for n in out[:num]))),
                 dict(zip(edges, (int(n) for n in out[num:]))))

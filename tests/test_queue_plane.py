@@ -152,6 +152,17 @@ async def test_stream_append_is_fenced_and_ordered(plane: QueuePlane) -> None:
     assert await plane.append({"s": [TokenEvent("s", 2, 3, "new")]}) == {"s": 1}
 
 
+async def test_a_retried_step_is_appended_again_and_a_different_event_is_not(plane: QueuePlane) -> None:
+    """APPEND_PUBLISH, as APPEND: a step re-sent after a lost answer (the connection's retry)
+    counts as appended; another event at a taken seq is refused and not published."""
+    step = {"p": [TokenEvent("p", 1, 0, "t0", (0,)), TokenEvent("p", 1, 1, "t1", (1,))]}
+    assert await plane.append_publish("w1", step, {"p": "e1"}) == ({"p": 2}, {"e1": 0})
+    assert await plane.append_publish("w1", step, {"p": "e1"}) == ({"p": 2}, {"e1": 0}), "the retry"
+    clash = {"p": [TokenEvent("p", 1, 1, "other", (7,))]}
+    assert await plane.append_publish("w1", clash, {"p": "e1"}) == ({"p": -2}, {"e1": 0})
+    assert [e.text for e in await plane.read_stream("p")] == ["t0", "t1"]
+
+
 @pytest.mark.parametrize("lane", list(Lane))
 async def test_lane_depths(plane: QueuePlane, lane: Lane) -> None:
     await plane.enqueue(payload("d1", lane), "e")
