@@ -46,10 +46,6 @@ class Backoff:
                           time.monotonic() - self._since, self._failures)
             self._failures = 0
 
-    @property
-    def failing(self) -> bool:
-        return self._failures > 0
-
 
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()

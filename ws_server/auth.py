@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "lanes_"
 #: Longer bearer tokens are refused before hashing (ours are 49 characters).
 MAX_KEY_CHARS = 256
-#: Paths that never need a key: load-balancer probes and the (data-free) pages and their files.
-OPEN_PATHS = frozenset({"/healthz", "/", "/dashboard"})
 #: Paths that need a key when auth is on, unless ``protect_metrics`` is false.
 METRICS_PATHS = frozenset({"/metrics", "/v1/depths", "/v1/workers", "/v1/stats/history", "/v1/stats/stream"})
 #: Longer ``?ticket=`` values are refused before hashing (ours are 43 characters).

@@ -70,6 +70,7 @@ class Edge:
         #: The pool of each request this edge enqueued or resumed (forgotten with its end).
         self._pool_of: dict[str, str] = {}
         self.core = Delivery(self.edge_id, settings.delivery())
+        metrics.IN_FLIGHT.set_function(lambda: len(self.core.entries))  # read at each scrape
         self.sessions: dict[int, Session] = {}
         self.shutting_down = False
         self.chat_path = CHAT_PATH
@@ -109,7 +110,6 @@ class Edge:
                 self._spawn(self._repoint(action))
             elif isinstance(action, delivery.CheckRequests):
                 self._spawn(self._check(action))
-        metrics.IN_FLIGHT.set(len(self.core.entries))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -119,7 +119,9 @@ class Edge:
     async def _read_stream(self, action: delivery.ReadStream) -> None:
         try:
             events = await self.plane.read_stream(action.request_id, action.after_seq)
-            last = await self.plane.last_event(action.request_id) if action.with_last else None
+            # The read runs to the stream's end: its last event is the newest one, if any.
+            last = (events[-1] if events else await self.plane.last_event(action.request_id)) \
+                if action.with_last else None
         except QueueUnavailable as exc:
             log.warning("stream read for %s failed: %s", action.request_id, exc)
             self.core.stream_failed(action.request_id)

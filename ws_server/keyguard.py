@@ -3,7 +3,6 @@ in-flight cap is counted by the delivery core, which owns every request (``deliv
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from lanes.queue.plane import QueuePlane
@@ -22,13 +21,12 @@ class KeyGuard:
         """Why this key may not start another request now (over its rate), or None."""
         if identity is ANONYMOUS:
             return None
-        limits = dataclasses.replace(identity.limits, max_in_flight=0)  # the delivery core counts those
-        if self.fleet_rate:  # the rate is checked in Redis instead, below
-            limits = dataclasses.replace(limits, rate_per_s=0.0)
-        refusal = self.limiter.check(identity.key_id, limits, 0, time.monotonic())
-        if refusal is None and self.fleet_rate and identity.limits.rate_per_s > 0:
-            wait_ms = await self.plane.take_token(identity.key_id, identity.limits.rate_per_s, identity.limits.burst)
-            if wait_ms > 0:
-                refusal = Refusal(RefusalCode.RATE_LIMITED,
-                                  f"over {identity.limits.rate_per_s:g} requests/s for this key", retry_after_ms=wait_ms)
-        return refusal
+        if not self.fleet_rate:  # this edge's bucket (the delivery core counts requests in flight)
+            return self.limiter.check(identity.key_id, identity.limits, 0, time.monotonic())
+        if identity.limits.rate_per_s <= 0:
+            return None
+        wait_ms = await self.plane.take_token(identity.key_id, identity.limits.rate_per_s, identity.limits.burst)
+        if wait_ms > 0:
+            return Refusal(RefusalCode.RATE_LIMITED,
+                           f"over {identity.limits.rate_per_s:g} requests/s for this key", retry_after_ms=wait_ms)
+        return None

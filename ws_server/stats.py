@@ -131,10 +131,6 @@ class StatsRelay:
         finally:
             self._queues.discard(queue)
 
-    @property
-    def num_subscribers(self) -> int:
-        return len(self._queues)
-
 
 def sse_event(at_ms: int, data: bytes) -> bytes:
     """One server-sent event; its id lets a reconnecting client say where it left off."""

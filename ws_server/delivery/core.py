@@ -137,10 +137,9 @@ class Delivery:
             return actions
         entry.announced = True
         actions.append(Send(conn, protocol.resumed_frame(request_id, last_seq)))
-        if entry.phase is Phase.ACTIVE:
-            actions += self._drain(entry, now)
-            if entry.id in self.entries:
-                actions += self._fill(entry)
+        actions += self._drain(entry, now)
+        if entry.id in self.entries:
+            actions += self._fill(entry)
         return actions
 
     def refuse_resume(self, request_id: str, message: str) -> list[Action]:
@@ -248,6 +247,8 @@ class Delivery:
     def disconnected(self, conn: int, now: float, grace_s: float | None = None) -> list[Action]:
         """A connection closed: its requests keep running for the resume grace (``grace_s``
         instead when given: 0 for a client that cannot resume, as over HTTP)."""
+        if conn not in self.per_conn:  # it owns no request (a finished HTTP exchange, an idle socket)
+            return []
         grace_s = self.config.resume_grace_s if grace_s is None else grace_s
         actions: list[Action] = []
         for entry in [e for e in self.entries.values() if e.conn == conn]:
@@ -310,9 +311,6 @@ class Delivery:
 
     def check_failed(self) -> None:
         self._checking = False
-
-    def connection_in_flight(self, conn: int) -> int:
-        return self.per_conn[conn]
 
     # -- internals ---------------------------------------------------------------------
 
