@@ -1,4 +1,4 @@
-"""What every live benchmark shares: CPU time of processes, percentiles, a progress bar, the
+"""What every live benchmark shares: CPU time of processes, a progress bar, the
 table, JSON and PNG outputs, and the machine's load (recorded beside every result)."""
 
 from __future__ import annotations

@@ -231,18 +231,6 @@ ROWS = (
 )
 
 
-def markdown_table(summaries: list[dict[str, Any]]) -> str:
-    head = "| metric (ms) | " + " | ".join(f"{s['engine']} p50 | {s['engine']} p99" for s in summaries) + " |"
-    sep = "| --- |" + " ---: | ---: |" * len(summaries)
-    lines = [head, sep]
-    for label, key in ROWS:
-        cells = " | ".join(f"{s[key]['p50']:.2f} | {s[key]['p99']:.2f}" for s in summaries)
-        lines.append(f"| {label} | {cells} |")
-    ratios = " | ".join(f"{s['ratio_p50']:.2f}x | " for s in summaries)
-    lines.append(f"| ratio lanes/baseline TTFT (p50s) | {ratios}|")
-    return "\n".join(lines)
-
-
 # -- main -------------------------------------------------------------------------------------
 
 

@@ -16,13 +16,11 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
 from conftest import scaled
 from e2e_support import Client, System
-
+from lanes.bench.common import cpu_s
 from lanes.queue.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.e2e
@@ -53,12 +51,6 @@ def system(port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
         sys_.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
 def assert_contiguous(client: Client, rid: str) -> None:
     seqs = [f["seq"] for f in client.deltas(rid)]
     assert seqs == list(range(len(seqs))), f"{rid}: no duplicate, no gap"
@@ -77,14 +69,14 @@ async def test_redis_restart_under_load(system: tuple[System, str], port: int) -
     await asyncio.sleep(1.0)  # six run, four wait in their lanes
 
     sys_.redis.stop()
-    cpu_before = {name: cpu_seconds(p.pid) for name, p in sys_.procs.items()}
+    cpu_before = {name: cpu_s(p.pid) for name, p in sys_.procs.items()}
     await client.chat("during", "Anyone there?", max_tokens=8)
     during = await client.wait("during", timeout_s=scaled(15))
     assert during["type"] == "error" and during["code"] == "unavailable", during
     await asyncio.sleep(OUTAGE_S)
     for name, proc in sys_.procs.items():
         assert proc.poll() is None, f"{name} crashed while Redis was down"
-        share = (cpu_seconds(proc.pid) - cpu_before[name]) / (OUTAGE_S + 0.1)
+        share = (cpu_s(proc.pid) - cpu_before[name]) / (OUTAGE_S + 0.1)
         print(f"\n{name}: {share:.0%} of a core while Redis was down")
         assert share < MAX_IDLE_CPU_SHARE, f"{name} spins while Redis is down"
 

@@ -12,8 +12,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from lanes.bench.common import cpu_s
 from lanes.cli.chaos.load import Ledger, LoadClient, Tally, until
-from lanes.cli.chaos.rig import Rig, cpu_seconds
+from lanes.cli.chaos.rig import Rig
 
 #: How long a fault waits for its requests to end before counting the rest as lost.
 END_TIMEOUT_S = 90.0
@@ -175,10 +176,10 @@ async def redis_restart(rig: Rig, num_workers: int, outage_s: float = 2.0) -> Fa
     ids = await _send(client, "rr", 20, max_tokens=300)
     await until(lambda: _streaming(ledger, ids) >= 10, 30)
     cluster.stop_redis()
-    cpu_before = {name: cpu_seconds(p.pid) for name, p in cluster.procs.items() if p.poll() is None}
+    cpu_before = {name: cpu_s(p.pid) for name, p in cluster.procs.items() if p.poll() is None}
     during = await _send(client, "rd", 5, max_tokens=20)  # expect ``unavailable`` at once
     await asyncio.sleep(outage_s)
-    cpu_share = {n: (cpu_seconds(cluster.procs[n].pid) - c) / outage_s for n, c in cpu_before.items()
+    cpu_share = {n: (cpu_s(cluster.procs[n].pid) - c) / outage_s for n, c in cpu_before.items()
                  if cluster.procs[n].poll() is None}
     crashed = cluster.crashed()
     cluster.start_redis()

@@ -8,7 +8,6 @@ SIGKILL for a worker or an edge, redis-server stopped and started again on the s
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +54,3 @@ class Rig:
 
     def close(self) -> None:
         self.cluster.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

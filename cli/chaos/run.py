@@ -17,12 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from lanes.cli.chaos.faults import FaultReport, run_all
 from lanes.cli.chaos.load import Tally
 from lanes.cli.chaos.rig import Rig
+from rich.console import Console
+from rich.table import Table
 
 
 def totals(reports: list[FaultReport]) -> Tally:
