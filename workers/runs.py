@@ -22,6 +22,7 @@ A run ends in exactly one of: ``Complete`` (its final event is in the stream), `
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class Run:
     #: Tokens streamed by earlier attempts (this one continues after them).
     prior_tokens: int = 0
     completion_tokens: int = 0
+    #: Demotion: past this many generated tokens the run counts against a later lane (the
+    #: worker sets it from the policy; inf: never).
+    demote_above: float = math.inf
     max_tokens: int = 0
     predicted_tokens: int = 0
     times_preempted: int = 0

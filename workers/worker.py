@@ -35,7 +35,12 @@ from lanes.queue.messages import (
 from lanes.queue.plane import Claim, QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.scheduler.live_policy import make_live_policy
-from lanes.scheduler.policy import LaneThresholds, lanes_to_pop
+from lanes.scheduler.policy import (
+    LaneThresholds,
+    effective_lane,
+    lane_bound_tokens,
+    lanes_to_pop,
+)
 from lanes.scheduler.preemption import (
     NEVER_MS,
     RunView,
@@ -278,6 +283,7 @@ class Worker:
                 run.seq = len(prior)
                 resume_ids = tuple(i for e in prior for i in e.token_ids)
                 run.prior_tokens = len(resume_ids)
+                self._set_demotion_bound(run)
                 request = EngineRequest(
                     id=run.id, messages=payload.messages, max_tokens=payload.max_tokens,
                     temperature=payload.temperature, top_p=payload.top_p, seed=payload.seed, stop=payload.stop,
@@ -357,13 +363,16 @@ class Worker:
         if token_ids:
             self.reporter.num_tokens += len(token_ids)
             self._token_counters[run.lane].inc(len(token_ids))
-            demotion = self.policy.demotion
-            if demotion is not None:
-                generated = run.prior_tokens + run.completion_tokens
-                before = generated - len(token_ids)
-                if (before <= demotion.short_max_tokens < generated
-                        or before <= demotion.medium_max_tokens < generated):
-                    self._lanes_changed()  # demoted: it now counts against a later lane
+            if run.prior_tokens + run.completion_tokens > run.demote_above:
+                self._set_demotion_bound(run)
+                self._lanes_changed()  # demoted: it now counts against a later lane
+
+    def _set_demotion_bound(self, run: Run) -> None:
+        """The most tokens ``run`` may generate and still count against its current lane."""
+        demotion = self.policy.demotion
+        if demotion is not None:
+            lane = effective_lane(run.lane, run.prior_tokens + run.completion_tokens, demotion)
+            run.demote_above = lane_bound_tokens(lane, demotion)
 
     # -- loops ----------------------------------------------------------------------------
 
