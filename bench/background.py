@@ -16,15 +16,13 @@ answers' duration (and with it the one-lane wait) is divided by it; the figures 
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lanes.bench.common import machine_load
+from lanes.bench.common import machine_load, sim_system
 from lanes.bench.wsclient import LeanClient, Stream
 from lanes.cli.cluster import Cluster
 from lanes.workers.settings import WorkerSettings
@@ -104,12 +102,7 @@ def _lanes(streams: list[Stream]) -> dict[str, int]:
 def run(options: Options, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     result: dict[str, Any] = {"options": options.__dict__, "machine": machine_load()}
     for policy in policies:
-        with tempfile.TemporaryDirectory(prefix="lanes-background-") as logs, \
-                Cluster.embedded(f"bg{uuid.uuid4().hex[:6]}", Path(logs), base_env={"LANES_POLICY": policy}) as cluster:
-            cluster.start_scheduler()
-            cluster.start_edge("edge")
-            cluster.start_worker("w0", "", "--engine", "sim", "--sim-time-scale", str(options.time_scale))
-            cluster.wait_workers(1)
+        with sim_system("bg", time_scale=options.time_scale, base_env={"LANES_POLICY": policy}) as cluster:
             result[policy] = asyncio.run(measure(cluster, options))
     if all(result.get(p, {}).get("short_ttft_ms_p99") for p in POLICIES):
         result["short_ttft_p99_ratio"] = round(result["fcfs"]["short_ttft_ms_p99"] / result["lanes"]["short_ttft_ms_p99"], 1)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from lanes.cli.cluster import Cluster
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -110,3 +113,26 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@contextmanager
+def sim_system(tag: str, *, workers: int = 1, time_scale: float = 1000.0, slots: int | None = None,
+               open_slots: bool = False, base_env: dict[str, str] | None = None,
+               edge_env: dict[str, str] | None = None, worker_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """Real processes for one benchmark run: an embedded redis-server, a scheduler, one edge
+    ("edge") and ``workers`` sim-engine workers ("w0", "w1", ...), logs in a temporary folder.
+    ``open_slots``: every slot may run any lane (no reservation), as for raw throughput."""
+    worker_args = ["--engine", "sim", "--sim-time-scale", str(time_scale)]
+    env = dict(worker_env or {})
+    if slots is not None:
+        worker_args += ["--max-slots", str(slots)]
+        if open_slots:
+            env |= {"LANES_MAX_LONG_SLOTS": str(slots), "LANES_MAX_MEDIUM_LONG_SLOTS": str(slots)}
+    with tempfile.TemporaryDirectory(prefix=f"lanes-{tag}-") as logs, \
+            Cluster.embedded(f"{tag}{uuid.uuid4().hex[:6]}", Path(logs), base_env=base_env or {}) as cluster:
+        cluster.start_scheduler()
+        cluster.start_edge("edge", **(edge_env or {}))
+        for i in range(workers):
+            cluster.start_worker(f"w{i}", "", *worker_args, **env)
+        cluster.wait_workers(workers)
+        yield cluster

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from lanes.bench.common import CpuMeter, machine_load, progress, rss_kib
+from lanes.bench.common import CpuMeter, machine_load, progress, rss_kib, sim_system
 from lanes.bench.wsclient import LeanClient, Stream
 from lanes.cli.cluster import Cluster
 
@@ -149,11 +147,6 @@ async def _churn(cluster: Cluster, options: Options, tag: str) -> dict[str, Any]
 
 
 def run(options: Options) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="lanes-connections-") as logs, \
-            Cluster.embedded(f"conn{uuid.uuid4().hex[:6]}", Path(logs)) as cluster:
-        cluster.start_scheduler()
-        cluster.start_edge("edge")
-        cluster.start_worker("w0", "", "--engine", "sim", "--sim-time-scale", "1000", "--max-slots", "64")
-        cluster.wait_workers(1)
+    with sim_system("conn", slots=64) as cluster:
         result = asyncio.run(measure(cluster, options))
     return {**result, "machine": machine_load()}

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from lanes.bench.common import CpuMeter, machine_load, progress
+from lanes.bench.common import CpuMeter, machine_load, progress, sim_system
 from lanes.bench.wsclient import LeanClient, Stream
-from lanes.cli.cluster import Cluster
 
 MAX_TOKENS = 4000
 PROMPT = "Write a very long story about the sea."
@@ -108,6 +105,7 @@ async def measure(host: str, port: int, pids: dict[str, int], concurrency: int, 
     tokens_per_s = frames / elapsed
     per_1k = {name: 1000 * cpu / max(frames, 1) * 1000 for name, cpu in used.items()}
     server = sum(v for k, v in per_1k.items() if k != "client")
+    per_1k["workers"] = sum(v for k, v in per_1k.items() if k.startswith("worker"))
     return {
         "concurrency": concurrency, "tokens_per_s": round(tokens_per_s), "window_s": round(elapsed, 2),
         "server_cpu_ms_per_1k_tokens": round(server, 2),
@@ -123,38 +121,21 @@ async def measure(host: str, port: int, pids: dict[str, int], concurrency: int, 
 
 def run(concurrencies: list[int], seconds: float = 8.0, warmup_s: float = 2.0, workers: int = 2,
         slots: int = 128, time_scale: float = 200.0) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="lanes-fanout-") as logs, \
-            Cluster.embedded(f"fan{uuid.uuid4().hex[:6]}", Path(logs)) as cluster:
-        cluster.start_scheduler()
-        big = str(100_000)
-        cluster.start_edge("edge", LANES_MAX_DEPTH_SHORT=big, LANES_MAX_DEPTH_MEDIUM=big, LANES_MAX_DEPTH_LONG=big,
-                           LANES_MAX_IN_FLIGHT_PER_CONNECTION="1000")
-        for i in range(workers):
-            cluster.start_worker(f"w{i}", "", "--engine", "sim", "--sim-time-scale", str(time_scale),
-                                 "--max-slots", str(slots), LANES_MAX_LONG_SLOTS=str(slots),
-                                 LANES_MAX_MEDIUM_LONG_SLOTS=str(slots), LANES_REPORT_OBSERVATIONS="false")
-        cluster.wait_workers(workers)
+    big = str(100_000)
+    edge_env = {"LANES_MAX_DEPTH_SHORT": big, "LANES_MAX_DEPTH_MEDIUM": big, "LANES_MAX_DEPTH_LONG": big,
+                "LANES_MAX_IN_FLIGHT_PER_CONNECTION": "1000"}
+    with sim_system("fan", workers=workers, time_scale=time_scale, slots=slots, open_slots=True, edge_env=edge_env,
+                    worker_env={"LANES_REPORT_OBSERVATIONS": "false"}) as cluster:
         assert cluster.redis is not None and cluster.redis.process is not None
-        pids = {"edge": cluster.procs["edge"].pid, "redis": cluster.redis.process.pid}
-        pids |= {"workers": 0}
-        worker_pids = [cluster.procs[f"w{i}"].pid for i in range(workers)]
+        pids = {"edge": cluster.procs["edge"].pid, "redis": cluster.redis.process.pid,
+                **{f"worker{i}": cluster.procs[f"w{i}"].pid for i in range(workers)}}
         results = []
         with progress("fanout", len(concurrencies) * seconds) as tick:
             for concurrency in concurrencies:
-                results.append(asyncio.run(_measure_all(cluster, pids, worker_pids, concurrency, seconds,
-                                                        warmup_s, tick)))
+                results.append(asyncio.run(measure(cluster.edge_hosts["edge"], cluster.edge_ports["edge"], pids,
+                                                   concurrency, seconds, warmup_s, tick)))
     return {"workers": workers, "slots_per_worker": slots, "sim_time_scale": time_scale, "runs": results,
             "machine": machine_load(), **_best(results)}
-
-
-async def _measure_all(cluster: Cluster, pids: dict[str, int], worker_pids: list[int], concurrency: int,
-                       seconds: float, warmup_s: float, tick: Any) -> dict[str, Any]:
-    named = {k: v for k, v in pids.items() if v} | {f"worker{i}": pid for i, pid in enumerate(worker_pids)}
-    result = await measure(cluster.edge_hosts["edge"], cluster.edge_ports["edge"], named, concurrency, seconds,
-                           warmup_s, tick)
-    per_1k = result["cpu_ms_per_1k_tokens"]
-    per_1k["workers"] = round(sum(v for k, v in per_1k.items() if k.startswith("worker")), 2)
-    return result
 
 
 def _best(results: list[dict[str, Any]]) -> dict[str, Any]:
