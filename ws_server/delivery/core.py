@@ -31,6 +31,7 @@ from collections.abc import Iterable
 
 from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import Finish, FinishReason, TokenEvent, Usage
+from lanes.queue.stats import NO_LANE
 from lanes.ws_server import protocol
 from lanes.ws_server.delivery.actions import (
     Action,
@@ -98,7 +99,7 @@ class Delivery:
             actions.append(CancelRequest(request_id, report=True))
         return actions + self._drain(entry, now)
 
-    def refuse(self, request_id: str, code: ErrorCode, message: str, lane: str = "none",
+    def refuse(self, request_id: str, code: ErrorCode, message: str, lane: str = NO_LANE,
                **extra: object) -> list[Action]:
         """The chat was not enqueued (limit, admission, Redis): its error frame, and forget it."""
         entry = self.entries.get(request_id)
