@@ -101,6 +101,9 @@ def test_resume_on_another_connection_takes_over_and_the_old_one_is_told() -> No
     out = d.resume(2, "r", 0, "k", 0.2)
     assert frames(out, 1) == [{"type": "error", "code": "resumed_elsewhere", "id": "r",
                                "message": "request r was resumed on another connection"}]
+    # Redis may point it elsewhere by now (the client hopped edges and came back): re-point first.
+    assert Repoint("r", "k") in out and frames(out, 2) == []
+    out = d.repointed("r", "running", 0.25)
     assert frames(out, 2)[0] == {"type": "resumed", "id": "r", "last_seq": 0}
     assert ReadStream("r", 0) in out
     out = d.stream_read("r", [tok("r", 1)], None, 0.3)
@@ -126,7 +129,8 @@ def test_resume_within_the_grace_gets_the_rest_from_the_stream() -> None:
     d.tokens([tok("r", 0)], 0.1)
     d.disconnected(1, 0.2)
     d.tokens([tok("r", 1), tok("r", 2)], 0.3)
-    out = d.resume(5, "r", 0, "k", 3.0)
+    assert d.resume(5, "r", 0, "k", 3.0) == [Repoint("r", "k")]
+    out = d.repointed("r", "running", 3.0)
     assert frames(out, 5)[0]["type"] == "resumed" and ReadStream("r", 0) in out
     out = d.stream_read("r", [tok("r", 1), tok("r", 2)], None, 3.1)
     assert [f["seq"] for f in frames(out, 5)] == [1, 2]
@@ -138,6 +142,7 @@ def test_resume_past_the_end_ends_with_done_instead_of_waiting() -> None:
     open_accepted(d, 1, "r", key="k")
     d.tokens([tok("r", 0), tok("r", 1)], 0.1)
     d.resume(2, "r", 50, "k", 0.2)
+    d.repointed("r", "running", 0.25)
     out = d.tokens([tok("r", 2, "", FinishReason.STOP)], 0.3)
     assert [f["type"] for f in frames(out, 2)] == ["done"]
 

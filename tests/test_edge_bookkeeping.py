@@ -33,9 +33,10 @@ def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     sys_ = System(redis_url, f"bk{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("bookkeeping-logs"))
     try:
         sys_.start("scheduler", ["scheduler"])
-        url = sys_.start_edge(LANES_API_KEY_HASHES=f"{hash_key(ALICE)},{hash_key(BOB)}",
-                              LANES_RATE_LIMIT_SCOPE="fleet", LANES_KEY_RATE_PER_S="1000", LANES_KEY_BURST="1000",
-                              LANES_RESUME_GRACE_S=str(GRACE_S))
+        edge_env = {"LANES_API_KEY_HASHES": f"{hash_key(ALICE)},{hash_key(BOB)}", "LANES_RATE_LIMIT_SCOPE": "fleet",
+                    "LANES_KEY_RATE_PER_S": "1000", "LANES_KEY_BURST": "1000", "LANES_RESUME_GRACE_S": str(GRACE_S)}
+        url = sys_.start_edge(**edge_env)
+        sys_.start_edge("edge2", **edge_env)  # for clients that hop between edges
         sys_.start("worker", ["worker", "--engine", "sim", "--max-slots", "16"])
         sys_.wait_workers(1)
         yield sys_, url
@@ -225,3 +226,24 @@ def test_http_paths_refuse_other_methods(system: tuple[System, str], method: str
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=5)
         assert refused.value.code == 405 and "GET" in refused.value.headers["Allow"]
+
+
+async def test_a_client_hopping_to_another_edge_and_back_keeps_its_answer(system: tuple[System, str]) -> None:
+    """A phone behind a load balancer: edge 1, then edge 2, then edge 1 again within a second.
+    Edge 1 still held the request from the first connection; Redis pointed it at edge 2."""
+    sys_, url = system
+    url2 = url.replace(str(sys_.edge_ports["edge"]), str(sys_.edge_ports["edge2"]))
+    rid = f"hop-{uuid.uuid4().hex[:6]}"
+    hops = [await connect(url, ALICE)]
+    await hops[0].chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
+    await streaming(hops[0], rid, 5)
+    for next_url in (url2, url):
+        hops[-1].ws.transport.abort()  # the network changed
+        client = await connect(next_url, ALICE)
+        await client.send({"type": "resume", "id": rid, "last_seq": contiguous(*((c, rid) for c in hops))[-1]})
+        hops.append(client)
+        await streaming(client, rid, 2)
+    done = await hops[-1].wait(rid, scaled(60))
+    assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), done
+    assert contiguous(*((c, rid) for c in hops)) == list(range(done["usage"]["completion_tokens"]))
+    await hops[-1].close()

@@ -136,12 +136,11 @@ class Delivery:
         if entry.phase is not Phase.ACTIVE:  # announced once Redis has confirmed the request
             entry.announced, entry.resumed_after = False, last_seq
             return actions
-        entry.announced = True
-        actions.append(Send(conn, protocol.resumed_frame(request_id, last_seq)))
-        actions += self._drain(entry, now)
-        if entry.id in self.entries:
-            actions += self._fill(entry)
-        return actions
+        # Redis may point the request at another edge by now (a client that hopped there and
+        # back; this edge would hear of it only at its next check): point it here again first,
+        # exactly as for a request this edge does not hold. Tokens meanwhile are buffered.
+        entry.phase, entry.announced = Phase.RESUMING, False
+        return actions + [Repoint(request_id, key)]
 
     def refuse_resume(self, request_id: str, message: str) -> list[Action]:
         """The re-point could not be made (Redis down): tell the client, forget the resume."""
