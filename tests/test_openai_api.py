@@ -193,6 +193,22 @@ def test_an_oversized_body_is_413_even_when_chunked(system: System) -> None:
     assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "frame_too_large"
 
 
+def test_an_oversized_body_with_a_length_is_413_and_the_connection_closes(system: System) -> None:
+    """The rest of the body is never read: the edge must not parse it as the next request."""
+    conn = http.client.HTTPConnection("127.0.0.1", system.edge_ports["edge"], timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(5_000_000))
+    conn.endheaders()
+    try:
+        conn.send(b"x" * 300_000)  # past the 256 KiB limit; the other 4.7 MB never come
+    except OSError:
+        pass
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "frame_too_large"
+    assert resp.getheader("connection") == "close" and resp.will_close
+
+
 async def test_a_refused_streaming_request_leaves_no_session(redis_url: str, key_prefix: str) -> None:
     """A streaming request refused before it started (here: an unknown model) is answered 404
     and leaves nothing behind on the edge."""

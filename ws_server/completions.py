@@ -63,8 +63,12 @@ def routes(edge: Edge) -> list[BaseRoute]:
             return _refused(verdict)
         raw = await _body(request, edge.limits.max_frame_bytes)
         if raw is None:
-            return _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
-                                       code="frame_too_large"))
+            response = _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
+                                           code="frame_too_large"))
+            # The rest of the body is still on the wire, unread: close the connection after the
+            # answer, or the server would parse those bytes as the next request.
+            response.headers["Connection"] = "close"
+            return response
         try:
             parsed = oai.parse_request(msgspec.json.decode(raw), edge.limits)
         except (msgspec.DecodeError, RecursionError, UnicodeError):
