@@ -16,6 +16,11 @@ from lanes.queue.stats import EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
 #: KEYS: list. Returns every element and deletes the list, atomically.
+#: KEYS: predictor hash. ARGV: weights, observations. Returns the new version.
+_PUBLISH_PREDICTOR = """
+redis.call('HSET', KEYS[1], 'weights', ARGV[1], 'observations', ARGV[2])
+return redis.call('HINCRBY', KEYS[1], 'version', 1)
+"""
 _TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return items"
 _observation_decoder = msgspec.json.Decoder(Observation)
 #: Newest observations kept for the predictor refresh (a capped list).
@@ -128,9 +133,9 @@ class Fleet:
     async def publish_predictor(self, weights: bytes, num_observations: int) -> int:
         """Store refreshed predictor weights; returns their new version."""
         k = self.keys.predictor
-        version = await self.redis.hincrby(k, "version", 1)
-        await self.redis.hset(k, mapping={"weights": weights, "observations": num_observations})
-        return int(version)
+        # One script on one key (MULTI is refused by a cluster client): a reader never sees the
+        # new version with the old weights (it would keep those until the next version).
+        return int(await self.redis.eval(_PUBLISH_PREDICTOR, 1, k, weights, num_observations))
 
     async def published_predictor(self, known_version: int) -> tuple[int, bytes] | None:
         """``(version, weights)`` when a version newer than ``known_version`` is stored."""
