@@ -60,7 +60,7 @@ async def main(c, key):
     await asyncio.sleep(6)
     r0 = (rss_kb(pid1), rss_kb(pid2)); print("after 200 warm-up cycles + settle: RSS e1/e2 KiB", r0, flush=True)
     rows = []
-    for rnd in range(2):
+    for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
         el = await run(c, key, 2000, seed=rnd)
         r_imm = (rss_kb(pid1), rss_kb(pid2))
         await asyncio.sleep(6)  # grace 3s expires for aborted ones
