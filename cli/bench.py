@@ -91,6 +91,8 @@ def policy(
     preempt_wait_s: Annotated[float | None, typer.Option(help="lanes: hand-back wait bound.")] = None,
     hand_back_demoted: Annotated[bool | None, typer.Option("--hand-back-demoted/--no-hand-back-demoted",
                                  help="lanes: hand back demoted runs too.")] = None,
+    min_long_share: Annotated[float | None, typer.Option(help="lanes: share of the slots the long lane is "
+                                                         "guaranteed once it starves (default 0.1).")] = None,
 ) -> None:
     """Simulate scheduling policies over a trace with a GPU cost model and a real predictor."""
     from lanes.scheduler.costmodel import get_profile
@@ -117,7 +119,7 @@ def policy(
         predictions = _pool_predictions(prompts, true)
         if predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
-    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted)
+    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share)
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
     results = compare(requests, engine, load, names, predictions, **kwargs)
@@ -135,10 +137,14 @@ def policy(
 
 
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
-            hand_back_demoted: bool | None) -> Any:
+            hand_back_demoted: bool | None, min_long_share: float | None = None) -> Any:
     from lanes.scheduler.sim.policies import LanesTuning
 
     tuning = LanesTuning()
+    if min_long_share is not None:
+        if not 0.0 <= min_long_share <= 1.0:
+            raise typer.BadParameter(f"must be in [0, 1], got {min_long_share}", param_hint="--min-long-share")
+        tuning = replace(tuning, min_long_share=min_long_share)
     if max_short_to_long is not None:
         tuning = replace(tuning, max_short_to_long=max_short_to_long)
     if fcfs_below_s is not None:

@@ -54,3 +54,13 @@ def test_bench_policy_table_and_bad_prompt_files(files: tuple[Path, Path], tmp_p
     assert malformed.returncode == 2 and "output_tokens" in malformed.stderr
     unknown = lanes("bench", "policy", "--trace", str(trace), "--predictor", "psychic")
     assert unknown.returncode == 2 and "--predictor" in unknown.stderr
+
+
+def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tuple[Path, Path]) -> None:
+    from lanes.cli.bench import _tuning
+
+    assert _tuning(None, None, None, None, 0.2).min_long_share == 0.2
+    assert _tuning(None, None, None, None).min_long_share == 0.1
+    trace, prompts = files
+    bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--min-long-share", "2")
+    assert bad.returncode == 2 and "--min-long-share" in bad.stderr and "[0, 1]" in bad.stderr

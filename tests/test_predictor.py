@@ -315,7 +315,7 @@ def test_shipped_weights_never_saw_the_held_out_pool_and_rank_it() -> None:
     trained = {" ".join(e.prompt.lower().split()) for e in read_examples(DEFAULT_DATASET_PATH)
                if e.source != HELD_OUT_SOURCE}
     assert not pool_prompts & trained, "no pool prompt is in the training sources"
-    # Measured 0.352 (1,504 rows: 188 prompts x 8 answering models, none of them seen in training).
+    # Measured 0.382 (1,504 rows: 188 prompts x 8 answering models, none of them seen in training).
     predictor = load_default()
     tau = kendall_tau([predictor.score_text(row["prompt"]) for row in pool], [row["output_tokens"] for row in pool])
-    assert tau > 0.3
+    assert tau > 0.35

@@ -39,8 +39,10 @@ from lanes.scheduler.predictor.lexical import (
     raw_counts,
 )
 
-#: Lexical ridge strength when training from scratch (chosen by 5-fold CV on AlpacaEval).
-LEXICAL_ALPHA = 1.0
+#: Lexical ridge strength when training from scratch: chosen by leave-one-source-out tau over the
+#: nine training sources (the held-out pool's source excluded) among 0.5 / 1 / 2 / 4 / 8 / 16
+#: (benchmarks/RESULTS.md, "Length predictor (issue 9)": 0.332 at 1, 0.338 at 4, 0.337 at 8).
+LEXICAL_ALPHA = 4.0
 #: Lexical anchoring strength for ``refit``: larger keeps the model closer to the current one.
 LEXICAL_REFIT_ALPHA = 4.0
 #: Refuse windows larger than this: the cron job must bound its memory (observations).
