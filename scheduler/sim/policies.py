@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lanes.queue.messages import Lane
+from lanes.scheduler.live_policy import DEFAULT_DEMOTION, DEFAULT_PREEMPTION, lanes_slot_config
 from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, long_threshold_from_observations
 from lanes.scheduler.preemption import PreemptionConfig
-from lanes.scheduler.live_policy import DEFAULT_DEMOTION, DEFAULT_PREEMPTION
 from lanes.scheduler.sim.mlfq import MlfqConfig
 from lanes.scheduler.sim.trace import Trace
 
@@ -88,9 +88,9 @@ def open_slots(max_num_seqs: int) -> SlotConfig:
 
 
 def lanes_slots(max_num_seqs: int, tuning: LanesTuning) -> SlotConfig:
-    return replace(open_slots(max_num_seqs), max_long=round(tuning.max_long_share * max_num_seqs),
-                   min_long=round(tuning.min_long_share * max_num_seqs), starve_after_ms=tuning.starve_after_ms,
-                   protect_after_ms=tuning.protect_after_ms, borrow_when_idle=True, fcfs_below_ms=tuning.fcfs_below_ms)
+    return lanes_slot_config(max_num_seqs, min_long_share=tuning.min_long_share, starve_after_ms=tuning.starve_after_ms,
+                             fcfs_below_ms=tuning.fcfs_below_ms, max_long_share=tuning.max_long_share,
+                             protect_after_ms=tuning.protect_after_ms)
 
 
 def _lanes(name: str, trace: Trace, predicted: np.ndarray, predictor_ms: np.ndarray | float,
