@@ -30,50 +30,33 @@ OWNER_CHECK_S = 1.0
 async def listen(client: aioredis.Redis | RedisCluster, channels: Sequence[str], backoff: Backoff,
                  on_subscribed: Callable[[], None] | None = None) -> AsyncIterator[tuple[bytes, bytes]]:
     """Yield ``(channel, data)`` of every message on ``channels``, forever; resubscribe after
-    a lost connection, waiting as ``backoff`` says."""
-    if isinstance(client, RedisCluster):
-        async for item in _listen_cluster(client, channels, backoff, on_subscribed):
-            yield item
-        return
-    while True:
-        pubsub = client.pubsub()
-        try:
-            await pubsub.subscribe(*channels)
-            backoff.succeeded()
-            if on_subscribed is not None:
-                on_subscribed()
-            while True:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
-                if message is not None and message["type"] == "message":
-                    yield message["channel"], message["data"]
-        except (RedisError, OSError) as exc:
-            await asyncio.sleep(backoff.failed(exc))
-        finally:
-            await pubsub.aclose()
-
-
-async def _listen_cluster(cluster: RedisCluster, channels: Sequence[str], backoff: Backoff,
-                          on_subscribed: Callable[[], None] | None) -> AsyncIterator[tuple[bytes, bytes]]:
+    a lost connection, waiting as ``backoff`` says (on a cluster also when the slot moves)."""
     from lanes.queue.cluster import node_client, slot_owner
 
+    cluster = client if isinstance(client, RedisCluster) else None
+    # A single Redis blocks for the next message; a cluster subscriber wakes to check its owner.
+    timeout = None if cluster is None else OWNER_CHECK_S
     loop = asyncio.get_running_loop()
     while True:
         conn: aioredis.Redis | None = None
         pubsub = None
         try:
-            address = await slot_owner(cluster, channels[0])
-            conn = node_client(cluster, *address, single_connection=False)
-            pubsub = conn.pubsub()
+            if cluster is None:
+                pubsub = client.pubsub()
+            else:
+                address = await slot_owner(cluster, channels[0])
+                conn = node_client(cluster, *address, single_connection=False)
+                pubsub = conn.pubsub()
             await pubsub.subscribe(*channels)
             backoff.succeeded()
             if on_subscribed is not None:
                 on_subscribed()
             check_at = loop.time() + OWNER_CHECK_S
             while True:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=OWNER_CHECK_S)
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
                 if message is not None and message["type"] == "message":
                     yield message["channel"], message["data"]
-                if loop.time() >= check_at:
+                if cluster is not None and loop.time() >= check_at:
                     check_at = loop.time() + OWNER_CHECK_S
                     if await _moved(cluster, channels[0], address):
                         break
