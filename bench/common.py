@@ -92,9 +92,10 @@ def write_json(path: Path | None, result: dict[str, Any]) -> None:
         path.write_text(text + "\n")
 
 
-def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list[float], list[float]]],
-               logy: bool = False) -> None:
-    """One PNG with a line per series (``--plot``); needs matplotlib (the ``dev`` extra)."""
+@contextmanager
+def figure(path: Path, ncols: int = 1, *, width: float = 7.0, sharey: bool = False) -> Iterator[tuple[Any, Any]]:
+    """``(fig, axes)`` for a ``--plot`` PNG written to ``path`` on leaving the block (``axes`` is one
+    axis when ``ncols`` is 1). Needs matplotlib (the ``dev`` extra): without it, one line saying so."""
     try:
         import matplotlib
 
@@ -102,17 +103,27 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit(f"--plot needs matplotlib: pip install -e '.[dev]' ({exc})") from None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    if logy:
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig, axes = plt.subplots(1, ncols, figsize=(width, 4), sharey=sharey)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list[float], list[float]]],
+               logy: bool = False) -> None:
+    """One PNG with a line per series (``--plot``)."""
+    with figure(path) as (_, ax):
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -93,6 +94,8 @@ def policy(
                                  help="lanes: hand back demoted runs too.")] = None,
     min_long_share: Annotated[float | None, typer.Option(help="lanes: share of the slots the long lane is "
                                                          "guaranteed once it starves (default 0.1).")] = None,
+    max_wait_s: Annotated[float | None, typer.Option(help="lanes: a lane whose oldest request has waited this "
+                                                     "long is popped first (default 600; 0: no bound).")] = None,
 ) -> None:
     """Simulate scheduling policies over a trace with a GPU cost model and a real predictor."""
     from lanes.scheduler.costmodel import get_profile
@@ -119,7 +122,7 @@ def policy(
         predictions = _pool_predictions(prompts, true)
         if predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
-    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share)
+    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
     results = compare(requests, engine, load, names, predictions, **kwargs)
@@ -137,7 +140,8 @@ def policy(
 
 
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
-            hand_back_demoted: bool | None, min_long_share: float | None = None) -> Any:
+            hand_back_demoted: bool | None, min_long_share: float | None = None,
+            max_wait_s: float | None = None) -> Any:
     from lanes.scheduler.sim.policies import LanesTuning
 
     tuning = LanesTuning()
@@ -145,6 +149,10 @@ def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt
         if not 0.0 <= min_long_share <= 1.0:
             raise typer.BadParameter(f"must be in [0, 1], got {min_long_share}", param_hint="--min-long-share")
         tuning = replace(tuning, min_long_share=min_long_share)
+    if max_wait_s is not None:
+        if max_wait_s < 0:
+            raise typer.BadParameter(f"must be >= 0 (0: no bound), got {max_wait_s}", param_hint="--max-wait-s")
+        tuning = replace(tuning, max_wait_ms=max_wait_s * 1000.0 if max_wait_s > 0 else math.inf)
     if max_short_to_long is not None:
         tuning = replace(tuning, max_short_to_long=max_short_to_long)
     if fcfs_below_s is not None:
@@ -173,25 +181,18 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 def write_plot(sweep: dict[float, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
     """P99 TTFT (short and long requests) vs offered load, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lanes.bench.common import figure
 
     loads = sorted(sweep)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, group in zip(axes, ("short", "long"), strict=True):
-        for name in sweep[loads[0]]:
-            ax.plot(loads, [sweep[x][name][group]["ttft_s_p99"] for x in loads], marker="o", label=name)
-        ax.set(title=f"{group} requests", xlabel="offered load (x FCFS capacity)", yscale="log")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("P99 TTFT (s)")
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 2, width=10.0, sharey=True) as (fig, axes):
+        for ax, group in zip(axes, ("short", "long"), strict=True):
+            for name in sweep[loads[0]]:
+                ax.plot(loads, [sweep[x][name][group]["ttft_s_p99"] for x in loads], marker="o", label=name)
+            ax.set(title=f"{group} requests", xlabel="offered load (x FCFS capacity)", yscale="log")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("P99 TTFT (s)")
+        axes[0].legend()
+        fig.suptitle(title)
 
 
 # -- the live system --------------------------------------------------------------------------
@@ -426,27 +427,20 @@ def _ms(value: float | None) -> str:
 
 def write_live_plot(result: dict[str, Any], names: tuple[str, ...], path: Path) -> None:
     """Bars of TTFT p50 and p99 per policy and class, live beside simulated."""
-    import matplotlib
+    from lanes.bench.common import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{n}\n{c}" for n in names for c in ("short", "long")]
     x = np.arange(len(labels))
-    for ax, q in zip(axes, ("p50", "p99"), strict=True):
-        live_v = [result[n].get(c, {}).get(f"ttft_ms_{q}", np.nan) / 1000 for n in names for c in ("short", "long")]
-        sim_v = [result["sim"][n][c][f"ttft_ms_{q}"] / 1000 for n in names for c in ("short", "long")]
-        ax.bar(x - 0.2, live_v, 0.4, label="live")
-        ax.bar(x + 0.2, sim_v, 0.4, label="simulated")
-        ax.set(xticks=x, xticklabels=labels, title=f"TTFT {q} (s, trace time)")
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"lanes bench live: sim_gap {result['sim_gap']:+.1%}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 2, width=10.0) as (fig, axes):
+        for ax, q in zip(axes, ("p50", "p99"), strict=True):
+            live_v = [result[n].get(c, {}).get(f"ttft_ms_{q}", np.nan) / 1000 for n in names for c in ("short", "long")]
+            sim_v = [result["sim"][n][c][f"ttft_ms_{q}"] / 1000 for n in names for c in ("short", "long")]
+            ax.bar(x - 0.2, live_v, 0.4, label="live")
+            ax.bar(x + 0.2, sim_v, 0.4, label="simulated")
+            ax.set(xticks=x, xticklabels=labels, title=f"TTFT {q} (s, trace time)")
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"lanes bench live: sim_gap {result['sim_gap']:+.1%}")
 
 
 @app.command("background")

@@ -85,14 +85,15 @@ def make_live_policy(
 
 def lanes_slot_config(max_slots: int, *, min_long_share: float = 0.1, starve_after_ms: float = 20_000.0,
                       fcfs_below_ms: float = 5_000.0, max_long_share: float = 1.0,
-                      protect_after_ms: float = math.inf) -> SlotConfig:
+                      protect_after_ms: float = math.inf, max_wait_ms: float = math.inf) -> SlotConfig:
     """The slot config the simulator tuned for ``lanes`` (``sim.policies.LanesTuning`` builds its
     own through this function), for a worker with ``max_slots`` slots: long requests capped at
     ``max_long_share`` of the slots (default: no cap, a long request may use any free slot while
     no shorter one waits), the long lane guaranteed ``min_long_share`` of the slots once its
     oldest request waited ``starve_after_ms`` (unless the short lane's has waited
-    ``protect_after_ms``), and priority only while the short lane's oldest request has waited
-    ``fcfs_below_ms``."""
+    ``protect_after_ms``), priority only while the short lane's oldest request has waited
+    ``fcfs_below_ms``, and any lane first once its oldest request has waited ``max_wait_ms``."""
     return SlotConfig(max_slots=max_slots, max_long=round(max_long_share * max_slots), max_medium_long=max_slots,
                       min_long=round(min_long_share * max_slots), starve_after_ms=starve_after_ms,
-                      protect_after_ms=protect_after_ms, borrow_when_idle=True, fcfs_below_ms=fcfs_below_ms)
+                      protect_after_ms=protect_after_ms, borrow_when_idle=True, fcfs_below_ms=fcfs_below_ms,
+                      max_wait_ms=max_wait_ms)

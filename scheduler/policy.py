@@ -224,6 +224,10 @@ class SlotConfig:
     #: this, the lanes are popped oldest-first (FCFS across lanes: at light load reordering
     #: only costs the later lanes). 0 (the default): always by priority.
     fcfs_below_ms: float = 0.0
+    #: Wait bound: a lane whose oldest request has waited this long is popped first (the
+    #: longest-waiting such lane first), caps, guarantees and priorities notwithstanding, so no
+    #: request waits without bound behind a stream of shorter ones. inf (the default): no bound.
+    max_wait_ms: float = math.inf
 
     def __post_init__(self) -> None:
         # Caps above max_slots are allowed (they just never bind): workers pass them as set.
@@ -258,7 +262,8 @@ def lanes_to_pop(
     """Lanes to pop from now, in order: the worker takes the first non-empty one.
 
     ``running`` counts this worker's running requests per lane; ``oldest_wait_ms`` holds
-    the age of each lane's oldest waiting request (a missing lane is empty). Starving lanes
+    the age of each lane's oldest waiting request (a missing lane is empty). Lanes whose oldest
+    request has waited ``max_wait_ms`` come first, longest-waiting first. Then starving lanes
     below their guaranteed share come first, longest-waiting first, unless a lane ahead has
     waited ``protect_after_ms`` itself; then the capped
     priority order of ``eligible_lanes`` (oldest lane first instead while the short lane's
@@ -280,6 +285,10 @@ def lanes_to_pop(
     if oldest_wait_ms.get(Lane.SHORT, 0.0) < config.fcfs_below_ms:  # light load: oldest lane first
         eligible.sort(key=lambda lane: -oldest_wait_ms.get(lane, -math.inf))
     order = starving + eligible
+    overdue = sorted((lane for lane in LANE_ORDER if oldest_wait_ms.get(lane, -1.0) >= config.max_wait_ms),
+                     key=lambda lane: -oldest_wait_ms[lane])
+    if overdue:
+        order = overdue + [lane for lane in order if lane not in overdue]
     if config.borrow_when_idle:
         for lane in LANE_ORDER:
             ahead = LANE_ORDER[: LANE_ORDER.index(lane)]

@@ -61,6 +61,8 @@ def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tu
 
     assert _tuning(None, None, None, None, 0.2).min_long_share == 0.2
     assert _tuning(None, None, None, None).min_long_share == 0.1
+    assert _tuning(None, None, None, None, max_wait_s=30).max_wait_ms == 30_000
+    assert _tuning(None, None, None, None, max_wait_s=0).max_wait_ms == float("inf")
     trace, prompts = files
     bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--min-long-share", "2")
     assert bad.returncode == 2 and "--min-long-share" in bad.stderr and "[0, 1]" in bad.stderr

@@ -103,3 +103,16 @@ async def _is(plane: QueuePlane, rid: str, wanted: str) -> bool:
 
 async def _all_done(plane: QueuePlane, ids: list[str]) -> bool:
     return all([await state(plane, rid) == "done" for rid in ids])
+
+
+def test_worker_wait_bound_setting_reaches_the_slot_config() -> None:
+    import math
+
+    import pytest
+    from pydantic import ValidationError
+
+    assert WorkerSettings(max_slots=8).slots(8).max_wait_ms == 600_000.0
+    assert WorkerSettings(max_slots=8, max_wait_ms=30_000).slots(8).max_wait_ms == 30_000.0
+    assert WorkerSettings(max_slots=8, max_wait_ms=0).slots(8).max_wait_ms == math.inf
+    with pytest.raises(ValidationError, match="max_wait_ms"):
+        WorkerSettings(max_wait_ms=-1)

@@ -97,6 +97,19 @@ def test_protected_lane_keeps_priority_under_overload() -> None:
     assert lanes_to_pop(running(), {S: 600.0, L: 5000.0}, config)[0] == S
 
 
+def test_wait_bound_pops_an_overdue_lane_first_past_caps_guarantees_and_protection() -> None:
+    config = SlotConfig(max_slots=8, max_long=0, max_medium_long=0, min_long=1, starve_after_ms=1000,
+                        protect_after_ms=500, max_wait_ms=10_000)
+    # Below the bound: the long lane is capped at 0 and its guarantee is held off by the short lane.
+    assert lanes_to_pop(running(long=0), {S: 600.0, L: 9_999.0}, config)[0] == S
+    # At the bound it goes first; among overdue lanes the longest-waiting one leads.
+    assert lanes_to_pop(running(long=0), {S: 600.0, L: 10_000.0}, config)[0] == L
+    assert lanes_to_pop(running(), {S: 12_000.0, L: 10_000.0}, config)[:2] == (S, L)
+    # Never past a full worker, and no bound by default.
+    assert lanes_to_pop(running(short=8), {L: 1e9}, config) == ()
+    assert lanes_to_pop(running(), {S: 600.0, L: 1e9}, SlotConfig(max_slots=8, max_long=0, max_medium_long=0))[0] == S
+
+
 def test_borrow_when_idle_lets_long_use_reserved_slots() -> None:
     config = SlotConfig(max_slots=8, max_long=2, max_medium_long=2, borrow_when_idle=True)
     assert lanes_to_pop(running(long=2), {L: 1.0}, config) == (S, M, L)

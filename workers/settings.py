@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from typing import Literal
@@ -54,6 +55,9 @@ class WorkerSettings(RedisSettings):
     #: Priority only under load: while the short lane's oldest request has waited less than
     #: this, lanes are popped oldest-first (``SlotConfig.fcfs_below_ms``; 0 = always by priority).
     fcfs_below_ms: float = 0.0
+    #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
+    #: priorities notwithstanding (``SlotConfig.max_wait_ms``; 0 = no bound).
+    max_wait_ms: float = Field(default=600_000.0, ge=0.0)
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True
@@ -104,6 +108,7 @@ class WorkerSettings(RedisSettings):
             min_medium=min(self.min_medium_slots, max_slots - min_long), min_long=min_long,
             starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
             borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.fcfs_below_ms,
+            max_wait_ms=self.max_wait_ms if self.max_wait_ms > 0 else math.inf,
         )
 
     def preemption(self) -> PreemptionConfig | None:

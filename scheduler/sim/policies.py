@@ -58,6 +58,9 @@ class LanesTuning:
     protect_after_ms: float = math.inf
     #: ``SlotConfig.fcfs_below_ms``: lanes are popped oldest-first while the short lane waits less.
     fcfs_below_ms: float = 5_000.0
+    #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first
+    #: (10 minutes: bounds the wait of requests a weak predictor defers, costs nothing at tau >= 0.7).
+    max_wait_ms: float = 600_000.0
     preemption: PreemptionConfig = DEFAULT_PREEMPTION
     max_tokens: int = SIM_MAX_TOKENS
 
@@ -90,7 +93,7 @@ def open_slots(max_num_seqs: int) -> SlotConfig:
 def lanes_slots(max_num_seqs: int, tuning: LanesTuning) -> SlotConfig:
     return lanes_slot_config(max_num_seqs, min_long_share=tuning.min_long_share, starve_after_ms=tuning.starve_after_ms,
                              fcfs_below_ms=tuning.fcfs_below_ms, max_long_share=tuning.max_long_share,
-                             protect_after_ms=tuning.protect_after_ms)
+                             protect_after_ms=tuning.protect_after_ms, max_wait_ms=tuning.max_wait_ms)
 
 
 def _lanes(name: str, trace: Trace, predicted: np.ndarray, predictor_ms: np.ndarray | float,
