@@ -96,6 +96,9 @@ def policy(
                                                          "guaranteed once it starves (default 0.1).")] = None,
     max_wait_s: Annotated[float | None, typer.Option(help="lanes: a lane whose oldest request has waited this "
                                                      "long is popped first (default 600; 0: no bound).")] = None,
+    predictor_ms: Annotated[float | None, typer.Option(min=0.0, help="Charge this many ms of predictor time per "
+                                                       "request instead of the time measured for its prompt "
+                                                       "(runs then repeat exactly).")] = None,
 ) -> None:
     """Simulate scheduling policies over a trace with a GPU cost model and a real predictor."""
     from lanes.scheduler.costmodel import get_profile
@@ -122,6 +125,8 @@ def policy(
         predictions = _pool_predictions(prompts, true)
         if predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
+    if predictor_ms is not None:
+        predictions = replace(predictions, latency_ms=np.full(len(true), predictor_ms))
     tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)

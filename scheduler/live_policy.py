@@ -84,7 +84,7 @@ def make_live_policy(
 
 
 def lanes_slot_config(max_slots: int, *, min_long_share: float = 0.1, starve_after_ms: float = 20_000.0,
-                      fcfs_below_ms: float = 5_000.0, max_long_share: float = 1.0,
+                      fcfs_below_ms: float = 8_000.0, max_long_share: float = 1.0,
                       protect_after_ms: float = math.inf, max_wait_ms: float = math.inf) -> SlotConfig:
     """The slot config the simulator tuned for ``lanes`` (``sim.policies.LanesTuning`` builds its
     own through this function), for a worker with ``max_slots`` slots: long requests capped at

@@ -66,3 +66,12 @@ def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tu
     trace, prompts = files
     bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--min-long-share", "2")
     assert bad.returncode == 2 and "--min-long-share" in bad.stderr and "[0, 1]" in bad.stderr
+
+
+def test_bench_policy_with_a_fixed_predictor_time_repeats_exactly(files: tuple[Path, Path]) -> None:
+    trace, prompts = files
+    args = ("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--json", "--policy", "fcfs,lanes",
+            "--predictor-ms", "1.5")
+    first, second = lanes(*args), lanes(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout) == json.loads(second.stdout)

@@ -57,7 +57,7 @@ class LanesTuning:
     starve_after_ms: float = 20_000.0
     protect_after_ms: float = math.inf
     #: ``SlotConfig.fcfs_below_ms``: lanes are popped oldest-first while the short lane waits less.
-    fcfs_below_ms: float = 5_000.0
+    fcfs_below_ms: float = 8_000.0
     #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first
     #: (10 minutes: bounds the wait of requests a weak predictor defers, costs nothing at tau >= 0.7).
     max_wait_ms: float = 600_000.0
