@@ -10,17 +10,21 @@ real processes: scheduler, edge and worker on a real Redis.
   follow a burst of load and its refusals, and match ``/v1/depths`` snapshot for snapshot; a
   page opened later shows the past.
 
-Screenshots of both pages go to ``docs/screenshots/`` (shown in the README).
+Screenshots of both pages go to ``$LANES_SCREENSHOT_DIR`` (``docs/screenshots/`` to refresh the README's),
+else to a temporary folder: a plain test run leaves the checkout as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import tempfile
 import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +38,7 @@ from lanes.cli.main import app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
+SCREENSHOTS = Path(os.environ.get("LANES_SCREENSHOT_DIR") or Path(tempfile.gettempdir()) / "lanes-screenshots")
 #: The tiny model's greedy answer to this runs past 400 tokens.
 LONG_PROMPT = "Explain it all, slowly."
 CHAT_ENV = {"LANES_RESUME_GRACE_S": "60", "LANES_ORPHAN_GRACE_S": "60"}
