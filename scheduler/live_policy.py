@@ -30,6 +30,14 @@ from lanes.scheduler.preemption import PreemptionConfig
 DEFAULT_DEMOTION = LaneThresholds(short_max_tokens=200, medium_max_tokens=200)
 #: Hand-back defaults the simulator tuned: a safety valve for long-lane runs only (see RESULTS.md).
 DEFAULT_PREEMPTION = PreemptionConfig(demotion=DEFAULT_DEMOTION)
+#: Slot sharing the simulator tuned for ``lanes`` (``lanes_slot_config``; RESULTS.md): the long
+#: lane's guaranteed share once its oldest request waited STARVE_AFTER_MS, FCFS across lanes
+#: until the short lane's oldest waited FCFS_BELOW_MS, any lane first once its oldest waited
+#: MAX_WAIT_MS (10 minutes: bounds what a weak predictor defers, costs nothing at tau >= 0.7).
+MIN_LONG_SHARE = 0.1
+STARVE_AFTER_MS = 20_000.0
+FCFS_BELOW_MS = 8_000.0
+MAX_WAIT_MS = 600_000.0
 
 
 class PolicyName(str, enum.Enum):
@@ -83,9 +91,10 @@ def make_live_policy(
     return LivePolicy(policy, routing, slots, demotion, preemption)
 
 
-def lanes_slot_config(max_slots: int, *, min_long_share: float = 0.1, starve_after_ms: float = 20_000.0,
-                      fcfs_below_ms: float = 8_000.0, max_long_share: float = 1.0,
-                      protect_after_ms: float = math.inf, max_wait_ms: float = math.inf) -> SlotConfig:
+def lanes_slot_config(max_slots: int, *, min_long_share: float = MIN_LONG_SHARE,
+                      starve_after_ms: float = STARVE_AFTER_MS, fcfs_below_ms: float = FCFS_BELOW_MS,
+                      max_long_share: float = 1.0, protect_after_ms: float = math.inf,
+                      max_wait_ms: float = MAX_WAIT_MS) -> SlotConfig:
     """The slot config the simulator tuned for ``lanes`` (``sim.policies.LanesTuning`` builds its
     own through this function), for a worker with ``max_slots`` slots: long requests capped at
     ``max_long_share`` of the slots (default: no cap, a long request may use any free slot while

@@ -9,7 +9,7 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import DEFAULT_PREEMPTION
+from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, MAX_WAIT_MS
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from pydantic import Field, model_validator
@@ -57,7 +57,7 @@ class WorkerSettings(RedisSettings):
     fcfs_below_ms: float = 0.0
     #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
     #: priorities notwithstanding (``SlotConfig.max_wait_ms``; 0 = no bound).
-    max_wait_ms: float = Field(default=600_000.0, ge=0.0)
+    max_wait_ms: float = Field(default=MAX_WAIT_MS, ge=0.0)
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lanes.queue.messages import Lane
-from lanes.scheduler.live_policy import DEFAULT_DEMOTION, DEFAULT_PREEMPTION, lanes_slot_config
+from lanes.scheduler.live_policy import (DEFAULT_DEMOTION, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, MIN_LONG_SHARE,
+                                         STARVE_AFTER_MS, lanes_slot_config)
 from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, long_threshold_from_observations
 from lanes.scheduler.preemption import PreemptionConfig
 from lanes.scheduler.sim.mlfq import MlfqConfig
@@ -53,14 +54,13 @@ class LanesTuning:
     #: Share of max_num_seqs that requests counted as long may hold while others wait.
     max_long_share: float = 1.0
     #: Share of max_num_seqs the long lane is guaranteed once it starves.
-    min_long_share: float = 0.1
-    starve_after_ms: float = 20_000.0
+    min_long_share: float = MIN_LONG_SHARE
+    starve_after_ms: float = STARVE_AFTER_MS
     protect_after_ms: float = math.inf
     #: ``SlotConfig.fcfs_below_ms``: lanes are popped oldest-first while the short lane waits less.
-    fcfs_below_ms: float = 8_000.0
-    #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first
-    #: (10 minutes: bounds the wait of requests a weak predictor defers, costs nothing at tau >= 0.7).
-    max_wait_ms: float = 600_000.0
+    fcfs_below_ms: float = FCFS_BELOW_MS
+    #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first.
+    max_wait_ms: float = MAX_WAIT_MS
     preemption: PreemptionConfig = DEFAULT_PREEMPTION
     max_tokens: int = SIM_MAX_TOKENS
 
