@@ -234,3 +234,21 @@ async def test_a_refused_streaming_request_leaves_no_session(redis_url: str, key
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await plane.close()
+
+
+def test_an_oversized_body_sent_in_full_gets_its_413_not_a_reset(system: System) -> None:
+    """A client that keeps sending a 5 MB body (under the drain bound) reads the 413 afterwards."""
+    import socket
+
+    body = b'{"x":"' + b"a" * 5_000_000 + b'"}'
+    with socket.create_connection(("127.0.0.1", system.edge_ports["edge"]), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"frame_too_large" in reply and b"connection: close" in reply.lower()

@@ -65,8 +65,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
         if raw is None:
             response = _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
                                            code="frame_too_large"))
-            # The rest of the body is still on the wire, unread: close the connection after the
-            # answer, or the server would parse those bytes as the next request.
+            # Past the drain bounds (``_body``) the rest of the body is still on the wire: close
+            # the connection after the answer, or the server would parse it as the next request.
             response.headers["Connection"] = "close"
             return response
         try:
@@ -87,21 +87,39 @@ def routes(edge: Edge) -> list[BaseRoute]:
             Route(MODELS_PATH, list_models, methods=["GET"])]
 
 
+#: A body over the limit is still read, and dropped, up to this many bytes and for at most
+#: DISCARD_S seconds before the 413 goes out: a client still sending then reads the answer
+#: instead of a connection reset. Past either bound the edge answers and closes at once.
+DISCARD_MAX_BYTES = 16 << 20
+DISCARD_S = 2.0
+
+
 async def _body(request: Request, max_bytes: int) -> bytes | None:
-    """The request body, or None once it passes ``max_bytes`` (read no further: a chunked body
-    has no length to check first)."""
+    """The request body, or None when it passes ``max_bytes`` (declared or, for a chunked body,
+    as it arrives); the rest of such a body is drained within the bounds above."""
     try:
-        if int(request.headers.get("content-length") or 0) > max_bytes:
-            return None
+        declared = int(request.headers.get("content-length") or 0)
     except ValueError:
         return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+    if declared > DISCARD_MAX_BYTES:
+        return None
+    loop = asyncio.get_running_loop()
+    chunks, size, over = [], 0, declared > max_bytes
+    try:
+        async with asyncio.timeout(DISCARD_S if over else None) as budget:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > DISCARD_MAX_BYTES:
+                    break
+                if not over and size > max_bytes:
+                    over = True
+                    chunks.clear()
+                    budget.reschedule(loop.time() + DISCARD_S)
+                if not over:
+                    chunks.append(chunk)
+    except TimeoutError:
+        pass  # only once over the limit: the deadline is set then
+    return None if over else b"".join(chunks)
 
 
 async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oai.CompletionRequest) -> Response:
