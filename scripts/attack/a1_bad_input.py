@@ -31,7 +31,7 @@ async def main(c, key):
     await expect_err(a, '{"type":"chat","id":"\\ud800","messages":[]}', "invalid_json", label="lone surrogate")
     await expect_err(a, "[" * 40 + "]" * 40, "invalid_json", label="deep nesting")
     await expect_err(a, '{"a":' * 33 + '1' + '}' * 33, "invalid_json", label="deep object nesting 33")
-    await expect_err(a, '{"type":"chat","max_tokens":99999999999999999999999,"messages":[]}', "invalid_json", label="num >64bit")
+    await expect_err(a, {"type": "chat", "id": "big", "max_tokens": 99999999999999999999999, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens_too_large", rid="big", label="num >64bit")
     await expect_err(a, "[1,2]", "invalid_frame", label="json array")
     await expect_err(a, "42", "invalid_frame", label="json number")
     await expect_err(a, "null", "invalid_frame", label="json null")
