@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -98,7 +99,14 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
         with urllib.request.urlopen(base + path, timeout=5) as resp:
             return resp.status, resp.read().decode()
 
-    status, body = get("/healthz")
+    # The worker count comes from the scheduler's depth snapshot (every 0.5 s): the first one the
+    # edge sees may predate the worker's registration, so wait for the next.
+    deadline = time.monotonic() + 5.0
+    while True:
+        status, body = await asyncio.to_thread(get, "/healthz")
+        if json.loads(body).get("workers") == 1 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
     assert status == 200 and json.loads(body) == {"status": "ok", "edge_id": f"{sys_.prefix}-edge", "workers": 1}
     status, body = await asyncio.to_thread(get, "/metrics")
     assert status == 200 and "lanes_requests_total" in body
