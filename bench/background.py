@@ -60,7 +60,8 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     longs = [longs_client.chat(f"long{tag}-{i}", LONG_PROMPT, options.long_tokens, temperature=0.0)
              for i in range(options.num_long)]
     # The worker runs them all up to its long cap (the default, as the worker has no override).
-    running = min(options.num_long, WorkerSettings.model_fields["max_long_slots"].default)
+    defaults = WorkerSettings()
+    running = min(options.num_long, defaults.slots(defaults.max_slots).max_long)
     await _until(lambda: sum(s.first_delta_at is not None for s in longs) >= running, 60.0)
     shorts: list[Stream] = []
     for i in range(options.num_short):

@@ -67,6 +67,7 @@ from lanes.bench.common import CpuMeter, machine_load, progress
 from lanes.bench.wsclient import LeanClient, Stream
 from lanes.cli.cluster import Cluster
 from lanes.scheduler.costmodel import get_profile
+from lanes.scheduler.live_policy import share_of_slots
 from lanes.scheduler.sim.engine import EngineConfig
 from lanes.scheduler.sim.noise import kendall_tau
 from lanes.scheduler.sim.policies import SIM_MAX_TOKENS, LanesTuning, make_policy
@@ -185,11 +186,12 @@ def live_env(p: Plan, policy: str, time_scale: float) -> tuple[dict[str, str], d
     slots = p.engine.max_num_seqs
     pre = t.preemption
     worker = {"LANES_MAX_NUM_BATCHED_TOKENS": str(p.engine.max_prefill_tokens),
-              "LANES_MAX_LONG_SLOTS": str(round(t.max_long_share * slots)), "LANES_MAX_MEDIUM_LONG_SLOTS": str(slots),
-              "LANES_MIN_LONG_SLOTS": str(round(t.min_long_share * slots)), "LANES_MIN_MEDIUM_SLOTS": "0",
+              "LANES_MAX_LONG_SLOTS": str(share_of_slots(t.max_long_share, slots)),
+              "LANES_MAX_MEDIUM_LONG_SLOTS": str(share_of_slots(t.max_medium_long_share, slots)),
+              "LANES_MIN_LONG_SLOTS": str(share_of_slots(t.min_long_share, slots)), "LANES_MIN_MEDIUM_SLOTS": "0",
               "LANES_STARVE_AFTER_MS": str(t.starve_after_ms / time_scale),
               "LANES_PROTECT_AFTER_MS": str(t.protect_after_ms / time_scale),
-              "LANES_BORROW_WHEN_IDLE": "true", "LANES_FCFS_BELOW_MS": str(t.fcfs_below_ms / time_scale),
+              "LANES_BORROW_WHEN_IDLE": str(t.borrow_when_idle).lower(), "LANES_FCFS_BELOW_MS": str(t.fcfs_below_ms / time_scale),
               "LANES_PREEMPT_AFTER_MS": str(pre.wait_bound_ms / time_scale),
               "LANES_MAX_PREEMPTIONS": str(pre.max_preemptions),
               "LANES_PREEMPT_MIN_RUN_MS": str(pre.min_run_ms / time_scale)}

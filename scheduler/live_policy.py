@@ -30,10 +30,15 @@ from lanes.scheduler.preemption import PreemptionConfig
 DEFAULT_DEMOTION = LaneThresholds(short_max_tokens=200, medium_max_tokens=200)
 #: Hand-back defaults the simulator tuned: a safety valve for long-lane runs only (see RESULTS.md).
 DEFAULT_PREEMPTION = PreemptionConfig(demotion=DEFAULT_DEMOTION)
-#: Slot sharing the simulator tuned for ``lanes`` (``lanes_slot_config``; RESULTS.md): the long
-#: lane's guaranteed share once its oldest request waited STARVE_AFTER_MS, FCFS across lanes
-#: until the short lane's oldest waited FCFS_BELOW_MS, any lane first once its oldest waited
+#: Slot sharing for ``lanes``, one set for the workers (``WorkerSettings.slots``) and the simulator
+#: (``lanes_slot_config``; tuned there, RESULTS.md): long-lane runs hold at most MAX_LONG_SHARE
+#: of the slots and medium + long at most MAX_MEDIUM_LONG_SHARE (the rest is kept for the short
+#: lane: short requests arriving behind a burst of long ones start at once); the long lane is
+#: guaranteed MIN_LONG_SHARE once its oldest request waited STARVE_AFTER_MS; FCFS across lanes
+#: until the short lane's oldest waited FCFS_BELOW_MS; any lane first once its oldest waited
 #: MAX_WAIT_MS (10 minutes: bounds what a weak predictor defers, costs nothing at tau >= 0.7).
+MAX_LONG_SHARE = 0.75
+MAX_MEDIUM_LONG_SHARE = 0.875
 MIN_LONG_SHARE = 0.1
 STARVE_AFTER_MS = 20_000.0
 FCFS_BELOW_MS = 8_000.0
@@ -91,18 +96,26 @@ def make_live_policy(
     return LivePolicy(policy, routing, slots, demotion, preemption)
 
 
-def lanes_slot_config(max_slots: int, *, min_long_share: float = MIN_LONG_SHARE,
-                      starve_after_ms: float = STARVE_AFTER_MS, fcfs_below_ms: float = FCFS_BELOW_MS,
-                      max_long_share: float = 1.0, protect_after_ms: float = math.inf,
+def share_of_slots(share: float, max_slots: int) -> int:
+    """``share`` of ``max_slots`` as a slot count, rounded down but at least one slot for a
+    share above 0 (so a one-slot engine still runs every lane and guarantees the long one)."""
+    return 0 if share <= 0 else max(1, math.floor(share * max_slots + 1e-9))
+
+
+def lanes_slot_config(max_slots: int, *, max_long_share: float = MAX_LONG_SHARE,
+                      max_medium_long_share: float = MAX_MEDIUM_LONG_SHARE, min_long_share: float = MIN_LONG_SHARE,
+                      starve_after_ms: float = STARVE_AFTER_MS, protect_after_ms: float = math.inf,
+                      borrow_when_idle: bool = False, fcfs_below_ms: float = FCFS_BELOW_MS,
                       max_wait_ms: float = MAX_WAIT_MS) -> SlotConfig:
-    """The slot config the simulator tuned for ``lanes`` (``sim.policies.LanesTuning`` builds its
-    own through this function), for a worker with ``max_slots`` slots: long requests capped at
-    ``max_long_share`` of the slots (default: no cap, a long request may use any free slot while
-    no shorter one waits), the long lane guaranteed ``min_long_share`` of the slots once its
-    oldest request waited ``starve_after_ms`` (unless the short lane's has waited
-    ``protect_after_ms``), priority only while the short lane's oldest request has waited
-    ``fcfs_below_ms``, and any lane first once its oldest request has waited ``max_wait_ms``."""
-    return SlotConfig(max_slots=max_slots, max_long=round(max_long_share * max_slots), max_medium_long=max_slots,
-                      min_long=round(min_long_share * max_slots), starve_after_ms=starve_after_ms,
-                      protect_after_ms=protect_after_ms, borrow_when_idle=True, fcfs_below_ms=fcfs_below_ms,
-                      max_wait_ms=max_wait_ms)
+    """The ``lanes`` slot config for a worker with ``max_slots`` slots (the workers' defaults and
+    the simulator's, see the constants above): long requests capped at ``max_long_share`` of the
+    slots and medium + long at ``max_medium_long_share`` (unless ``borrow_when_idle`` and no shorter
+    request waits), the long lane guaranteed ``min_long_share`` of the slots once its oldest
+    request waited ``starve_after_ms`` (unless the short lane's has waited ``protect_after_ms``),
+    priority only while the short lane's oldest request has waited ``fcfs_below_ms``, and any lane
+    first once its oldest request has waited ``max_wait_ms`` (inf: no bound)."""
+    return SlotConfig(max_slots=max_slots, max_long=share_of_slots(max_long_share, max_slots),
+                      max_medium_long=share_of_slots(max_medium_long_share, max_slots),
+                      min_long=min(share_of_slots(min_long_share, max_slots), max_slots),
+                      starve_after_ms=starve_after_ms, protect_after_ms=protect_after_ms,
+                      borrow_when_idle=borrow_when_idle, fcfs_below_ms=fcfs_below_ms, max_wait_ms=max_wait_ms)

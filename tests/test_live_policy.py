@@ -116,3 +116,27 @@ def test_worker_wait_bound_setting_reaches_the_slot_config() -> None:
     assert WorkerSettings(max_slots=8, max_wait_ms=0).slots(8).max_wait_ms == math.inf
     with pytest.raises(ValidationError, match="max_wait_ms"):
         WorkerSettings(max_wait_ms=-1)
+
+
+def test_worker_slot_defaults_are_the_simulators_and_scale_with_the_slots() -> None:
+    """One slot config for the workers and the simulator (``lanes_slot_config``): unset counts are
+    shares of the slots, so raising LANES_MAX_SLOTS raises the caps and the guarantee with it."""
+    import pytest
+    from lanes.scheduler.live_policy import lanes_slot_config
+    from pydantic import ValidationError
+
+    for n in (1, 2, 8, 64):
+        assert WorkerSettings(max_slots=n).slots(n) == lanes_slot_config(n)
+    eight = WorkerSettings().slots(8)
+    assert (eight.max_long, eight.max_medium_long, eight.min_long, eight.fcfs_below_ms) == (6, 7, 1, 8000.0)
+    wide = WorkerSettings(max_slots=64).slots(64)
+    assert (wide.max_long, wide.max_medium_long, wide.min_long) == (48, 56, 6)
+    # Two slots keep one for the short lane; one slot runs every lane and still guarantees long.
+    assert (lanes_slot_config(2).max_long, lanes_slot_config(2).max_medium_long) == (1, 1)
+    assert (lanes_slot_config(1).max_long, lanes_slot_config(1).min_long) == (1, 1)
+    # A count set explicitly wins over the share; the engine's own limit still caps the guarantee.
+    mine = WorkerSettings(max_slots=8, max_long_slots=2, max_medium_long_slots=3, min_long_slots=4).slots(8)
+    assert (mine.max_long, mine.max_medium_long, mine.min_long) == (2, 3, 4)
+    assert WorkerSettings(max_slots=8, min_long_slots=4).slots(1).min_long == 1
+    with pytest.raises(ValidationError, match="max_long_slots"):
+        WorkerSettings(max_long_slots=-1)

@@ -198,12 +198,14 @@ def ops_system(make_cluster) -> tuple[System, str]:
     """Keys on; the shipped demo model on two workers (two slots, and one with speculative decoding)
     (so the dashboard has KV-cache use and acceptance to show); lanes capped at 12 waiting."""
     caps = {f"LANES_MAX_DEPTH_{lane}": "12" for lane in ("SHORT", "MEDIUM", "LONG")}
-    sys_ = make_cluster(workers=1, env={"LANES_AUTH_REQUIRED": "true", **caps},
+    # Long answers may take every slot (by default one of the two is kept for the short lane):
+    # the dashboard test fills all three slots with them.
+    open_slots = {"LANES_MAX_LONG_SLOTS": "2", "LANES_MAX_MEDIUM_LONG_SLOTS": "2"}
+    sys_ = make_cluster(workers=1, env={"LANES_AUTH_REQUIRED": "true", **caps, **open_slots},
                         worker_args=("--model", str(DEMO / "target"), "--max-slots", "2"))
-    # The speculative engine runs one request at a time: its one slot cannot hold the default
-    # two guaranteed long-lane slots.
+    # The speculative engine runs one request at a time.
     sys_.start_worker("worker-spec", str(DEMO / "target"), "--spec-method", "draft_model",
-                      "--draft-model", str(DEMO / "draft"), LANES_MIN_LONG_SLOTS="1")
+                      "--draft-model", str(DEMO / "draft"))
     sys_.wait_workers(2, timeout_s=scaled(120))
     result = CliRunner().invoke(app, ["keys", "create", "ops"],
                                 env={"LANES_REDIS_URL": sys_.redis_url, "LANES_KEY_PREFIX": sys_.prefix})

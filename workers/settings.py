@@ -9,7 +9,7 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, MAX_WAIT_MS
+from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, STARVE_AFTER_MS, lanes_slot_config
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from pydantic import Field, model_validator
@@ -40,21 +40,23 @@ class WorkerSettings(RedisSettings):
     #: Total concurrent requests (the engine's ``max_num_seqs``).
     max_slots: int = 8
     #: Slot reservation: long-lane requests may hold at most this many slots, medium + long
-    #: at most ``max_medium_long_slots``; the rest stay free for shorter lanes.
-    max_long_slots: int = 6
-    max_medium_long_slots: int = 7
+    #: at most ``max_medium_long_slots``; the rest stay free for shorter lanes. Unset: 75 % and
+    #: 87.5 % of the slots (6 and 7 of 8; ``live_policy.MAX_LONG_SHARE``, ``MAX_MEDIUM_LONG_SHARE``).
+    max_long_slots: int | None = Field(default=None, ge=0)
+    max_medium_long_slots: int | None = Field(default=None, ge=0)
     #: Anti-starvation: once a lane's oldest request waited ``starve_after_ms``, it may take
     #: up to this many slots ahead of shorter lanes (unless those waited ``protect_after_ms``).
-    min_long_slots: int = 2
-    min_medium_slots: int = 0
-    starve_after_ms: float = 20_000.0
-    protect_after_ms: float = 5_000.0
+    #: Unset: 10 % of the slots, at least one (``live_policy.MIN_LONG_SHARE``).
+    min_long_slots: int | None = Field(default=None, ge=0)
+    min_medium_slots: int = Field(default=0, ge=0)
+    starve_after_ms: float = STARVE_AFTER_MS
+    protect_after_ms: float = math.inf
     #: Let long requests use reserved slots while the shorter lanes are empty (more
     #: throughput, but a short request arriving then waits for a slot).
     borrow_when_idle: bool = False
     #: Priority only under load: while the short lane's oldest request has waited less than
     #: this, lanes are popped oldest-first (``SlotConfig.fcfs_below_ms``; 0 = always by priority).
-    fcfs_below_ms: float = 0.0
+    fcfs_below_ms: float = Field(default=FCFS_BELOW_MS, ge=0.0)
     #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
     #: priorities notwithstanding (``SlotConfig.max_wait_ms``; 0 = no bound).
     max_wait_ms: float = Field(default=MAX_WAIT_MS, ge=0.0)
@@ -99,17 +101,20 @@ class WorkerSettings(RedisSettings):
         return self
 
     def slots(self, engine_max_concurrency: int) -> SlotConfig:
-        """How this worker's slots are shared among lanes (capped by what the engine runs; the
-        guaranteed shares shrink with it, e.g. to the one slot of the speculative engine)."""
+        """How this worker's slots are shared among lanes: ``live_policy.lanes_slot_config`` (the
+        simulator's config) for the slots the engine runs, with any count set here instead of a
+        share (the guaranteed shares shrink with the slots, e.g. to the one slot of the
+        speculative engine)."""
         max_slots = min(self.max_slots, engine_max_concurrency)
-        min_long = min(self.min_long_slots, max_slots)
-        return SlotConfig(
-            max_slots=max_slots, max_long=self.max_long_slots, max_medium_long=self.max_medium_long_slots,
-            min_medium=min(self.min_medium_slots, max_slots - min_long), min_long=min_long,
-            starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
+        config = lanes_slot_config(
+            max_slots, starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
             borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.fcfs_below_ms,
-            max_wait_ms=self.max_wait_ms if self.max_wait_ms > 0 else math.inf,
-        )
+            max_wait_ms=self.max_wait_ms if self.max_wait_ms > 0 else math.inf)
+        min_long = config.min_long if self.min_long_slots is None else min(self.min_long_slots, max_slots)
+        return replace(
+            config, min_long=min_long, min_medium=min(self.min_medium_slots, max_slots - min_long),
+            max_long=config.max_long if self.max_long_slots is None else self.max_long_slots,
+            max_medium_long=config.max_medium_long if self.max_medium_long_slots is None else self.max_medium_long_slots)
 
     def preemption(self) -> PreemptionConfig | None:
         return None if self.preempt_after_ms <= 0 else replace(

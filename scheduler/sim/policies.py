@@ -24,8 +24,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lanes.queue.messages import Lane
-from lanes.scheduler.live_policy import (DEFAULT_DEMOTION, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, MIN_LONG_SHARE,
-                                         STARVE_AFTER_MS, lanes_slot_config)
+from lanes.scheduler.live_policy import (DEFAULT_DEMOTION, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_LONG_SHARE,
+                                         MAX_MEDIUM_LONG_SHARE, MAX_WAIT_MS, MIN_LONG_SHARE, STARVE_AFTER_MS,
+                                         lanes_slot_config)
 from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, long_threshold_from_observations
 from lanes.scheduler.preemption import PreemptionConfig
 from lanes.scheduler.sim.mlfq import MlfqConfig
@@ -51,8 +52,11 @@ class LanesTuning:
     calibration_share: float = 0.2
     #: Demotion bounds in generated tokens (equal bounds: short goes straight to long).
     demotion: LaneThresholds = DEFAULT_DEMOTION
-    #: Share of max_num_seqs that requests counted as long may hold while others wait.
-    max_long_share: float = 1.0
+    #: Shares of max_num_seqs that requests counted as long (medium + long) may hold; the rest
+    #: is kept for shorter lanes (lent to long requests only with ``borrow_when_idle``).
+    max_long_share: float = MAX_LONG_SHARE
+    max_medium_long_share: float = MAX_MEDIUM_LONG_SHARE
+    borrow_when_idle: bool = False
     #: Share of max_num_seqs the long lane is guaranteed once it starves.
     min_long_share: float = MIN_LONG_SHARE
     starve_after_ms: float = STARVE_AFTER_MS
@@ -91,9 +95,11 @@ def open_slots(max_num_seqs: int) -> SlotConfig:
 
 
 def lanes_slots(max_num_seqs: int, tuning: LanesTuning) -> SlotConfig:
-    return lanes_slot_config(max_num_seqs, min_long_share=tuning.min_long_share, starve_after_ms=tuning.starve_after_ms,
-                             fcfs_below_ms=tuning.fcfs_below_ms, max_long_share=tuning.max_long_share,
-                             protect_after_ms=tuning.protect_after_ms, max_wait_ms=tuning.max_wait_ms)
+    return lanes_slot_config(max_num_seqs, max_long_share=tuning.max_long_share,
+                             max_medium_long_share=tuning.max_medium_long_share, min_long_share=tuning.min_long_share,
+                             starve_after_ms=tuning.starve_after_ms, protect_after_ms=tuning.protect_after_ms,
+                             borrow_when_idle=tuning.borrow_when_idle, fcfs_below_ms=tuning.fcfs_below_ms,
+                             max_wait_ms=tuning.max_wait_ms)
 
 
 def _lanes(name: str, trace: Trace, predicted: np.ndarray, predictor_ms: np.ndarray | float,
