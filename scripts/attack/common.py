@@ -143,10 +143,17 @@ class Conn:
         await asyncio.sleep(0)
 
 
-def check_one(conn: Conn, rid, *, start_seq=0, expect=None, label=""):
-    """Exactly one terminal, contiguous seqs from start_seq, no frames after terminal. Returns list of problems."""
+def check_one(conn: Conn, rid, *, start_seq=0, expect=None, label="", cancel_sent=False):
+    """Exactly one terminal, contiguous seqs from start_seq, no frames after terminal. Returns list of problems.
+
+    ``cancel_sent``: the client cancelled ``rid``; a cancel that crossed the request's end is answered
+    ``unknown_id`` after the ``done`` (docs/protocol.md), so one such answer right after a ``done`` is
+    the cancel's reply, not a second terminal."""
     probs = []
     frames = conn.by_id[rid]
+    if (cancel_sent and len(frames) >= 2 and frames[-2]["type"] == "done"
+            and frames[-1]["type"] == "error" and frames[-1].get("code") == "unknown_id"):
+        frames = frames[:-1]
     terms = [i for i, f in enumerate(frames) if f["type"] in TERMINAL]
     if len(terms) != 1:
         probs.append(f"{label} id={rid}: {len(terms)} terminal frames ({[frames[i] for i in terms][:3]})")
