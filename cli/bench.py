@@ -34,7 +34,7 @@ def _fallback_prompts() -> Path:
 def _load_prompt_pool(prompts: Path | None) -> list[Any]:
     """The prompts with known answer lengths (``--prompts``, else the held-out pool, else the
     AlpacaEval answers beside the checkout, with a warning); clear errors for bad files."""
-    from lanes.cli.predictor import load_observations
+    from lanes.cli.predictor import read_observations
 
     path = prompts or DEFAULT_PROMPT_POOL
     if prompts is None and not path.is_file():
@@ -43,14 +43,19 @@ def _load_prompt_pool(prompts: Path | None) -> list[Any]:
                    "prompts, so its tau here is optimistic); pass --prompts FILE", err=True)
     if not path.is_file():
         raise typer.BadParameter(f"prompt file {path} not found", param_hint="--prompts")
-    try:
-        observations = load_observations(path)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise typer.BadParameter(f"{path}: expected [{{'prompt', 'output_tokens'}}] or AlpacaEval "
-                                 f"model_outputs.json ({exc})", param_hint="--prompts") from exc
-    if not observations:
-        raise typer.BadParameter(f"{path} holds no prompts", param_hint="--prompts")
+    observations = read_observations(path, "--prompts")
     return observations
+
+
+def _load_trace(trace: Path) -> Any:
+    """The Azure trace at ``trace``; a malformed file is a usage error naming what is wrong."""
+    from lanes.scheduler.sim.trace import load_azure_csv
+
+    try:
+        return load_azure_csv(trace)
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(f"{exc} (expected an Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, "
+                                 "GeneratedTokens)", param_hint="--trace") from exc
 
 
 def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
@@ -67,8 +72,8 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
 
 @app.command("policy")
 def policy(
-    trace: Annotated[Path, typer.Option(help="Azure LLM inference trace CSV (read in place).")],
-    prompts: Annotated[Path | None, typer.Option(help="Prompts with known answer lengths: JSON "
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Azure LLM inference trace CSV (read in place).")],
+    prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths: JSON "
                        "[{prompt, output_tokens}] or AlpacaEval model_outputs.json. Default: "
                        "benchmarks/data/prompt_pool.json.")] = None,
     predictor: Annotated[str, typer.Option(help="real (the shipped predictor on paired prompts), noise "
@@ -106,7 +111,6 @@ def policy(
     from lanes.scheduler.sim.engine import EngineConfig
     from lanes.scheduler.sim.policies import POLICY_NAMES
     from lanes.scheduler.sim.run import compare, fcfs_capacity_rps
-    from lanes.scheduler.sim.trace import load_azure_csv
 
     names = [n.strip() for n in policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICY_NAMES]
@@ -115,7 +119,7 @@ def policy(
     if predictor not in PREDICTORS:
         raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
     engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
-    requests = load_azure_csv(trace)
+    requests = _load_trace(trace)
     true = requests.output_tokens
     if predictor == "noise":
         predictions = preds.noisy(true, tau, seed)
@@ -348,8 +352,8 @@ def connections(
 
 @app.command("live")
 def live(
-    trace: Annotated[Path, typer.Option(help="Azure LLM inference trace CSV (read in place).")] = DEFAULT_TRACE,
-    prompts: Annotated[Path | None, typer.Option(help="Prompts with known answer lengths, as for `bench policy`. "
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Azure LLM inference trace CSV (read in place).")] = DEFAULT_TRACE,
+    prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths, as for `bench policy`. "
                        "Default: benchmarks/data/prompt_pool.json.")] = None,
     requests: Annotated[int, typer.Option("--requests", help="Rows of the trace replayed (the slice).")] = 400,
     start: Annotated[int, typer.Option(help="First row of the slice.")] = 0,
@@ -371,14 +375,14 @@ def live(
     from lanes.bench import live as bench_live
     from lanes.bench.common import write_json
     from lanes.scheduler.predictor import load_default
-    from lanes.scheduler.sim.trace import Trace, load_azure_csv
+    from lanes.scheduler.sim.trace import Trace
 
     names = tuple(n.strip() for n in policy.split(",") if n.strip())
     if not names or set(names) - set(bench_live.POLICIES):
         raise typer.BadParameter(f"--policy takes {', '.join(bench_live.POLICIES)}", param_hint="--policy")
     if not trace.is_file():
         raise typer.BadParameter(f"trace {trace} not found", param_hint="--trace")
-    full = load_azure_csv(trace)
+    full = _load_trace(trace)
     if requests < 10 or start < 0 or start + requests > len(full):
         raise typer.BadParameter(f"the trace has {len(full)} rows; need 10 <= --requests and "
                                  f"--start + --requests <= {len(full)}")

@@ -13,7 +13,8 @@ Tracebacks are for bugs: an expected failure prints one only with ``--debug`` or
 Exception tree::
 
     Failure                 exit 1
-    └── ConfigFailure       exit 2 (as is ``workers.engines.base.ConfigError``)
+    └── ConfigFailure       exit 2 (as are ``workers.engines.base.ConfigError`` and the routing
+                            files' ``RulesError`` and ``FixedAnswersError``)
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ def safe_url(url: str) -> str:
 
 def exit_code_for(exc: BaseException) -> int | None:
     """The exit status of an expected failure, or None for anything else (a bug)."""
+    from lanes.scheduler.router.fixed_answers import FixedAnswersError
+    from lanes.scheduler.router.rules import RulesError
     from lanes.workers.engines.base import ConfigError
 
     if isinstance(exc, Failure):
         return exc.exit_code
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError)):
         return EXIT_CONFIG
     return None
 

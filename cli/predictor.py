@@ -67,6 +67,20 @@ def load_observations(data: Path) -> list[Observation]:
     return [Observation(r["prompt"], int(r["output_tokens"]), str(r.get("source", ""))) for r in records]
 
 
+def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
+    """``load_observations`` for the command line: a malformed or empty file is a usage error
+    that names the flag, the file and the formats it may hold (no traceback)."""
+    try:
+        observations = load_observations(data)
+    except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError) as exc:
+        raise typer.BadParameter(f"{data}: expected a JSON list [{{'prompt', 'output_tokens'}}], AlpacaEval "
+                                 f"model_outputs.json or a .jsonl.gz data set from build-data "
+                                 f"({type(exc).__name__}: {exc})", param_hint=flag) from exc
+    if not observations:
+        raise typer.BadParameter(f"{data} holds no prompts", param_hint=flag)
+    return observations
+
+
 def chat_level(data: Path) -> float:
     """log(1 + tokens) level of current chat models: the mean of the source means over the
     sources answered by several models (AlpacaEval, MT-bench), left-out source excluded."""
@@ -112,7 +126,7 @@ def generalization_report(
 
 @app.command("build-data")
 def build_data_command(
-    raw: Path = typer.Option(..., help="folder of public copies: RAW/<owner>/<repo>/<path> (docs/predictor-data.md)"),
+    raw: Path = typer.Option(..., exists=True, file_okay=False, help="folder of public copies: RAW/<owner>/<repo>/<path> (docs/predictor-data.md)"),
     out: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set to write (.jsonl.gz)"),
     pool: Path = typer.Option(DEFAULT_POOL_PATH, help="held-out prompt pool to write (JSON)"),
 ) -> None:
@@ -134,11 +148,11 @@ def build_data_command(
 
 @app.command("train")
 def train_command(
-    data: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set (.jsonl.gz) written by build-data"),
+    data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) written by build-data"),
     out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights"),
 ) -> None:
     """Rebuild the shipped weights from every source but the held-out pool's."""
-    observations = [o for o in load_observations(data) if o.source != HELD_OUT_SOURCE]
+    observations = [o for o in read_observations(data) if o.source != HELD_OUT_SOURCE]
     info: dict[str, object] = {
         "data": data.name,
         "held_out_source": HELD_OUT_SOURCE,
@@ -153,24 +167,24 @@ def train_command(
 
 @app.command("cv")
 def cv_command(
-    data: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set (.jsonl.gz) or a JSON list with sources"),
+    data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) or a JSON list with sources"),
     folds: int = typer.Option(5, help="in-source CV folds"),
     scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)"),
 ) -> None:
     """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
-    typer.echo(json.dumps(generalization_report(load_observations(data), folds, scores), indent=2))
+    typer.echo(json.dumps(generalization_report(read_observations(data), folds, scores), indent=2))
 
 
 @app.command("eval")
 def eval_command(
-    data: Path = typer.Option(..., help="JSON file: [{prompt, output_tokens}], AlpacaEval outputs or a data set"),
-    weights: Path | None = typer.Option(None, help="weights .npz (default: the committed model)"),
+    data: Path = typer.Option(..., exists=True, dir_okay=False, help="JSON file: [{prompt, output_tokens}], AlpacaEval outputs or a data set"),
+    weights: Path | None = typer.Option(None, exists=True, dir_okay=False, help="weights .npz (default: the committed model)"),
     short_max_tokens: int = typer.Option(LaneThresholds().short_max_tokens),
     medium_max_tokens: int = typer.Option(LaneThresholds().medium_max_tokens),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Kendall tau, Spearman, misroute rates and p50/p99 latency of a model on ``--data``."""
-    observations = load_observations(data)
+    observations = read_observations(data)
     predictor = from_weights(weights) if weights else load_default()
     report = evaluate(
         predictor,

@@ -21,8 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JUDGMENTS = REPO_ROOT / "benchmarks" / "data" / "router" / "judgments.csv"
 DEFAULT_SHARED = REPO_ROOT.parent / "shared" / "data"
 DEFAULT_OUT = REPO_ROOT / "scheduler" / "router" / "weights" / "complexity.npz"
-JudgmentsOpt = Annotated[Path, typer.Option(help="judged comparisons (CSV)")]
-SharedOpt = Annotated[Path, typer.Option(help="folder holding prompts/alpaca_eval_*.json")]
+JudgmentsOpt = Annotated[Path, typer.Option(exists=True, dir_okay=False, help="judged comparisons (CSV)")]
+SharedOpt = Annotated[Path, typer.Option(exists=True, file_okay=False, help="folder holding prompts/alpaca_eval_*.json")]
 TargetOpt = Annotated[str, typer.Option(help="small model column(s) to learn from, comma-separated, or 'all'")]
 
 
@@ -35,6 +35,15 @@ def _target(judged: JudgedSet, target: str) -> tuple[list[str], np.ndarray]:
     return names, np.mean([judged.p_win[n] for n in names], axis=0)
 
 
+def _judged(judgments: Path, shared_data: Path) -> JudgedSet:
+    """``load_judged`` for the command line: a file that does not match is a usage error."""
+    try:
+        return load_judged(judgments, shared_data)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise typer.BadParameter(f"{exc} ({type(exc).__name__}; expected docs/router-data.md's judgments CSV and "
+                                 "the AlpacaEval prompts under --shared-data)", param_hint="--judgments") from exc
+
+
 @app.command()
 def train(
     judgments: JudgmentsOpt = DEFAULT_JUDGMENTS,
@@ -44,7 +53,7 @@ def train(
     seed: int = 0,
 ) -> None:
     """Fit on every judged prompt (C by inner CV) and write the weights file."""
-    judged = load_judged(judgments, shared_data)
+    judged = _judged(judgments, shared_data)
     names, p = _target(judged, target)
     model = fit(judged.prompts, p, seed=seed, meta={
         "data": "AlpacaEval 805 prompts, small models vs gpt4_1106_preview (docs/router-data.md)",
@@ -69,7 +78,7 @@ def evaluate_cmd(
     from lanes.scheduler.router.evaluate import (
         CLEARLY_WORSE, auc, dataset_folds, held_out_complexity, prompt_folds, routing_point,
     )
-    judged = load_judged(judgments, shared_data)
+    judged = _judged(judgments, shared_data)
     _, p = _target(judged, target)
     levels = [float(t) for t in thresholds.split(",")]
     schemes = {"by prompt": prompt_folds(len(p), num_folds, seed), "by source": dataset_folds(judged.datasets)}
@@ -93,7 +102,7 @@ def evaluate_cmd(
 @app.command()
 def latency(
     shared_data: SharedOpt = DEFAULT_SHARED,
-    weights: Annotated[Optional[Path], typer.Option(help="weights file (default: shipped)")] = None,
+    weights: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="weights file (default: shipped)")] = None,
     repeats: int = 5,
 ) -> None:
     """Time the shipped model's complexity() on the AlpacaEval prompts (one core, this process)."""
@@ -121,7 +130,7 @@ def latency(
 @app.command("route")
 def route_cmd(
     prompt: Annotated[str, typer.Argument(help="the user's message")],
-    rules: Annotated[Path, typer.Option(help="routing rules (TOML)")] = REPO_ROOT / "deploy" / "routing.toml",
+    rules: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="routing rules (TOML)")] = REPO_ROOT / "deploy" / "routing.toml",
     model: Annotated[str, typer.Option(help="the request's model field")] = "auto",
     key_id: Annotated[str, typer.Option(help="API key id")] = "",
 ) -> None:

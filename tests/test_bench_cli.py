@@ -47,7 +47,7 @@ def test_bench_policy_table_and_bad_prompt_files(files: tuple[Path, Path], tmp_p
     assert out.returncode == 0, out.stderr
     assert "realised tau" in out.stdout and "lanes" in out.stdout
     missing = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(tmp_path / "nope.json"))
-    assert missing.returncode == 2 and "not found" in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "--prompts" in missing.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"text": "no prompt field"}]))
     malformed = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(bad))

@@ -104,3 +104,41 @@ def test_safe_url_hides_only_the_password() -> None:
     assert safe_url("rediss://user:s3cret@h:1/0") == "rediss://user:***@h:1/0"
     assert safe_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert safe_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
+
+
+@pytest.mark.parametrize("setting", ["LANES_ROUTING_FILE", "LANES_FIXED_ANSWERS_FILE"])
+def test_an_unusable_routing_file_stops_the_edge_with_one_line_naming_the_setting(
+        redis_url: str, tmp_path, setting: str) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("this is = = not toml\n")
+    for path in (broken, tmp_path / "missing.toml"):
+        out = lanes("edge", "--port", "0", LANES_REDIS_URL=redis_url, **{setting: str(path)})
+        assert out.returncode == 2
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("configuration error: ") and setting in last and str(path) in last, last
+        no_traceback(out)
+
+
+def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path) -> None:
+    """Offline tools (bench, predictor, router) answer a missing or malformed file with the flag, the
+    file and what it should hold (exit 2), not a traceback."""
+    bad_csv = tmp_path / "trace.csv"
+    bad_csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,abc,10\n")
+    bad_json = tmp_path / "data.json"
+    bad_json.write_text("{not json")
+    wrong_shape = tmp_path / "shape.json"
+    wrong_shape.write_text('[{"text": "hi"}]')
+    cases = [
+        (("bench", "policy", "--trace", str(tmp_path / "nope.csv")), "--trace", "does not exist"),
+        (("bench", "policy", "--trace", str(bad_csv)), "--trace", "line 2"),
+        (("predictor", "eval", "--data", str(bad_json)), "--data", "JSONDecodeError"),
+        (("predictor", "eval", "--data", str(wrong_shape)), "--data", "output_tokens"),
+        (("predictor", "cv", "--data", str(bad_json)), "--data", "JSONDecodeError"),
+        (("router", "eval", "--judgments", str(bad_csv)), "--judgments", str(bad_csv.name)),
+    ]
+    for args, flag, detail in cases:
+        out = lanes(*args)
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        text = " ".join(out.stderr.replace("│", " ").split())  # rich boxes wrap the message
+        assert flag in text and detail in text, (args, text)
+        no_traceback(out)

@@ -17,9 +17,9 @@ from pathlib import Path
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import ChatMessage
 from lanes.scheduler.predictor import prompt_text
-from lanes.scheduler.router.fixed_answers import FixedAnswer, FixedAnswers
+from lanes.scheduler.router.fixed_answers import FixedAnswer, FixedAnswers, FixedAnswersError
 from lanes.scheduler.router.policy import UnknownPoolError, route
-from lanes.scheduler.router.rules import AUTO, RoutingRules, load_rules
+from lanes.scheduler.router.rules import AUTO, RoutingRules, RulesError, load_rules
 from lanes.ws_server.settings import EdgeSettings
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,16 @@ class UnknownModel(Exception):
 
 class PoolRouter:
     def __init__(self, settings: EdgeSettings) -> None:
-        self.rules: RoutingRules | None = load_rules(Path(settings.routing_file)) if settings.routing_file else None
-        self.fixed = FixedAnswers.load(settings.fixed_answers_file) if settings.fixed_answers_file else None
+        try:
+            self.rules: RoutingRules | None = load_rules(Path(settings.routing_file)) if settings.routing_file else None
+        except (RulesError, OSError) as err:
+            raise RulesError(f"routing rules unusable (LANES_ROUTING_FILE): {err}; fix the file or unset "
+                             "the setting (deploy/routing.toml is an example)") from None
+        try:
+            self.fixed = FixedAnswers.load(settings.fixed_answers_file) if settings.fixed_answers_file else None
+        except (FixedAnswersError, OSError) as err:
+            raise FixedAnswersError(f"fixed answers unusable (LANES_FIXED_ANSWERS_FILE): {err}; fix the file or "
+                                    "unset the setting (deploy/fixed_answers.toml is an example)") from None
         self._complexity = None
         if self.rules is not None and self.rules.tiers:
             from lanes.scheduler.router.complexity import ComplexityModel

@@ -59,10 +59,13 @@ def load_azure_csv(path: str | Path) -> Trace:
         missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)}")
-        for row in reader:
-            arrival.append(_parse_time(row["TIMESTAMP"]))
-            prompt.append(int(row["ContextTokens"]))
-            output.append(int(row["GeneratedTokens"]))
+        for line, row in enumerate(reader, start=2):
+            try:
+                arrival.append(_parse_time(row["TIMESTAMP"]))
+                prompt.append(int(row["ContextTokens"]))
+                output.append(int(row["GeneratedTokens"]))
+            except (TypeError, ValueError) as exc:  # a short row gives None, a bad one text
+                raise ValueError(f"{path}, line {line}: {exc}") from None
     if not arrival:
         raise ValueError(f"{path}: no requests")
     times = np.asarray(arrival, dtype=float)
