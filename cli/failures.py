@@ -69,9 +69,33 @@ def exit_code_for(exc: BaseException) -> int | None:
 
     if isinstance(exc, Failure):
         return exc.exit_code
-    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError)):
+    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError)) or settings_error(exc) is not None:
         return EXIT_CONFIG
     return None
+
+
+def settings_error(exc: BaseException) -> str | None:
+    """The message for a settings class (``*Settings``) that refused its values, one clause per
+    setting (``LANES_MAX_SLOTS='abc': Input should be a valid integer``); None for anything else.
+    Passwords in URLs are masked and secret-looking values are not echoed."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError) or not exc.title.endswith("Settings"):
+        return None
+    clauses = []
+    for error in exc.errors(include_url=False):
+        loc = error.get("loc") or ()
+        if not loc:
+            clauses.append(error["msg"])
+            continue
+        field = str(loc[0])
+        value = error.get("input")
+        if "url" in field and isinstance(value, str):
+            value = safe_url(value)
+        shown = "" if any(word in field for word in ("password", "secret", "api_key")) else f"={value!r}"
+        clauses.append(f"LANES_{field.upper()}{shown}: {error['msg']}")
+    return (f"{exc.title} refused: {'; '.join(clauses)} (fix or unset it in the environment, .env or its "
+            "command-line flag)")
 
 
 def report(exc: BaseException) -> int | None:
@@ -81,5 +105,5 @@ def report(exc: BaseException) -> int | None:
     if code is None:
         return None
     prefix = "configuration error" if code == EXIT_CONFIG else "error"
-    print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
+    print(f"{prefix}: {settings_error(exc) or exc}", file=sys.stderr, flush=True)
     return code

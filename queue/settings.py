@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 class RedisSettings(BaseSettings):
@@ -31,3 +35,12 @@ class RedisSettings(BaseSettings):
     log_level: str = "INFO"
     #: OpenTelemetry exporter: ``none``, ``console`` or ``otlp`` (needs the ``[otlp]`` extra).
     otel_exporter: str = "none"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        scheme = urlsplit(url).scheme
+        if scheme not in REDIS_SCHEMES:
+            schemes = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+            raise ValueError(f"the URL must start with one of {schemes} (not {scheme + '://' if scheme else 'nothing'})")
+        return url

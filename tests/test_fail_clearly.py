@@ -142,3 +142,19 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
         text = " ".join(out.stderr.replace("│", " ").split())  # rich boxes wrap the message
         assert flag in text and detail in text, (args, text)
         no_traceback(out)
+
+
+@pytest.mark.parametrize("command,env,named", [
+    (["worker", "--engine", "sim"], {"LANES_MAX_SLOTS": "abc"}, "LANES_MAX_SLOTS='abc': Input should be a valid integer"),
+    (["worker", "--engine", "sim"], {"LANES_MAX_LONG_SLOTS": "-1"}, "LANES_MAX_LONG_SLOTS='-1'"),
+    (["edge", "--port", "0"], {"LANES_POLICY": "bogus"}, "LANES_POLICY='bogus': Input should be 'lanes' or 'fcfs'"),
+    (["scheduler"], {"LANES_REDIS_URL": "http://:hunter2@127.0.0.1:1"}, "LANES_REDIS_URL='http://:***@127.0.0.1:1'"),
+])
+def test_a_setting_that_does_not_validate_is_one_line_naming_it(command: list[str], env: dict[str, str],
+                                                                named: str) -> None:
+    out = lanes(*command, **env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("configuration error: ") and named in last, last
+    assert "hunter2" not in out.stderr + out.stdout
+    no_traceback(out)
