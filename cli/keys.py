@@ -36,8 +36,11 @@ def _with_store(use: Callable[[Fleet], Awaitable[T]]) -> T:
     """Run ``use`` against the key store (``LANES_REDIS_URL`` / ``LANES_KEY_PREFIX``)."""
 
     async def run() -> T:
+        from lanes.cli.entrypoints import check_redis
+
         plane = QueuePlane.from_settings(RedisSettings())
         try:
+            await check_redis(plane)  # an unreachable Redis is one line naming LANES_REDIS_URL
             return await use(plane.fleet)
         finally:
             await plane.close()

