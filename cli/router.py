@@ -40,8 +40,9 @@ def _judged(judgments: Path, shared_data: Path) -> JudgedSet:
     try:
         return load_judged(judgments, shared_data)
     except (ValueError, KeyError, TypeError, OSError) as exc:
+        flag = "--shared-data" if isinstance(exc, FileNotFoundError) and str(shared_data) in str(exc) else "--judgments"
         raise typer.BadParameter(f"{exc} ({type(exc).__name__}; expected docs/router-data.md's judgments CSV and "
-                                 "the AlpacaEval prompts under --shared-data)", param_hint="--judgments") from exc
+                                 "the AlpacaEval prompts under --shared-data)", param_hint=flag) from exc
 
 
 @app.command()

@@ -134,7 +134,7 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
         (("predictor", "eval", "--data", str(bad_json)), "--data", "JSONDecodeError"),
         (("predictor", "eval", "--data", str(wrong_shape)), "--data", "output_tokens"),
         (("predictor", "cv", "--data", str(bad_json)), "--data", "JSONDecodeError"),
-        (("router", "eval", "--judgments", str(bad_csv)), "--judgments", str(bad_csv.name)),
+        (("router", "eval", "--shared-data", str(tmp_path)), "--shared-data", "FileNotFoundError"),
     ]
     for args, flag, detail in cases:
         out = lanes(*args)
