@@ -23,8 +23,15 @@ DEFAULT_TRACE = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
 PREDICTORS = ("real", "noise", "random", "oracle")
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _loads(text: str) -> list[float]:
+    """``--plot-loads``: comma-separated loads, each above 0."""
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint="--plot-loads") from None
+    if not loads or min(loads) <= 0:
+        raise typer.BadParameter(f"expected loads above 0, got {text!r}", param_hint="--plot-loads")
+    return loads
 
 
 def _fallback_prompts() -> Path:
@@ -70,6 +77,14 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
     return from_pool(true_tokens, pool_tokens, predicted, latency_ms)
 
 
+def _known_profile(name: str) -> str:
+    from lanes.scheduler.costmodel import PROFILES
+
+    if name.lower() not in PROFILES:
+        raise typer.BadParameter(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}")
+    return name
+
+
 @app.command("policy")
 def policy(
     trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Azure LLM inference trace CSV (read in place).")],
@@ -78,23 +93,23 @@ def policy(
                        "benchmarks/data/prompt_pool.json.")] = None,
     predictor: Annotated[str, typer.Option(help="real (the shipped predictor on paired prompts), noise "
                          "(true x lognormal at --tau), random (the real outputs shuffled), oracle.")] = "real",
-    profile: Annotated[str, typer.Option(help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
-    load: Annotated[float, typer.Option(help="Offered load as a fraction of FCFS capacity.")] = 0.88,
+    profile: Annotated[str, typer.Option(callback=_known_profile, help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
+    load: Annotated[float, typer.Option(min=0.01, help="Offered load as a fraction of FCFS capacity.")] = 0.88,
     policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-static, priority, "
                                              "mlfq, lanes-oracle, oracle-2q, oracle-sjf).")] = DEFAULT_POLICIES,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by policy.")] = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.")] = None,
     plot_loads: Annotated[str, typer.Option(help="Loads swept for --plot.")] = DEFAULT_PLOT_LOADS,
     seed: Annotated[int, typer.Option(help="Seed of the noise / random predictor.")] = 0,
-    workers: Annotated[int, typer.Option(help="Simulated worker instances.")] = 1,
-    tau: Annotated[float, typer.Option(help="--predictor noise: its Kendall tau.")] = 0.52,
-    prefix_cache_share: Annotated[float, typer.Option(help="Share of a resumed request's prompt the "
+    workers: Annotated[int, typer.Option(min=1, help="Simulated worker instances.")] = 1,
+    tau: Annotated[float, typer.Option(min=-1.0, max=1.0, help="--predictor noise: its Kendall tau.")] = 0.52,
+    prefix_cache_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of a resumed request's prompt the "
                                                       "engine's prefix cache still holds.")] = 0.0,
-    max_short_to_long: Annotated[float | None, typer.Option(help="lanes: short requests allowed in the "
+    max_short_to_long: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="lanes: short requests allowed in the "
                                                            "long lane (routing calibration).")] = None,
-    fcfs_below_s: Annotated[float | None, typer.Option(help="lanes: FCFS across lanes while the short "
+    fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "
                                                        "lane has waited less than this.")] = None,
-    preempt_wait_s: Annotated[float | None, typer.Option(help="lanes: hand-back wait bound.")] = None,
+    preempt_wait_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: hand-back wait bound.")] = None,
     hand_back_demoted: Annotated[bool | None, typer.Option("--hand-back-demoted/--no-hand-back-demoted",
                                  help="lanes: hand back demoted runs too.")] = None,
     min_long_share: Annotated[float | None, typer.Option(help="lanes: share of the slots the long lane is "
@@ -116,6 +131,7 @@ def policy(
     unknown = [n for n in names if n not in POLICY_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}")
+    loads = _loads(plot_loads) if plot is not None else []  # checked before the runs, not after
     if predictor not in PREDICTORS:
         raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
     engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
@@ -143,7 +159,7 @@ def policy(
         typer.echo(format_table(results))
     if plot is not None:
         sweep = {x: results if x == load else compare(requests, engine, x, names, predictions, **kwargs)
-                 for x in sorted(set(_floats(plot_loads)) | {load})}
+                 for x in sorted(set(loads) | {load})}
         title = f"{trace.name}, {profile}, {predictions.source} predictor (tau {predictions.tau:.2f})"
         write_plot(sweep, plot, title)
 
@@ -356,15 +372,15 @@ def live(
     prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths, as for `bench policy`. "
                        "Default: benchmarks/data/prompt_pool.json.")] = None,
     requests: Annotated[int, typer.Option("--requests", help="Rows of the trace replayed (the slice).")] = 400,
-    start: Annotated[int, typer.Option(help="First row of the slice.")] = 0,
-    load: Annotated[float, typer.Option(help="Offered load as a fraction of the slice's FCFS capacity "
+    start: Annotated[int, typer.Option(min=0, help="First row of the slice.")] = 0,
+    load: Annotated[float, typer.Option(min=0.01, help="Offered load as a fraction of the slice's FCFS capacity "
                                              "on --workers.")] = 0.9,
-    workers: Annotated[int, typer.Option(help="Sim-engine worker processes.")] = 2,
-    slots: Annotated[int, typer.Option(help="Slots per worker (max_num_seqs, here and in the simulator).")] = 16,
-    edges: Annotated[int, typer.Option(help="Edge processes (clients are spread over them).")] = 2,
-    clients: Annotated[int, typer.Option(help="WebSocket client connections.")] = 32,
-    time_scale: Annotated[float, typer.Option(help="Run this many times faster than the trace's time.")] = 2.0,
-    profile: Annotated[str, typer.Option(help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
+    workers: Annotated[int, typer.Option(min=1, help="Sim-engine worker processes.")] = 2,
+    slots: Annotated[int, typer.Option(min=1, help="Slots per worker (max_num_seqs, here and in the simulator).")] = 16,
+    edges: Annotated[int, typer.Option(min=1, help="Edge processes (clients are spread over them).")] = 2,
+    clients: Annotated[int, typer.Option(min=1, help="WebSocket client connections.")] = 32,
+    time_scale: Annotated[float, typer.Option(min=0.1, help="Run this many times faster than the trace's time.")] = 2.0,
+    profile: Annotated[str, typer.Option(callback=_known_profile, help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
     policy: Annotated[str, typer.Option(help="Policies run live (comma list of fcfs, lanes; sim_gap needs "
                                              "both).")] = "fcfs,lanes",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (or write --json-file).")] = False,

@@ -171,3 +171,22 @@ def test_keys_without_redis_and_redis_on_a_taken_port_are_one_line(taken_port: i
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"configuration error: port {taken_port} on 127.0.0.1 is already in use (--port / --host)")
     no_traceback(out)
+
+
+def test_bench_arguments_out_of_range_are_usage_errors(tmp_path) -> None:
+    """Numbers the simulator cannot run with are refused before any run (load 0 used to hang;
+    workers 0, an unknown profile or a bad --plot-loads ended in a traceback)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n"
+                     "2023-11-16 18:15:47.0000000,100,20\n")
+    base = ("bench", "policy", "--trace", str(trace), "--policy", "fcfs")
+    for extra, flag in ((("--load", "0"), "--load"), (("--workers", "0"), "--workers"),
+                        (("--predictor", "noise", "--tau", "2"), "--tau"), (("--profile", "nope"), "--profile"),
+                        (("--plot", str(tmp_path / "p.png"), "--plot-loads", "0.5,abc"), "--plot-loads"),
+                        (("--prefix-cache-share", "2"), "--prefix-cache-share")):
+        out = lanes(*base, *extra, timeout_s=60)
+        assert out.returncode == 2 and flag in out.stderr, (extra, out.stderr[-1500:])
+        no_traceback(out)
+    out = lanes("worker", "--engine", "sim", "--sim-profile", "nope")
+    assert out.returncode == 2 and "LANES_SIM_PROFILE='nope'" in out.stderr
+    no_traceback(out)

@@ -12,7 +12,7 @@ from lanes.queue.settings import RedisSettings
 from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, STARVE_AFTER_MS, lanes_slot_config
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 EngineName = Literal["hf", "vllm", "trtllm", "sim"]
 SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
@@ -90,6 +90,15 @@ class WorkerSettings(RedisSettings):
     sim_time_scale: float = 1.0
     sim_profile: str = "l70-h100"
     worker_id: str = ""
+
+    @field_validator("sim_profile")
+    @classmethod
+    def _known_profile(cls, name: str) -> str:
+        from lanes.scheduler.costmodel import PROFILES
+
+        if name.lower() not in PROFILES:
+            raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}")
+        return name
 
     @model_validator(mode="after")
     def _gpu_from_honcho(self) -> WorkerSettings:
