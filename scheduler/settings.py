@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from lanes.queue.settings import RedisSettings
+from pydantic import Field
 
 
 class SchedulerSettings(RedisSettings):
     reap_interval_s: float = 0.25
     depth_interval_s: float = 0.5
     #: Port for Prometheus metrics (0 = off).
-    metrics_port: int = 0
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off).
     predictor_refresh_minutes: int = 5
     predictor_min_observations: int = 50

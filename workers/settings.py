@@ -36,9 +36,9 @@ class WorkerSettings(RedisSettings):
     quantization: Literal["none", "awq", "fp8"] = "none"
     #: Quantize the KV cache too; off by default (it raised memory use in the seeds' run).
     kv_cache_quantization: bool = False
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
     #: Total concurrent requests (the engine's ``max_num_seqs``).
-    max_slots: int = 8
+    max_slots: int = Field(default=8, ge=1)
     #: Slot reservation: long-lane requests may hold at most this many slots, medium + long
     #: at most ``max_medium_long_slots``; the rest stay free for shorter lanes. Unset: 75 % and
     #: 87.5 % of the slots (6 and 7 of 8; ``live_policy.MAX_LONG_SHARE``, ``MAX_MEDIUM_LONG_SHARE``).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from lanes.queue.settings import RedisSettings
 from lanes.ws_server.delivery import DeliveryConfig
 from lanes.ws_server.protocol import Limits
@@ -11,7 +13,7 @@ from lanes.ws_server.protocol import Limits
 
 class EdgeSettings(RedisSettings):
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(default=8000, ge=0, le=65535)
     edge_id: str = ""
     max_frame_bytes: int = 256 * 1024
     max_messages: int = 64
