@@ -50,8 +50,7 @@ def _load_prompt_pool(prompts: Path | None) -> list[Any]:
                    "prompts, so its tau here is optimistic); pass --prompts FILE", err=True)
     if not path.is_file():
         raise typer.BadParameter(f"prompt file {path} not found", param_hint="--prompts")
-    observations = read_observations(path, "--prompts")
-    return observations
+    return read_observations(path, "--prompts")
 
 
 def _load_trace(trace: Path) -> Any:
@@ -78,10 +77,12 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
 
 
 def _known_profile(name: str) -> str:
-    from lanes.scheduler.costmodel import PROFILES
+    from lanes.scheduler.costmodel import get_profile
 
-    if name.lower() not in PROFILES:
-        raise typer.BadParameter(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}")
+    try:
+        get_profile(name)
+    except KeyError as exc:
+        raise typer.BadParameter(exc.args[0]) from None
     return name
 
 
@@ -396,8 +397,6 @@ def live(
     names = tuple(n.strip() for n in policy.split(",") if n.strip())
     if not names or set(names) - set(bench_live.POLICIES):
         raise typer.BadParameter(f"--policy takes {', '.join(bench_live.POLICIES)}", param_hint="--policy")
-    if not trace.is_file():
-        raise typer.BadParameter(f"trace {trace} not found", param_hint="--trace")
     full = _load_trace(trace)
     if requests < 10 or start < 0 or start + requests > len(full):
         raise typer.BadParameter(f"the trace has {len(full)} rows; need 10 <= --requests and "

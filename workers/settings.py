@@ -94,10 +94,12 @@ class WorkerSettings(RedisSettings):
     @field_validator("sim_profile")
     @classmethod
     def _known_profile(cls, name: str) -> str:
-        from lanes.scheduler.costmodel import PROFILES
+        from lanes.scheduler.costmodel import get_profile
 
-        if name.lower() not in PROFILES:
-            raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}")
+        try:
+            get_profile(name)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
         return name
 
     @model_validator(mode="after")

@@ -38,12 +38,12 @@ class PoolRouter:
     def __init__(self, settings: EdgeSettings) -> None:
         try:
             self.rules: RoutingRules | None = load_rules(Path(settings.routing_file)) if settings.routing_file else None
-        except (RulesError, OSError) as err:
+        except RulesError as err:
             raise RulesError(f"routing rules unusable (LANES_ROUTING_FILE): {err}; fix the file or unset "
                              "the setting (deploy/routing.toml is an example)") from None
         try:
             self.fixed = FixedAnswers.load(settings.fixed_answers_file) if settings.fixed_answers_file else None
-        except (FixedAnswersError, OSError) as err:
+        except FixedAnswersError as err:
             raise FixedAnswersError(f"fixed answers unusable (LANES_FIXED_ANSWERS_FILE): {err}; fix the file or "
                                     "unset the setting (deploy/fixed_answers.toml is an example)") from None
         self._complexity = None

@@ -92,10 +92,13 @@ class FixedAnswers:
 
     @classmethod
     def load(cls, path: Path | str) -> FixedAnswers:
-        """Read and validate a table. Raises ``FixedAnswersError`` (also for TOML syntax)."""
+        """Read and validate a table. Raises ``FixedAnswersError`` (also for TOML syntax and a
+        file that cannot be read)."""
         try:
             raw = tomllib.loads(Path(path).read_text())
             return cls.parse(raw)
+        except OSError as err:
+            raise FixedAnswersError(f"{path}: {err.strerror or err}") from None
         except (tomllib.TOMLDecodeError, FixedAnswersError) as err:
             raise FixedAnswersError(f"{path}: {err}") from None
 

@@ -110,9 +110,12 @@ def parse_rules(raw: Mapping[str, Any]) -> RoutingRules:
 
 
 def load_rules(path: Path) -> RoutingRules:
-    """Read and validate a rules file. Raises ``RulesError`` (also for TOML syntax errors)."""
+    """Read and validate a rules file. Raises ``RulesError`` (also for TOML syntax errors and a
+    file that cannot be read)."""
     try:
         raw = tomllib.loads(Path(path).read_text())
+    except OSError as err:
+        raise RulesError(f"{path}: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise RulesError(f"{path}: {err}") from None
     try:
