@@ -35,7 +35,7 @@ async def cycle(c, key, i, rng):
             await a.close()
         elif kind == "cancel":
             await a.send({"type": "cancel", "id": rid}); await a.wait_terminal(rid, 20)
-            problems.extend(check_one(a, rid, expect=("cancelled", "length"), label=kind, cancel_sent=True)); await a.close()
+            problems.extend(check_one(a, rid, expect=("cancelled", "length"), label=kind)); await a.close()
         elif kind in ("resume", "resume_other"):
             last = a.seqs(rid)[-1]; await a.abort()
             b = await Conn.open(c.edge_urls["e1" if kind == "resume" else "e2"], key)

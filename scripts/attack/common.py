@@ -92,7 +92,21 @@ class Conn:
         await self.send(f)
 
     def terminals(self, rid):
-        return [f for f in self.by_id[rid] if f["type"] in TERMINAL]
+        """The frames that end ``rid`` on this connection (docs/protocol.md): ``done``, or an error,
+        except the replies to a later frame that named the id: ``duplicate_id`` while a request
+        runs under it (it is not affected), and ``unknown_id`` / ``duplicate_id`` after its end
+        (a cancel or repeat that crossed the ``done``)."""
+        ends, running = [], False
+        for f in self.by_id[rid]:
+            if f["type"] in ("accepted", "resumed"):
+                running = True
+            elif f["type"] in TERMINAL:
+                reply = (running and f.get("code") == "duplicate_id") or \
+                        (bool(ends) and f.get("code") in ("unknown_id", "duplicate_id"))
+                if not reply:
+                    ends.append(f)
+                    running = False
+        return ends
 
     def deltas(self, rid):
         return [f for f in self.by_id[rid] if f["type"] == "delta"]
@@ -143,18 +157,13 @@ class Conn:
         await asyncio.sleep(0)
 
 
-def check_one(conn: Conn, rid, *, start_seq=0, expect=None, label="", cancel_sent=False):
-    """Exactly one terminal, contiguous seqs from start_seq, no frames after terminal. Returns list of problems.
-
-    ``cancel_sent``: the client cancelled ``rid``; a cancel that crossed the request's end is answered
-    ``unknown_id`` after the ``done`` (docs/protocol.md), so one such answer right after a ``done`` is
-    the cancel's reply, not a second terminal."""
+def check_one(conn: Conn, rid, *, start_seq=0, expect=None, label=""):
+    """Exactly one terminal (``Conn.terminals``: replies to frames that named the id are not
+    terminals), contiguous seqs from start_seq, no delta after it. Returns list of problems."""
     probs = []
-    frames = conn.by_id[rid]
-    if (cancel_sent and len(frames) >= 2 and frames[-2]["type"] == "done"
-            and frames[-1]["type"] == "error" and frames[-1].get("code") == "unknown_id"):
-        frames = frames[:-1]
-    terms = [i for i, f in enumerate(frames) if f["type"] in TERMINAL]
+    ends = conn.terminals(rid)
+    frames = [f for f in conn.by_id[rid] if f["type"] not in TERMINAL or any(f is e for e in ends)]
+    terms = [i for i, f in enumerate(frames) if any(f is e for e in ends)]
     if len(terms) != 1:
         probs.append(f"{label} id={rid}: {len(terms)} terminal frames ({[frames[i] for i in terms][:3]})")
     elif terms[0] != len(frames) - 1:
