@@ -101,6 +101,11 @@ class Keys:
         """Pub/sub channel carrying token batches to one edge."""
         return f"{self.prefix}:edge:{edge_id}"
 
+    def takeover_channel(self, edge_id: str) -> str:
+        """Pub/sub channel telling one edge that a request it delivers was resumed on another
+        edge (the message is the request id; the edge checks Redis before it lets go)."""
+        return f"{self.prefix}:edge:{edge_id}:takeover"
+
     def control_channel(self, worker_id: str) -> str:
         """Pub/sub channel carrying cancel messages to one worker."""
         return f"{self.prefix}:ctl:{worker_id}"

@@ -153,9 +153,18 @@ class QueuePlane(TokenStreams):
 
     async def repoint(self, request_id: str, edge_id: str, owner: str = "") -> str | None:
         """Send a request's future tokens to ``edge_id``; returns its state, None if gone,
-        or "forbidden" when ``owner`` did not submit it."""
-        state = await self._repoint(keys=[self.keys.request(request_id)], args=[edge_id, owner])
-        return state.decode() if state else None
+        or "forbidden" when ``owner`` did not submit it.
+
+        When another edge delivered it, that edge is told on its takeover channel, so its
+        connection ends with ``resumed_elsewhere`` now rather than at its next quiet check.
+        """
+        reply = await self._repoint(keys=[self.keys.request(request_id)], args=[edge_id, owner])
+        if not reply:
+            return None
+        state, previous = reply[0].decode(), reply[1].decode()
+        if previous and previous != edge_id and state != "forbidden":
+            await self.redis.execute_command("PUBLISH", self.keys.takeover_channel(previous), request_id)
+        return state
 
     async def take_token(self, key_id: str, rate_per_s: float, burst: int) -> int:
         """Take one token from a key's fleet-wide bucket: 0, or the wait (ms) until one is back."""

@@ -211,14 +211,14 @@ return math.max(cur, tonumber(ARGV[1]))
 """
 
 #: KEYS: req. ARGV: edge, owner. Re-points a request's token delivery to another edge
-#: (resume), only for the API key that submitted it. Returns the state, false if the
-#: request is gone, 'forbidden' for another key.
+#: (resume), only for the API key that submitted it. Returns {state, previous edge}, false
+#: if the request is gone, {'forbidden', ''} for another key.
 REPOINT = """
-local h = redis.call('HMGET', KEYS[1], 'state', 'owner')
+local h = redis.call('HMGET', KEYS[1], 'state', 'owner', 'edge')
 if not h[1] then return false end
-if (h[2] or '') ~= ARGV[2] then return 'forbidden' end
+if (h[2] or '') ~= ARGV[2] then return {'forbidden', ''} end
 redis.call('HSET', KEYS[1], 'edge', ARGV[1])
-return h[1]
+return {h[1], h[3] or ''}
 """
 
 #: KEYS: req, watch, pending:short, pending:medium, pending:long.

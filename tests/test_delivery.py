@@ -201,6 +201,23 @@ def test_quiet_requests_are_checked_lost_or_moved() -> None:
     assert ReadStream("c", -1) in out and set(d.entries) == {"c"}
 
 
+def test_a_takeover_notice_checks_at_once_and_a_stale_one_changes_nothing() -> None:
+    d = core()
+    open_accepted(d, 1, "a")
+    open_accepted(d, 1, "b")
+    assert d.takeover_notice("nobody") == []
+    assert d.takeover_notice("a") == [CheckRequests(("a",), periodic=False)]
+    out = d.tick(3.5)  # the notice's check does not hold back the tick's own
+    assert CheckRequests(("a", "b")) in out
+    out = d.checked({"a": ("edge-z", "running")}, 3.6, periodic=False)
+    assert [(f["id"], f.get("code")) for f in frames(out)] == [("a", "resumed_elsewhere")]
+    assert not any(isinstance(a, CheckRequests) for a in d.tick(3.7))  # the tick's check is still out
+    # The request came back here before the notice was read: Redis says so, nothing ends.
+    d.takeover_notice("b")
+    assert frames(d.checked({"b": (EDGE, "running")}, 3.8, periodic=False)) == []
+    assert set(d.entries) == {"b"}
+
+
 def test_caps_per_connection_and_per_key() -> None:
     d = core()
     for i in range(4):

@@ -14,10 +14,12 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis.asyncio as aioredis
 import websockets
 
 from conftest import scaled
 from e2e_support import Client, System
+from lanes.queue.keys import Keys
 from lanes.ws_server.auth import generate_key, hash_key
 
 pytestmark = pytest.mark.e2e
@@ -157,6 +159,31 @@ async def test_resume_on_a_new_connection_while_the_old_one_lingers(system: tupl
     assert done["type"] == "done", done
     seqs = [f["seq"] for f in old.deltas(rid) if f["seq"] <= last] + contiguous((new, rid))
     assert seqs == list(range(done["usage"]["completion_tokens"]))
+    await new.close()
+
+
+async def test_a_resume_on_another_edge_tells_the_old_edge_at_once(system: tuple[System, str]) -> None:
+    """The resuming edge publishes a takeover notice to the edge that delivered the request:
+    the old connection gets resumed_elsewhere within moments, not at the old edge's next
+    quiet check (3 s after the worker stopped publishing to it)."""
+    sys_, url = system
+    rid = f"hop-{uuid.uuid4().hex[:6]}"
+    notices = aioredis.from_url(sys_.redis_url).pubsub()
+    await notices.subscribe(Keys(sys_.prefix).takeover_channel(sys_.child_id("edge")))
+    old = await connect(url, ALICE)
+    await old.chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
+    await streaming(old, rid)
+    new = await connect(sys_.edge_urls["edge2"], ALICE)
+    sent_at = asyncio.get_running_loop().time()
+    await new.send({"type": "resume", "id": rid, "last_seq": old.deltas(rid)[-1]["seq"]})
+    assert (await old.wait(rid, scaled(10)))["code"] == "resumed_elsewhere"
+    told_after_s = asyncio.get_running_loop().time() - sent_at
+    messages = [await notices.get_message(timeout=scaled(2)) for _ in range(2)]  # subscribed, then the notice
+    assert [m["data"] for m in messages if m and m["type"] == "message"] == [rid.encode()], messages
+    assert told_after_s < 2.5, f"the old connection learned of the takeover after {told_after_s:.2f} s"
+    assert (await new.wait(rid, scaled(60)))["type"] == "done"
+    await notices.aclose()
+    await old.close()
     await new.close()
 
 

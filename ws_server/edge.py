@@ -168,19 +168,21 @@ class Edge:
             for pool, ids in by_pool.items():
                 found |= await self.plane.for_pool(pool).request_records(ids)
         except QueueUnavailable:
-            self.core.check_failed()  # Redis down: check again once it is back
+            self.core.check_failed(action.periodic)  # Redis down: the tick checks again once it is back
             return
-        self.carry(self.core.checked(found, time.monotonic()))
+        self.carry(self.core.checked(found, time.monotonic(), action.periodic))
 
     # -- Redis side ----------------------------------------------------------------------
 
     async def read_tokens(self) -> None:
         """Feed token batches from our channel to the core; never awaits a socket.
 
-        The same subscription carries the scheduler's depth snapshots (for admission).
+        The same subscription carries the scheduler's depth snapshots (for admission) and
+        other edges' takeover notices (a request of ours was resumed there).
         """
         keys = self.plane.keys
         depth_channel = keys.depth_channel.encode()
+        takeover_channel = keys.takeover_channel(self.edge_id).encode()
         backoff = Backoff("token channel", log)
 
         def subscribed() -> None:
@@ -188,10 +190,13 @@ class Edge:
             self.carry(self.core.resubscribed())
             self._ready.set()
 
-        async for channel, data in listen(self.plane.redis, [keys.edge_channel(self.edge_id), keys.depth_channel],
-                                          backoff, subscribed):
+        channels = [keys.edge_channel(self.edge_id), keys.depth_channel, keys.takeover_channel(self.edge_id)]
+        async for channel, data in listen(self.plane.redis, channels, backoff, subscribed):
             if channel == depth_channel:
                 self.admission.observe(data)
+                continue
+            if channel == takeover_channel:
+                self.carry(self.core.takeover_notice(data.decode(errors="replace")))
                 continue
             try:
                 batch = _batch_decoder.decode(data)

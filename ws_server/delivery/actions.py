@@ -47,6 +47,8 @@ class CheckRequests:
     """Look up each request's edge and state (None: gone); call ``checked``."""
 
     request_ids: tuple[str, ...]
+    #: The tick's check of quiet requests (one at a time), not a takeover notice's.
+    periodic: bool = True
 
 
 @dataclass(frozen=True)

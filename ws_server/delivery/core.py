@@ -279,9 +279,18 @@ class Delivery:
             actions.append(CheckRequests(tuple(quiet)))
         return actions
 
-    def checked(self, found: dict[str, tuple[str, str] | None], now: float) -> list[Action]:
+    def takeover_notice(self, request_id: str) -> list[Action]:
+        """Another edge says it took this request over: check Redis now (the notice may be
+        stale: the request may have come back here since), not at the next quiet check."""
+        entry = self.entries.get(request_id)
+        if entry is None or entry.phase is not Phase.ACTIVE:
+            return []
+        return [CheckRequests((request_id,), periodic=False)]
+
+    def checked(self, found: dict[str, tuple[str, str] | None], now: float, periodic: bool = True) -> list[Action]:
         """Answer to ``CheckRequests``: per request ``(edge, state)`` from Redis, None if gone."""
-        self._checking = False
+        if periodic:
+            self._checking = False
         actions: list[Action] = []
         for request_id, record in found.items():
             entry = self.entries.get(request_id)
@@ -309,8 +318,9 @@ class Delivery:
                 actions += self._fill(entry)
         return actions
 
-    def check_failed(self) -> None:
-        self._checking = False
+    def check_failed(self, periodic: bool = True) -> None:
+        if periodic:
+            self._checking = False
 
     # -- internals ---------------------------------------------------------------------
 
