@@ -89,7 +89,9 @@ class Session:
                 await self._send({"type": "websocket.send", "text": frame.decode()})
             return
         await proto.writable.wait()  # flow control: the transport's buffer is over its high mark
-        if proto.disconnected or proto.close_sent:
+        # A transport that is closing (a failed write, the close handshake) takes no more data:
+        # asyncio counts such writes and logs "socket.send() raised exception." from the fifth.
+        if proto.disconnected or proto.close_sent or proto.transport.is_closing():
             raise ClientGone
         conn = proto.conn
         if conn.extensions or conn.state is not State.OPEN or conn.expect_continuation_frame:
