@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -168,6 +167,7 @@ def policy(
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
             hand_back_demoted: bool | None, min_long_share: float | None = None,
             max_wait_s: float | None = None) -> Any:
+    from lanes.scheduler.live_policy import wait_bound_ms
     from lanes.scheduler.sim.policies import LanesTuning
 
     tuning = LanesTuning()
@@ -178,7 +178,7 @@ def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt
     if max_wait_s is not None:
         if max_wait_s < 0:
             raise typer.BadParameter(f"must be >= 0 (0: no bound), got {max_wait_s}", param_hint="--max-wait-s")
-        tuning = replace(tuning, max_wait_ms=max_wait_s * 1000.0 if max_wait_s > 0 else math.inf)
+        tuning = replace(tuning, max_wait_ms=wait_bound_ms(max_wait_s * 1000.0))
     if max_short_to_long is not None:
         tuning = replace(tuning, max_short_to_long=max_short_to_long)
     if fcfs_below_s is not None:

@@ -102,6 +102,12 @@ def share_of_slots(share: float, max_slots: int) -> int:
     return 0 if share <= 0 else max(1, math.floor(share * max_slots + 1e-9))
 
 
+def wait_bound_ms(setting_ms: float) -> float:
+    """A wait bound as users set it (``LANES_MAX_WAIT_MS``, ``--max-wait-s``: 0 = no bound) as
+    ``SlotConfig.max_wait_ms`` takes it (inf = no bound)."""
+    return setting_ms if setting_ms > 0 else math.inf
+
+
 def lanes_slot_config(max_slots: int, *, max_long_share: float = MAX_LONG_SHARE,
                       max_medium_long_share: float = MAX_MEDIUM_LONG_SHARE, min_long_share: float = MIN_LONG_SHARE,
                       starve_after_ms: float = STARVE_AFTER_MS, protect_after_ms: float = math.inf,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, STARVE_AFTER_MS, lanes_slot_config
+from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, STARVE_AFTER_MS, lanes_slot_config, wait_bound_ms
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from pydantic import Field, field_validator, model_validator
@@ -120,7 +120,7 @@ class WorkerSettings(RedisSettings):
         config = lanes_slot_config(
             max_slots, starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
             borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.fcfs_below_ms,
-            max_wait_ms=self.max_wait_ms if self.max_wait_ms > 0 else math.inf)
+            max_wait_ms=wait_bound_ms(self.max_wait_ms))
         min_long = config.min_long if self.min_long_slots is None else min(self.min_long_slots, max_slots)
         return replace(
             config, min_long=min_long, min_medium=min(self.min_medium_slots, max_slots - min_long),
