@@ -3,11 +3,11 @@ two rounds of 1,500 per kind) against real processes; prints edge e1's RSS chang
 
     .venv/bin/python scripts/attack/a6c_kinds.py
 """
-import asyncio, sys, time
+import asyncio, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import a6_memory as a6
-from common import *
+from common import create_key, rss_kb, start_cluster
 
 KINDS = ["finish", "abort", "close", "cancel", "resume", "badframes", "resume_other", "http_drop"]
 
