@@ -27,6 +27,7 @@ from lanes.scheduler.predictor.data import (
     DEFAULT_DATASET_PATH,
     DEFAULT_POOL_PATH,
     HELD_OUT_SOURCE,
+    HELD_OUT_SOURCES,
     read_examples,
 )
 from lanes.scheduler.predictor.eval import evaluate, kendall_tau
@@ -151,11 +152,12 @@ def train_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) written by build-data"),
     out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights"),
 ) -> None:
-    """Rebuild the shipped weights from every source but the held-out pool's."""
-    observations = [o for o in read_observations(data) if o.source != HELD_OUT_SOURCE]
+    """Rebuild the shipped weights from every source but the held-out ones (the pool's and IFEval)."""
+    observations = [o for o in read_observations(data) if o.source not in HELD_OUT_SOURCES]
     info: dict[str, object] = {
         "data": data.name,
         "held_out_source": HELD_OUT_SOURCE,
+        "held_out_sources": list(HELD_OUT_SOURCES),
         "num_examples": len(observations),
         "sources": sorted({o.source for o in observations}),
     }
@@ -181,10 +183,16 @@ def eval_command(
     weights: Path | None = typer.Option(None, exists=True, dir_okay=False, help="weights .npz (default: the committed model)"),
     short_max_tokens: int = typer.Option(LaneThresholds().short_max_tokens),
     medium_max_tokens: int = typer.Option(LaneThresholds().medium_max_tokens),
+    source: str | None = typer.Option(None, help="only this source's prompts (a data set from build-data, e.g. ifeval)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Kendall tau, Spearman, misroute rates and p50/p99 latency of a model on ``--data``."""
     observations = read_observations(data)
+    if source is not None:
+        found = sorted({o.source for o in observations})
+        observations = [o for o in observations if o.source == source]
+        if not observations:
+            raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint="--source")
     predictor = from_weights(weights) if weights else load_default()
     report = evaluate(
         predictor,

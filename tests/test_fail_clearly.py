@@ -128,12 +128,15 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
     bad_json.write_text("{not json")
     wrong_shape = tmp_path / "shape.json"
     wrong_shape.write_text('[{"text": "hi"}]')
+    good = tmp_path / "good.json"
+    good.write_text('[{"prompt": "hi", "output_tokens": 3}]')
     cases = [
         (("bench", "policy", "--trace", str(tmp_path / "nope.csv")), "--trace", "does not exist"),
         (("bench", "policy", "--trace", str(bad_csv)), "--trace", "line 2"),
         (("predictor", "eval", "--data", str(bad_json)), "--data", "JSONDecodeError"),
         (("predictor", "eval", "--data", str(wrong_shape)), "--data", "output_tokens"),
         (("predictor", "cv", "--data", str(bad_json)), "--data", "JSONDecodeError"),
+        (("predictor", "eval", "--data", str(good), "--source", "nope"), "--source", "has no source 'nope'"),
         (("router", "eval", "--shared-data", str(tmp_path)), "--shared-data", "FileNotFoundError"),
     ]
     for args, flag, detail in cases:

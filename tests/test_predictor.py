@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -27,13 +28,22 @@ from lanes.scheduler.predictor.data import (
     DEFAULT_DATASET_PATH,
     DEFAULT_POOL_PATH,
     HELD_OUT_SOURCE,
+    HELD_OUT_SOURCES,
     Example,
     median_tokens,
     read_examples,
     write_examples,
 )
 from lanes.scheduler.predictor.eval import evaluate, kendall_tau, misroute_rates, spearman
-from lanes.scheduler.predictor.lexical import CUE_PATTERNS, NUM_CUES, FeatureConfig, LexicalModel, cue_features
+from lanes.scheduler.predictor.lexical import (
+    CUE_PATTERNS,
+    NUM_CUES,
+    NUM_LENGTH_REQUEST_CUES,
+    FeatureConfig,
+    LexicalModel,
+    cue_features,
+    requested_tokens,
+)
 from lanes.scheduler.predictor.train import (
     MAX_REFIT_OBSERVATIONS,
     Observation,
@@ -194,6 +204,40 @@ def test_cue_features_and_cue_free_models() -> None:
     assert refit(LengthPredictor(old, {}), TOY[:2]).score_text(POEM) != old.score_text(POEM)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [
+        ("Write a 300-word essay about rain.", 300 * 1.35),
+        ("Answer in at least 3 paragraphs.", 3 * 85 * 1.3),
+        ("Summarise it in less than 50 words.", 50 * 1.35 * 0.7),
+        ("List five tips for sleeping well.", 5 * 25),
+        ("Write 1,000 words on trains, in 4 sections.", 1000 * 1.35),  # the larger of two requests
+        ("Explain photosynthesis.", None),
+        ("I have 2 dogs and 3 cats. What should I feed them?", None),
+    ],
+)
+def test_requested_tokens_reads_explicit_length_requests(prompt: str, tokens: float | None) -> None:
+    got = requested_tokens(prompt.lower())
+    assert got == pytest.approx(tokens) if tokens is not None else got is None
+
+
+def test_length_request_cues_and_models_written_before_them() -> None:
+    plain = cue_features("Write a 300-word essay.")
+    both = cue_features("Write a 300-word essay.", length_request=True)
+    assert both.shape == (NUM_CUES + NUM_LENGTH_REQUEST_CUES,)
+    assert list(both[:NUM_CUES]) == list(plain)
+    assert both[NUM_CUES] == 1.0 and both[NUM_CUES + 1] == pytest.approx(math.log1p(300 * 1.35))
+    assert list(cue_features("Explain it.", length_request=True)[NUM_CUES:]) == [0.0, 0.0]
+    assert load_default().model.config.length_request_weight > 0  # type: ignore[union-attr]
+    # Weights written before the length-request cues (no field in the header) score as they did.
+    before = train_lexical(TOY, FeatureConfig(length_request_weight=0.0))
+    header, arrays = before.to_arrays()
+    del header["config"]["length_request_weight"]  # type: ignore[attr-defined]
+    old = LexicalModel.from_arrays(header, arrays)
+    assert old.config.length_request_weight == 0.0 and len(old.cue_weights) == NUM_CUES
+    assert old.score_text("Write a 300-word essay.") == before.score_text("Write a 300-word essay.")
+
+
 def test_bad_weights_raise_weights_error(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip")
@@ -290,6 +334,8 @@ def test_sources_builder_dedups_first_source_wins(tmp_path: Path) -> None:
         [{"instruction": shared, "input": "", "response": "dup"}])
     put("sahil280114/codealpaca", "data/code_alpaca_2k.json", [{"instruction": "Sort", "input": "", "output": ""}])
     put("stayanti/alpaca-gpt-4", "alpaca_data/file_0-24.json", [{"instruction": "Hi", "input": "", "output": "Hello"}])
+    put("Podtech-AI/IFEval", "data/input_response_data_gpt4_20231107_145030.jsonl",
+        json.dumps({"prompt": "Write a 50 word poem.", "response": "Roses are red"}) + "\n")
     assert {s.repo for s in SOURCES} == {p.relative_to(raw).parts[0] + "/" + p.relative_to(raw).parts[1]
                                          for p in raw.glob("*/*")}
     examples = build_examples(raw, lambda texts: [len(t.split()) for t in texts])
@@ -299,6 +345,7 @@ def test_sources_builder_dedups_first_source_wins(tmp_path: Path) -> None:
     assert "code_alpaca" not in by_source, "an empty answer leaves no example"
     assert by_source["mt_bench"] == Example("Plan a trip.", "mt_bench", {"g": 4}), "first turn only"
     assert by_source["gpteacher/codegen"].prompt == "Write code\n\nx = 1"
+    assert by_source["ifeval"] == Example("Write a 50 word poem.", "ifeval", {"gpt-4": 3})
     shutil.rmtree(raw / "stayanti")
     with pytest.raises(FileNotFoundError, match="stayanti/alpaca-gpt-4"):
         build_examples(raw, lambda texts: [1] * len(texts))
@@ -308,7 +355,8 @@ def test_sources_builder_dedups_first_source_wins(tmp_path: Path) -> None:
 def test_shipped_weights_never_saw_the_held_out_pool_and_rank_it() -> None:
     info = load_default().info
     assert info["held_out_source"] == HELD_OUT_SOURCE
-    assert HELD_OUT_SOURCE not in info["sources"]  # type: ignore[operator]
+    assert info["held_out_sources"] == list(HELD_OUT_SOURCES) and HELD_OUT_SOURCE in HELD_OUT_SOURCES
+    assert not set(HELD_OUT_SOURCES) & set(info["sources"])  # type: ignore[arg-type]
     pool = json.loads(DEFAULT_POOL_PATH.read_text())
     assert {row["source"] for row in pool} == {HELD_OUT_SOURCE}
     pool_prompts = {" ".join(row["prompt"].lower().split()) for row in pool}
@@ -319,3 +367,18 @@ def test_shipped_weights_never_saw_the_held_out_pool_and_rank_it() -> None:
     predictor = load_default()
     tau = kendall_tau([predictor.score_text(row["prompt"]) for row in pool], [row["output_tokens"] for row in pool])
     assert tau > 0.35
+
+
+@pytest.mark.skipif(not DEFAULT_DATASET_PATH.is_file(), reason="data set absent")
+def test_eval_scores_one_held_out_source_of_the_data_set() -> None:
+    """IFEval is kept out of the shipped weights: ``--source ifeval`` scores prompts of a source
+    they never saw (explicit length requests carry over from the other sources' prompts)."""
+    from typer.testing import CliRunner
+
+    from lanes.cli.predictor import app
+
+    out = CliRunner().invoke(app, ["eval", "--data", str(DEFAULT_DATASET_PATH), "--source", "ifeval", "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert report["num_examples"] == 540
+    assert report["kendall_tau"] > 0.35

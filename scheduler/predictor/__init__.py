@@ -2,7 +2,7 @@
 
 One model, ``lexical`` (``lexical.py``): hashed TF-IDF word and character n-grams plus
 hand-written length cues, and a linear model on log(1 + output tokens), trained on ~24,000
-prompts from ten public sources answered by ~230 models (``data.py``, docs/predictor-data.md),
+prompts from eleven public sources answered by ~230 models (``data.py``, docs/predictor-data.md),
 each source centred and balanced (``train.py``) so that it ranks prompts of sources it never saw.
 Leave-one-source-out Kendall tau, in-source CV tau and latency: benchmarks/RESULTS.md, "Length
 predictor (issue 9)". Predictions are in Llama-3 tokens at the level of current chat models.

@@ -30,6 +30,9 @@ DEFAULT_DATASET_PATH = DATA_DIR / "predictor" / "prompts.jsonl.gz"
 DEFAULT_POOL_PATH = DATA_DIR / "prompt_pool.json"
 #: The source kept out of the shipped weights: the simulator's default prompt pool.
 HELD_OUT_SOURCE = "alpaca_eval/oasst"
+#: Every source kept out of the shipped weights: the pool's, and IFEval (prompts with explicit
+#: format and length constraints), each a check on prompts of a source the weights never saw.
+HELD_OUT_SOURCES = (HELD_OUT_SOURCE, "ifeval")
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,15 @@ def _json_list(pattern: str, source: str, model: str, answer_key: str) -> Callab
     return read
 
 
+def _jsonl(path: str, source: str, model: str) -> Callable[[Path], Iterator[Pair]]:
+    def read(root: Path) -> Iterator[Pair]:
+        for line in (root / path).read_text().splitlines():
+            record = json.loads(line)
+            yield source, model, record["prompt"], record.get("response") or ""
+
+    return read
+
+
 #: In priority order (a duplicated prompt stays in the first source that has it).
 SOURCES: tuple[Source, ...] = (
     Source("tatsu-lab/alpaca_eval", "cd543a149df89434d8a54582c0151c0b945c3d20", "Apache-2.0", _alpaca_eval),
@@ -101,6 +110,11 @@ SOURCES: tuple[Source, ...] = (
     Source("stayanti/alpaca-gpt-4", "225be0464df531ad2e587b1594bff4bcf8890b19",
            "Apache-2.0 repo; Alpaca data CC BY-NC 4.0",
            _json_list("alpaca_data/file_*.json", "alpaca_cleaned", "text-davinci-003", "output")),
+    # IFEval (google-research/google-research, instruction_following_eval/) with the paper's GPT-4
+    # answers; that snapshot is too large to copy here, this verbatim copy has 540 of its 541 prompts.
+    Source("Podtech-AI/IFEval", "76670a377db0f75ac8e808bbdaa8df5e6f185399",
+           "Apache-2.0 (google-research/google-research)",
+           _jsonl("data/input_response_data_gpt4_20231107_145030.jsonl", "ifeval", "gpt-4")),
 )
 
 

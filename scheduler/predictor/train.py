@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 from lanes.scheduler.predictor import LengthPredictor
 from lanes.scheduler.predictor.lexical import (
-    NUM_CUES,
     FeatureConfig,
     LexicalModel,
     cue_features,
@@ -197,12 +196,12 @@ def train_lexical(
     mean_target = float(np.average(target, weights=row_weights))
     cue_stats: dict[str, np.ndarray] = {}
     if config.cue_weight > 0.0:
-        cues = np.stack([cue_features(o.prompt) for o in observations])
+        cues = np.stack([cue_features(o.prompt, config.length_request_weight > 0.0) for o in observations])
         std = cues.std(axis=0)
         cue_stats = {
             "cue_mean": cues.mean(axis=0).astype(np.float32).astype(np.float64),
             "cue_scale": np.where(std > 0.0, std, 1.0).astype(np.float32).astype(np.float64),
-            "cue_weights": np.zeros(NUM_CUES),
+            "cue_weights": np.zeros(config.num_cues),
         }
     start = LexicalModel(config, idf, np.zeros(config.num_buckets), mean_target, **cue_stats)
     return _anchored_ridge(start, observations, alpha, target, row_weights)
