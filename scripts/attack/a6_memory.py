@@ -1,6 +1,6 @@
-import asyncio, json, time, random, urllib.request, gc
+import asyncio, json, random, shutil, subprocess, sys, time, urllib.request
 from collections import Counter
-from common import *
+from common import Conn, check_one, create_key, rss_kb, start_cluster, uid
 problems = []
 stats = Counter()
 
@@ -23,7 +23,7 @@ async def cycle(c, key, i, rng):
     try:
         if kind == "badframes":
             await a.send("{bad"); await a.send(b"\x00"); await a.send({"type": "nope"}); await a.send({"type": "cancel", "id": "zz"})
-            await a.chat(rid, max_tokens=20); t = await a.wait_terminal(rid, 20)
+            await a.chat(rid, max_tokens=20); await a.wait_terminal(rid, 20)
             problems.extend(check_one(a, rid, label=kind)); await a.close(); return
         await a.chat(rid, max_tokens=100)
         await a.wait_deltas(rid, 5, 20)
@@ -70,10 +70,23 @@ async def main(c, key):
         print(f"round {rnd+1}: 2000 cycles in {el:.0f}s; RSS right after {r_imm}, settled {r}; in-flight {infl}; "
               f"e1 growth {(r[0]-r0[0])*1024/(2000*(rnd+1)):.0f} B/cycle since warm-up", flush=True)
     print("cycle kinds:", dict(stats))
-    print(f"e1 growth round2 vs round1: {(rows[1][0]-rows[0][0])*1024/2000:.0f} B/cycle; e2: {(rows[1][1]-rows[0][1])*1024/2000:.0f} B/cycle")
+    for name, pid in (("e1", pid1), ("e2", pid2)) if shutil.which("gdb") else ():
+        # How much of the RSS is memory malloc holds free (fragmentation), not live objects.
+        before = rss_kb(pid)
+        out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"], capture_output=True, text=True)
+        print(f"{name}: RSS {before} KiB, after malloc_trim(0) {rss_kb(pid)} KiB", [l for l in out.stdout.splitlines() if l.startswith("$")], flush=True)
+    if len(rows) >= 2:
+        print(f"e1 growth round2 vs round1: {(rows[1][0]-rows[0][0])*1024/2000:.0f} B/cycle; e2: {(rows[1][1]-rows[0][1])*1024/2000:.0f} B/cycle")
 
 if __name__ == "__main__":
-    c, tmp = start_cluster("a6", workers=(("w0", "20"),), slots=16, grace_s=3.0)
+    # a6_memory.py [rounds] [allocator]: glibc (default), jemalloc (LD_PRELOAD, Debian's libjemalloc2),
+    # nopymalloc (PYTHONMALLOC=malloc: every Python object straight from glibc), jemalloc-nopymalloc.
+    mode = sys.argv[2] if len(sys.argv) > 2 else "glibc"
+    extra = {"jemalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+             "jemalloc-nopymalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "PYTHONMALLOC": "malloc"},
+             "nopymalloc": {"PYTHONMALLOC": "malloc"}, "glibc": {}}[mode]
+    print("mode", mode, extra, flush=True)
+    c, tmp = start_cluster("a6", workers=(("w0", "20"),), slots=16, grace_s=3.0, extra_env=extra)
     try:
         asyncio.run(main(c, create_key(c, "alice"))); print("crashed:", c.crashed())
     finally: c.close()
