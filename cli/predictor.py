@@ -31,7 +31,7 @@ from lanes.scheduler.predictor.data import (
     read_examples,
 )
 from lanes.scheduler.predictor.eval import evaluate, kendall_tau
-from lanes.scheduler.predictor.train import Observation, fold_ids, out_of_fold_scores, train
+from lanes.scheduler.predictor.train import Observation, fold_ids, out_of_fold_scores, refit, train
 
 app = typer.Typer(help="predictor commands", no_args_is_help=True)
 
@@ -125,6 +125,29 @@ def generalization_report(
     }
 
 
+def refresh_curve(
+    observations: list[Observation], source: str, sizes: list[int], test_size: int, level: float | None = None,
+    seed: int = 0,
+) -> dict[str, object]:
+    """How fast the live refresh (``train.refit`` on finished requests) learns a source the model
+    never saw: a base model trained on every other source, refitted on the first N of the
+    source's prompts (shuffled with ``seed``), Kendall tau on ``test_size`` other prompts of it.
+    Sizes larger than what is left after the test split are skipped."""
+    own = [o for o in observations if o.source == source]
+    if len(own) <= test_size:
+        raise typer.BadParameter(f"source {source!r} has {len(own)} prompts, not more than --test-size {test_size}")
+    base = train([o for o in observations if o.source != source], level=level)
+    order = np.random.default_rng(seed).permutation(len(own))
+    test, rest = [own[i] for i in order[:test_size]], [own[i] for i in order[test_size:]]
+    tokens = [o.output_tokens for o in test]
+    taus = {0: kendall_tau([base.score_text(o.prompt) for o in test], tokens)}
+    for n in sorted(size for size in sizes if 0 < size <= len(rest)):
+        model = refit(base, rest[:n])
+        taus[n] = kendall_tau([model.score_text(o.prompt) for o in test], tokens)
+    return {"source": source, "num_prompts": len(own), "test_size": test_size,
+            "kendall_tau_by_refit_size": {str(n): tau for n, tau in taus.items()}}
+
+
 @app.command("build-data")
 def build_data_command(
     raw: Path = typer.Option(..., exists=True, file_okay=False, help="folder of public copies: RAW/<owner>/<repo>/<path> (docs/predictor-data.md)"),
@@ -175,6 +198,27 @@ def cv_command(
 ) -> None:
     """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
     typer.echo(json.dumps(generalization_report(read_observations(data), folds, scores), indent=2))
+
+
+@app.command("refresh-curve")
+def refresh_curve_command(
+    source: str = typer.Option(..., help="the source the base model leaves out and the refresh learns (e.g. gpteacher/codegen)"),
+    data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) written by build-data"),
+    sizes: str = typer.Option("100,300,1000,3000,10000", help="refresh window sizes (finished requests), comma-separated"),
+    test_size: int = typer.Option(1000, min=10, help="prompts of the source kept for the tau"),
+) -> None:
+    """Print, as JSON, the tau on a source the base model never saw after the live refresh has
+    seen N of its finished requests (the base: every other source but the held-out ones)."""
+    try:
+        window = [int(size) for size in sizes.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{sizes!r} is not a comma-separated list of integers", param_hint="--sizes") from None
+    observations = read_observations(data)
+    found = sorted({o.source for o in observations})
+    if source not in found:
+        raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint="--source")
+    kept = [o for o in observations if o.source == source or o.source not in HELD_OUT_SOURCES]
+    typer.echo(json.dumps(refresh_curve(kept, source, window, test_size, level=chat_level(data)), indent=2))
 
 
 @app.command("eval")

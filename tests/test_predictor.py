@@ -310,6 +310,23 @@ def test_generalization_report_scores_every_source_on_a_model_that_never_saw_it(
     assert report["cv3_kendall_tau_mean"] > 0.5
 
 
+def test_refresh_curve_learns_a_source_the_base_never_saw() -> None:
+    """The base model cannot know that this source's "zork" prompts are long; refits on the
+    source's finished requests teach it (the live refresh), the test split never refitted on."""
+    from lanes.cli.predictor import refresh_curve
+
+    rng = np.random.default_rng(0)
+    observations = [Observation(f"{w} {rng.integers(1000)}", 800 if w == "essay" else 4, "base")
+                    for w in ("essay", "yes") * 40]
+    observations += [Observation(f"{w} {rng.integers(1000)}", 600 if w == "zork" else 5, "new")
+                     for w in ("zork", "blip") * 60]
+    report = refresh_curve(observations, "new", [20, 80, 500], test_size=40)
+    taus = report["kendall_tau_by_refit_size"]
+    assert list(taus) == ["0", "20", "80"], "500 is more than is left after the test split"  # type: ignore[arg-type]
+    # 0.71 is the most tau-b can be between a 50/50 two-valued length and a score without ties.
+    assert abs(taus["0"]) < 0.2 and taus["80"] > 0.65, taus  # type: ignore[index]
+
+
 def test_sources_builder_dedups_first_source_wins(tmp_path: Path) -> None:
     from lanes.scheduler.predictor.sources import SOURCES, build_examples
 
