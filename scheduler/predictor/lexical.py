@@ -107,6 +107,8 @@ def requested_tokens(text: str) -> float | None:
         tokens = count * _REQUEST_UNITS[unit] * (0.7 if relation in _AT_MOST else 1.3 if relation in _AT_LEAST else 1.0)
         best = tokens if best is None else max(best, tokens)
     return best
+
+
 #: Regexes read at most this many leading and trailing characters (bounds latency on long prompts).
 _CUE_HEAD_CHARS, _CUE_TAIL_CHARS = 2048, 512
 
@@ -239,8 +241,8 @@ class LexicalModel:
     """Linear model over hashed TF-IDF n-grams. Immutable.
 
     Invariants: ``idf`` and ``weights`` are float64 arrays of ``config.num_buckets`` entries;
-    ``cue_mean``, ``cue_scale`` and ``cue_weights`` have ``config.num_cues`` entries; all are already rounded to float32 values so that
-    a saved and reloaded model scores identically.
+    ``cue_mean``, ``cue_scale`` and ``cue_weights`` have ``config.num_cues`` entries; all are
+    already rounded to float32 values so that a saved and reloaded model scores identically.
     """
 
     config: FeatureConfig
@@ -303,7 +305,8 @@ class LexicalModel:
         """Inverse of ``to_arrays``. Raises KeyError / TypeError on a malformed header."""
         # Weights written before cues (or length-request cues) existed lack the field: they keep
         # scoring as they did.
-        config = FeatureConfig(**{"cue_weight": 0.0, "length_request_weight": 0.0, **header["config"]})  # type: ignore[dict-item]
+        before = {"cue_weight": 0.0, "length_request_weight": 0.0}
+        config = FeatureConfig(**{**before, **header["config"]})  # type: ignore[dict-item]
         idf = np.full(config.num_buckets, float(header["idf_unseen"]))  # type: ignore[arg-type]
         idf[arrays["idf_slots"]] = arrays["idf_values"]
         weights = np.zeros(config.num_buckets)
