@@ -103,7 +103,7 @@ def test_resume_on_another_connection_takes_over_and_the_old_one_is_told() -> No
                                "message": "request r was resumed on another connection"}]
     # Redis may point it elsewhere by now (the client hopped edges and came back): re-point first.
     assert Repoint("r", "k") in out and frames(out, 2) == []
-    out = d.repointed("r", "running", 0.25)
+    out = d.repointed("r", "k", "running", 0.25)
     assert frames(out, 2)[0] == {"type": "resumed", "id": "r", "last_seq": 0}
     assert ReadStream("r", 0) in out
     out = d.stream_read("r", [tok("r", 1)], None, 0.3)
@@ -130,7 +130,7 @@ def test_resume_within_the_grace_gets_the_rest_from_the_stream() -> None:
     d.disconnected(1, 0.2)
     d.tokens([tok("r", 1), tok("r", 2)], 0.3)
     assert d.resume(5, "r", 0, "k", 3.0) == [Repoint("r", "k")]
-    out = d.repointed("r", "running", 3.0)
+    out = d.repointed("r", "k", "running", 3.0)
     assert frames(out, 5)[0]["type"] == "resumed" and ReadStream("r", 0) in out
     out = d.stream_read("r", [tok("r", 1), tok("r", 2)], None, 3.1)
     assert [f["seq"] for f in frames(out, 5)] == [1, 2]
@@ -142,7 +142,7 @@ def test_resume_past_the_end_ends_with_done_instead_of_waiting() -> None:
     open_accepted(d, 1, "r", key="k")
     d.tokens([tok("r", 0), tok("r", 1)], 0.1)
     d.resume(2, "r", 50, "k", 0.2)
-    d.repointed("r", "running", 0.25)
+    d.repointed("r", "k", "running", 0.25)
     out = d.tokens([tok("r", 2, "", FinishReason.STOP)], 0.3)
     assert [f["type"] for f in frames(out, 2)] == ["done"]
 
@@ -150,19 +150,38 @@ def test_resume_past_the_end_ends_with_done_instead_of_waiting() -> None:
 def test_resume_of_a_request_this_edge_does_not_know() -> None:
     d = core()
     assert d.resume(1, "r", 3, "k", 0.0) == [Repoint("r", "k")]
-    out = d.repointed("r", "done", 0.1)
+    out = d.repointed("r", "k", "done", 0.1)
     assert frames(out)[0] == {"type": "resumed", "id": "r", "last_seq": 3}
     assert ReadStream("r", 3, with_last=True) in out
     out = d.stream_read("r", [], tok("r", 3, "", FinishReason.STOP), 0.2)
     assert [f["type"] for f in frames(out)] == ["done"] and d.entries == {}
     d.resume(1, "gone", -1, "k", 0.3)
-    assert frames(d.repointed("gone", None, 0.4))[0]["code"] == "unknown_id"
+    assert frames(d.repointed("gone", "k", None, 0.4))[0]["code"] == "unknown_id"
+
+
+def test_a_late_repoint_answer_for_another_key_changes_nothing() -> None:
+    """bob resumes his request and leaves; his grace runs out before Redis answers, and alice
+    resumes the same id. bob's late answer must not open alice's resume (his answer on her
+    screen), nor his late failure end it: only the answer to alice's own re-point counts.
+    (Found by the state machine in test_delivery_state.py.)"""
+    d = core()
+    assert d.resume(1, "r", -1, "bob", 0.0) == [Repoint("r", "bob")]
+    d.disconnected(1, 0.1)
+    d.tick(20.0)  # past the resume grace: bob's resume is forgotten
+    assert d.entries == {}
+    assert d.resume(2, "r", -1, "alice", 20.1) == [Repoint("r", "alice")]
+    assert d.repointed("r", "bob", "done", 20.2) == []
+    assert d.refuse_resume("r", "bob", "queue unavailable; retry the resume shortly") == []
+    assert "r" in d.entries
+    out = d.repointed("r", "alice", None, 20.3)  # Redis: not alice's request
+    assert [(f["type"], f["code"], f["id"]) for f in frames(out, 2)] == [("error", "unknown_id", "r")]
+    assert d.entries == {}
 
 
 def test_a_running_resume_rereads_the_stream_after_the_worker_repoints() -> None:
     d = core()
     d.resume(1, "r", -1, "k", 0.0)
-    d.repointed("r", "running", 0.0)
+    d.repointed("r", "k", "running", 0.0)
     d.stream_read("r", [tok("r", 0)], None, 0.1)
     assert ReadStream("r", 0) in d.tick(0.8)
 

@@ -242,10 +242,10 @@ class DeliveryMachine(RuleBasedStateMachine):
         elif isinstance(action, Repoint):
             w = self.world.get(action.request_id)
             if w is None or w.key != action.key:
-                self._carry(self.core.repointed(action.request_id, None, self.now))
+                self._carry(self.core.repointed(action.request_id, action.key, None, self.now))
             else:
                 w.edge = EDGE
-                self._carry(self.core.repointed(action.request_id, w.state, self.now))
+                self._carry(self.core.repointed(action.request_id, action.key, w.state, self.now))
         elif isinstance(action, CheckRequests):
             found = {rid: None if rid not in self.world else (self.world[rid].edge, self.world[rid].state)
                      for rid in action.request_ids}

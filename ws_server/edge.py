@@ -154,10 +154,12 @@ class Edge:
                         self._pool_of[action.request_id] = pool
                     break
         except QueueUnavailable:
-            self.carry(self.core.refuse_resume(action.request_id, "queue unavailable; retry the resume shortly"))
+            self.carry(self.core.refuse_resume(action.request_id, action.key,
+                                               "queue unavailable; retry the resume shortly"))
             return
         # Another key's request must look exactly like an unknown one.
-        self.carry(self.core.repointed(action.request_id, None if state == "forbidden" else state, time.monotonic()))
+        state = None if state == "forbidden" else state
+        self.carry(self.core.repointed(action.request_id, action.key, state, time.monotonic()))
 
     async def _check(self, action: delivery.CheckRequests) -> None:
         by_pool: dict[str, list[str]] = {}

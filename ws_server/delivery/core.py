@@ -142,19 +142,25 @@ class Delivery:
         entry.phase, entry.announced = Phase.RESUMING, False
         return actions + [Repoint(request_id, key)]
 
-    def refuse_resume(self, request_id: str, message: str) -> list[Action]:
-        """The re-point could not be made (Redis down): tell the client, forget the resume."""
+    def refuse_resume(self, request_id: str, key: str, message: str) -> list[Action]:
+        """The re-point ``key`` asked for could not be made (Redis down): tell the client, forget
+        the resume."""
         entry = self.entries.get(request_id)
-        if entry is None or entry.phase is not Phase.RESUMING:
+        if entry is None or entry.phase is not Phase.RESUMING or entry.key != key:
             return []
         self._remove(entry)
         return [] if entry.conn is None else [_send_error(entry.conn, ErrorCode.UNAVAILABLE, message, request_id)]
 
-    def repointed(self, request_id: str, state: str | None, now: float) -> list[Action]:
-        """Redis answered a resume's re-point: ``state`` of the request, None when unknown
-        (or another key's: the same answer)."""
+    def repointed(self, request_id: str, key: str, state: str | None, now: float) -> list[Action]:
+        """Redis answered the re-point ``Repoint(request_id, key)`` asked for: ``state`` of the
+        request, None when unknown (or another key's: the same answer).
+
+        An answer for another key than the resume waiting now is stale and changes nothing: a
+        resume whose connection left and whose grace ran out before Redis answered, while
+        another key resumes the same id. Applied, it would hand that key the first key's answer.
+        """
         entry = self.entries.get(request_id)
-        if entry is None or entry.phase is not Phase.RESUMING:
+        if entry is None or entry.phase is not Phase.RESUMING or entry.key != key:
             return []
         if state is None:
             self._remove(entry)
