@@ -124,7 +124,8 @@ class QueuePlane(TokenStreams):
     async def enqueue(self, payload: RequestPayload, edge_id: str, owner: str = "") -> Enqueued:
         """Put a request in its lane; a no-op (``created=False``) if the id exists.
 
-        ``owner`` (the API key's id, "" without auth) is the only one allowed to resume it.
+        ``owner`` (the API key's id, "" without auth) is the only one allowed to resume it, and
+        the only one told an existing id's state (``existing_state`` is "" for another owner).
         """
         k = self.keys
         created, value = await self._enqueue(

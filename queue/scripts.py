@@ -12,11 +12,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 #: KEYS: req, pending:<lane>, watch, arrivals. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner.
-#: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op).
+#: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op), with the
+#: state '' when another owner submitted it (its state is not this caller's business).
 #: ``arrivals`` counts enqueues per lane: the scheduler turns it into the arrival rate.
 ENQUEUE = _NOW + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('HGET', KEYS[1], 'state') or ''}
+  local h = redis.call('HMGET', KEYS[1], 'state', 'owner')
+  if (h[2] or '') ~= (ARGV[7] or '') then return {0, ''} end
+  return {0, h[1] or ''}
 end
 redis.call('HSET', KEYS[1], 'p', ARGV[2], 'lane', ARGV[3], 'edge', ARGV[4], 'state', 'queued',
            'attempt', 0, 'enq_ms', now, 'worker', '', 'owner', ARGV[7] or '')

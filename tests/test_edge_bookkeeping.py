@@ -121,6 +121,13 @@ async def test_another_keys_resume_disturbs_nothing(system: tuple[System, str]) 
     assert done["type"] == "done", done
     assert contiguous((owner, rid)) == list(range(done["usage"]["completion_tokens"]))
     assert [f["type"] for f in intruder.frames[rid]] == ["error"]
+    # A chat with the id, once Redis alone holds it: the other key learns that it is taken, not
+    # its state (the owner is told "already exists (done); use resume").
+    other = await connect(url, BOB)
+    await other.chat(rid, "Mine now?", max_tokens=5)
+    refusal = await other.wait(rid, scaled(10))
+    assert (refusal["code"], refusal["message"]) == ("duplicate_id", f"request {rid} already exists"), refusal
+    await other.close()
     await owner.close()
     await intruder.close()
 

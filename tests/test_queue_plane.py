@@ -71,6 +71,11 @@ async def test_enqueue_is_idempotent(plane: QueuePlane) -> None:
     assert not again.created and again.existing_state == "queued"
     assert await plane.redis.zcard(plane.keys.pending(Lane.SHORT)) == 1
     assert await plane.redis.zcard(plane.keys.pending(Lane.LONG)) == 0
+    # Another owner's id: taken, but its state is not told.
+    assert (await plane.enqueue(payload("mine"), "e", owner="alice")).created
+    assert (await plane.enqueue(payload("mine"), "e", owner="alice")).existing_state == "queued"
+    theirs = await plane.enqueue(payload("mine"), "e", owner="bob")
+    assert not theirs.created and theirs.existing_state == ""
 
 
 async def test_cancel_queued_leaves_lane(plane: QueuePlane) -> None:

@@ -64,8 +64,9 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         )
         enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
     if not enqueued.created:
-        return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
-                                f"request {request_id} already exists ({enqueued.existing_state}); use resume")
+        # The id space is global: another key learns only that the id is taken, not its state.
+        owned = f" ({enqueued.existing_state}); use resume" if enqueued.existing_state else ""
+        return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID, f"request {request_id} already exists{owned}")
     edge.admission.enqueued(pool, lane)
     edge._pool_of[request_id] = pool
     return edge.core.accepted(request_id, lane.value, predicted, time.monotonic())
