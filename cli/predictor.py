@@ -82,6 +82,13 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     return observations
 
 
+def _require_source(observations: list[Observation], source: str, data: Path) -> None:
+    """``--source`` must name a source of the data set: else a usage error listing them."""
+    found = sorted({o.source for o in observations})
+    if source not in found:
+        raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint="--source")
+
+
 def chat_level(data: Path) -> float:
     """log(1 + tokens) level of current chat models: the mean of the source means over the
     sources answered by several models (AlpacaEval, MT-bench), left-out source excluded."""
@@ -214,9 +221,7 @@ def refresh_curve_command(
     except ValueError:
         raise typer.BadParameter(f"{sizes!r} is not a comma-separated list of integers", param_hint="--sizes") from None
     observations = read_observations(data)
-    found = sorted({o.source for o in observations})
-    if source not in found:
-        raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint="--source")
+    _require_source(observations, source, data)
     kept = [o for o in observations if o.source == source or o.source not in HELD_OUT_SOURCES]
     typer.echo(json.dumps(refresh_curve(kept, source, window, test_size, level=chat_level(data)), indent=2))
 
@@ -233,10 +238,8 @@ def eval_command(
     """Kendall tau, Spearman, misroute rates and p50/p99 latency of a model on ``--data``."""
     observations = read_observations(data)
     if source is not None:
-        found = sorted({o.source for o in observations})
+        _require_source(observations, source, data)
         observations = [o for o in observations if o.source == source]
-        if not observations:
-            raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint="--source")
     predictor = from_weights(weights) if weights else load_default()
     report = evaluate(
         predictor,

@@ -22,6 +22,7 @@ many tokens it asks for; they lift the tau on IFEval, a source the weights never
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import zlib
@@ -257,15 +258,19 @@ class LexicalModel:
 
     kind = "lexical"
 
+    @functools.cached_property
+    def _cue_multiplier(self) -> np.ndarray:
+        """Per cue: its block's weight over its training-set scale (computed once per model)."""
+        scale = np.full(self.config.num_cues, self.config.cue_weight)
+        scale[NUM_CUES:] = self.config.length_request_weight
+        return scale / self.cue_scale
+
     def cue_vector(self, prompt: str) -> np.ndarray:
         """The standardised, scaled cue block z(p) (empty when the model has no cues)."""
         if self.config.cue_weight <= 0.0:
             return np.zeros(0)
-        config = self.config
-        raw = cue_features(prompt, config.length_request_weight > 0.0)
-        scale = np.full(len(raw), config.cue_weight)
-        scale[NUM_CUES:] = config.length_request_weight
-        return (raw - self.cue_mean) * (scale / self.cue_scale)
+        raw = cue_features(prompt, self.config.length_request_weight > 0.0)
+        return (raw - self.cue_mean) * self._cue_multiplier
 
     def features(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
         """(slot ids, values) over ``num_buckets`` n-gram slots then one slot per cue (training)."""
