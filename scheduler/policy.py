@@ -84,6 +84,42 @@ def long_threshold_from_observations(predicted_tokens: Sequence[float], observed
     return math.floor(shorts[len(shorts) - 1 - allowed])
 
 
+@dataclass(frozen=True)
+class RoutingCalibration:
+    """How routing thresholds are fitted on (prediction, true length) pairs of finished requests.
+
+    "Short" is a true length at or below the observed ``short_quantile``; at most
+    ``max_short_to_long`` of those may be routed to the long lane. Below ``min_shorts`` short
+    observations the budget cannot be measured (one misroute in 200 is 0.5 %), and no
+    thresholds are fitted.
+    """
+
+    max_short_to_long: float = 0.005
+    short_quantile: float = 0.5
+    min_shorts: int = 200
+
+
+def routing_from_observations(predicted_tokens: Sequence[float], observed_tokens: Sequence[int],
+                              calibration: RoutingCalibration = RoutingCalibration()) -> LaneThresholds | None:
+    """Two-lane routing fitted on finished requests: predictions at or below the long threshold
+    (``long_threshold_from_observations``) go short, the rest long; None when fewer than
+    ``calibration.min_shorts`` observations are short. The predictions must come from the model
+    the thresholds will route for, on prompts it was not fitted on (in-sample predictions of
+    short answers sit lower than live ones, and the threshold would send more short requests long).
+    """
+    if len(predicted_tokens) != len(observed_tokens):
+        raise ValueError("need one prediction per observation")
+    if not observed_tokens:
+        return None
+    ordered = sorted(observed_tokens)
+    short_tokens = ordered[math.floor(calibration.short_quantile * (len(ordered) - 1))]  # numpy's "lower" quantile
+    if sum(t <= short_tokens for t in observed_tokens) < calibration.min_shorts:
+        return None
+    long_above = long_threshold_from_observations(predicted_tokens, observed_tokens, short_tokens,
+                                                  calibration.max_short_to_long)
+    return LaneThresholds(short_max_tokens=long_above, medium_max_tokens=long_above)
+
+
 def lane_bound_tokens(lane: Lane, bounds: LaneThresholds) -> float:
     """Most tokens a request may generate and still count against ``lane`` (inf for LONG)."""
     if lane is Lane.SHORT:

@@ -1,6 +1,12 @@
 """The predictor keeps learning: an arq cron job in the scheduler process refits the length
 predictor on the newest observed lengths and publishes the weights through Redis; edges
-pick the new version up (``EdgePredictorReloader``).
+pick the new version up (``Edge.reload_predictor``).
+
+A refit moves the predictions to the deployment's own length level, so the job also fits the
+lane thresholds for the new model (``train.refit_with_routing``: on the window's newest fifth,
+predicted by a probe refit that did not see them) and ships them in the weights' info; edges
+route by them (``LANES_FOLLOW_REFRESHED_ROUTING``, default on) instead of their fixed
+``LANES_SHORT_MAX_TOKENS`` / ``LANES_MEDIUM_MAX_TOKENS``.
 
 Each refit starts from the shipped weights plus the current window (bounded: the newest
 ``max_observations``), so repeated refits never double-count an observation. Weights travel
@@ -22,12 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def refit_bytes(observations: list[Observation]) -> bytes:
-    """Pure apart from a temp file: shipped model + observations -> new weights (npz bytes)."""
+    """Pure apart from a temp file: shipped model + observations (oldest first) -> new weights
+    with their lane thresholds (npz bytes)."""
     from lanes.scheduler.predictor import load_default
     from lanes.scheduler.predictor.train import Observation as TrainObservation
-    from lanes.scheduler.predictor.train import refit
+    from lanes.scheduler.predictor.train import refit_with_routing
 
-    model = refit(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations])
+    model = refit_with_routing(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "weights.npz"
         model.save(path)
@@ -39,7 +46,7 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     plane: QueuePlane = ctx["plane"]
     min_observations: int = ctx.get("min_observations", 50)
     max_observations: int = ctx.get("max_observations", 5000)
-    observations = await plane.fleet.observations(max_observations)
+    observations = (await plane.fleet.observations(max_observations))[::-1]  # stored newest first
     if len(observations) < min_observations:
         return {"observations": len(observations), "version": 0}
     weights = await asyncio.to_thread(refit_bytes, observations)

@@ -11,11 +11,13 @@ from lanes.scheduler.admission import AdmissionConfig, RejectReason, admit, pred
 from lanes.scheduler.policy import (
     LaneOrder,
     LaneThresholds,
+    RoutingCalibration,
     SlotConfig,
     choose_lane,
     eligible_lanes,
     lane_score_ms,
     lanes_to_pop,
+    routing_from_observations,
     short_to_long_rate,
     thresholds_from_error,
     trtllm_priority,
@@ -166,3 +168,20 @@ def test_admit_refuses_full_lane_and_unmeetable_deadline() -> None:
     assert late.predicted_wait_ms == pytest.approx(3000.0) and late.retry_after_ms == 2000
     dead = admit(L, 1000, {L: 1}, {}, AdmissionConfig())
     assert (dead.reason, dead.retry_after_ms) == (RejectReason.NO_CAPACITY, 60_000)
+
+
+def test_routing_from_observations_keeps_the_short_budget_and_needs_enough_shorts() -> None:
+    # 400 finished requests: 200 short ones (2 tokens) predicted 1..200, 200 long ones (900) predicted 150..349.
+    predicted = list(range(1, 201)) + list(range(150, 350))
+    observed = [2] * 200 + [900] * 200
+    routing = routing_from_observations(predicted, observed)
+    # 0.5 % of 200 shorts: one may lie above; the threshold is the second-highest short prediction.
+    assert routing == LaneThresholds(199, 199)
+    assert sum(p > routing.medium_max_tokens for p, t in zip(predicted, observed) if t <= 2) == 1
+    assert choose_lane(200, routing) is L and choose_lane(199, routing) is S, "two lanes: no medium"
+    assert routing_from_observations(predicted, observed, RoutingCalibration(max_short_to_long=0.05)) == \
+        LaneThresholds(190, 190)
+    assert routing_from_observations(predicted[:300], observed[:300], RoutingCalibration(min_shorts=250)) is None
+    assert routing_from_observations([], []) is None
+    with pytest.raises(ValueError, match="one prediction per observation"):
+        routing_from_observations([1, 2], [3])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lanes.cli.predictor import generalization_report, load_observations
-from lanes.queue.messages import ChatMessage
+from lanes.queue.messages import ChatMessage, Lane
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor import (
     DEFAULT_WEIGHTS_PATH,
@@ -49,6 +49,7 @@ from lanes.scheduler.predictor.train import (
     Observation,
     log_target,
     refit,
+    refit_with_routing,
     source_balance,
     train,
     train_lexical,
@@ -399,3 +400,50 @@ def test_eval_scores_one_held_out_source_of_the_data_set() -> None:
     report = json.loads(out.output)
     assert report["num_examples"] == 540
     assert report["kendall_tau"] > 0.35
+
+
+def test_refit_with_routing_fits_thresholds_on_prompts_the_probe_never_saw(tmp_path: Path) -> None:
+    """The refresh ships lane thresholds for the refitted model's level: fitted on the newest
+    fifth of the window, predicted by a probe refitted on the rest; saved with the weights."""
+    from lanes.scheduler.policy import RoutingCalibration, choose_lane
+
+    rng = np.random.default_rng(0)
+    window = [Observation(f"Say yes or no, case {rng.integers(10**6)}.", 3) if i % 2 else
+              Observation(f"Write a detailed essay about topic {rng.integers(10**6)}.", 900) for i in range(300)]
+    calibration = RoutingCalibration(min_shorts=20)
+    model = refit_with_routing(load_default(), window, calibration)
+    routing = model.routing
+    assert routing is not None and routing.short_max_tokens == routing.medium_max_tokens
+    assert model.info["routing"]["fitted_on"] == 60  # type: ignore[index]
+    assert choose_lane(model.predict(user("Say yes or no, case 7."), 4096), routing) is Lane.SHORT
+    assert choose_lane(model.predict(user("Write a detailed essay about topic 7."), 4096), routing) is Lane.LONG
+    model.save(tmp_path / "w.npz")
+    assert from_weights(tmp_path / "w.npz").routing == routing, "the thresholds travel with the weights"
+    # Too few short observations to measure the budget: no thresholds, and none left from before.
+    again = refit_with_routing(model, window[:40], calibration)
+    assert again.routing is None and "routing" not in again.info
+    assert load_default().routing is None
+    assert LengthPredictor(model.model, {"routing": {"short_max_tokens": "x"}}).routing is None
+    assert LengthPredictor(model.model, {"routing": {"short_max_tokens": 9, "medium_max_tokens": 3}}).routing is None
+    with pytest.raises(ValueError, match="held_out_share"):
+        refit_with_routing(model, window, calibration, held_out_share=1.0)
+
+
+def test_train_command_leaves_named_sources_out(tmp_path: Path) -> None:
+    """`lanes predictor train --leave-out S`: a base that never saw S (for the refresh in the
+    simulator's loop); an unknown source is a usage error naming the flag."""
+    from lanes.cli.main import app
+    from typer.testing import CliRunner
+
+    examples = [Example(f"{word} {i}", source, {"m1": tokens, "m2": tokens + 1})
+                for source in ("alpha", "beta", "gamma") for i in range(8)
+                for word, tokens in (("Write an essay about", 700), ("Say yes", 3))]
+    write_examples(examples, tmp_path / "d.jsonl.gz")
+    run = CliRunner().invoke(app, ["predictor", "train", "--data", str(tmp_path / "d.jsonl.gz"), "--out",
+                                   str(tmp_path / "w"), "--leave-out", "beta"])
+    assert run.exit_code == 0, run.output
+    info = from_weights(tmp_path / "w" / DEFAULT_WEIGHTS_PATH.name).info
+    assert info["sources"] == ["alpha", "gamma"] and "beta" in info["held_out_sources"]  # type: ignore[operator]
+    bad = CliRunner().invoke(app, ["predictor", "train", "--data", str(tmp_path / "d.jsonl.gz"), "--out",
+                                   str(tmp_path / "w"), "--leave-out", "delta"])
+    assert bad.exit_code == 2 and "--leave-out" in bad.output

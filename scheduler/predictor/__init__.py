@@ -8,8 +8,9 @@ Leave-one-source-out Kendall tau, in-source CV tau and latency: benchmarks/RESUL
 predictor (issue 9)". Predictions are in Llama-3 tokens at the level of current chat models.
 
 Public interface: ``load_default()`` / ``from_weights(path)`` -> ``LengthPredictor`` with
-``predict(messages, max_tokens) -> int``, ``predict_text`` and ``score_text``; ``prompt_text``;
-``WeightsError``. Training: ``train.train`` / ``train.refit`` / ``train.Observation``; metrics:
+``predict(messages, max_tokens) -> int``, ``predict_text``, ``score_text`` and ``routing`` (lane
+thresholds a refresh fitted for the model's level); ``prompt_text``; ``WeightsError``. Training:
+``train.train`` / ``train.refit`` / ``train.refit_with_routing`` / ``train.Observation``; metrics:
 ``eval.evaluate`` / ``eval.kendall_tau``; data: ``data.read_examples`` / ``data.Example``.
 
 Pure and importable without torch, redis or sklearn: no clock, no environment, and no I/O except
@@ -35,12 +36,15 @@ from pathlib import Path
 
 import numpy as np
 from lanes.queue.messages import ChatMessage
+from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor.lexical import LexicalModel
 
 #: Bumped whenever a feature function changes meaning; weights carry it and are checked on load.
 FEATURE_VERSION = 1
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS_PATH = WEIGHTS_DIR / "length_predictor_lexical.npz"
+#: The ``info`` entry holding lane thresholds fitted for a refreshed model (``LengthPredictor.routing``).
+ROUTING_INFO_KEY = "routing"
 
 __all__ = [
     "LengthPredictor",
@@ -95,6 +99,17 @@ class LengthPredictor:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         return max(1, min(max_tokens, round(self.predict_text(prompt_text(messages)))))
+
+    @property
+    def routing(self) -> LaneThresholds | None:
+        """Lane thresholds fitted for this model's prediction level by the refresh
+        (``train.refit_with_routing``); None when it carries none or they are malformed."""
+        routing = self.info.get(ROUTING_INFO_KEY)
+        try:
+            short_max, medium_max = int(routing["short_max_tokens"]), int(routing["medium_max_tokens"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return None
+        return LaneThresholds(short_max, medium_max) if 0 <= short_max <= medium_max else None
 
     def save(self, path: Path) -> None:
         """Write one compressed ``.npz``: a JSON header plus plain numeric arrays (no pickle).

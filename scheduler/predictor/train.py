@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from lanes.scheduler.predictor import LengthPredictor
+from lanes.scheduler.policy import RoutingCalibration, routing_from_observations
+from lanes.scheduler.predictor import ROUTING_INFO_KEY, LengthPredictor
 from lanes.scheduler.predictor.lexical import (
     FeatureConfig,
     LexicalModel,
@@ -46,6 +47,9 @@ LEXICAL_ALPHA = 4.0
 LEXICAL_REFIT_ALPHA = 4.0
 #: Refuse windows larger than this: the cron job must bound its memory (observations).
 MAX_REFIT_OBSERVATIONS = 50_000
+#: Share of a refresh window, its newest observations, that a probe refit leaves out so that the
+#: lane thresholds are fitted on predictions of prompts the model was not fitted on.
+ROUTING_HELD_OUT_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,38 @@ def refit(predictor: LengthPredictor, observations: Sequence[Observation]) -> Le
     new_model = _anchored_ridge(predictor.model, observations, LEXICAL_REFIT_ALPHA)
     count = int(str(predictor.info.get("refit_observations", 0))) + len(observations)
     return LengthPredictor(new_model, {**predictor.info, "refit_observations": count})
+
+
+def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observation],
+                       calibration: RoutingCalibration = RoutingCalibration(),
+                       held_out_share: float = ROUTING_HELD_OUT_SHARE) -> LengthPredictor:
+    """``refit`` on every observation (oldest first), with lane thresholds for the new model's
+    prediction level saved in its info (``LengthPredictor.routing``).
+
+    A refit moves the predictions to the deployment's own length level, so thresholds fixed in
+    advance stop routing as measured (benchmarks/RESULTS.md, "The refresh in the simulator's
+    loop"). A probe ``refit`` on the older ``1 - held_out_share`` of the window predicts the
+    newest observations, as the edges will predict prompts the model never saw, and
+    ``policy.routing_from_observations`` fits the thresholds on those predictions and their true
+    lengths. The model returned is refitted on the whole window; with too few short
+    observations in the held-out part it carries no thresholds (the edges keep theirs).
+    """
+    if not 0.0 < held_out_share < 1.0:
+        raise ValueError(f"held_out_share must be in (0, 1), got {held_out_share}")
+    num_held = round(held_out_share * len(observations))
+    routing = None
+    if 0 < num_held < len(observations):
+        probe = refit(predictor, observations[:-num_held])
+        held = observations[-num_held:]
+        predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
+        routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration)
+    model = refit(predictor, observations)
+    info = {k: v for k, v in model.info.items() if k != ROUTING_INFO_KEY}
+    if routing is not None:
+        info[ROUTING_INFO_KEY] = {"short_max_tokens": routing.short_max_tokens,
+                                  "medium_max_tokens": routing.medium_max_tokens,
+                                  "fitted_on": num_held, "max_short_to_long": calibration.max_short_to_long}
+    return LengthPredictor(model.model, info)
 
 
 def fold_ids(num_items: int, num_folds: int, seed: int) -> np.ndarray:
