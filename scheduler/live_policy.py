@@ -26,6 +26,10 @@ from lanes.queue.messages import Lane
 from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, running_by_lane
 from lanes.scheduler.preemption import PreemptionConfig
 
+#: The edges' lane thresholds until a refreshed predictor ships its own (``LANES_SHORT_MAX_TOKENS``,
+#: ``LANES_MEDIUM_MAX_TOKENS``; chosen for the shipped predictor in benchmarks/RESULTS.md, "Length
+#: predictor (issue 9)": ~12 % short, ~2 % long, 0.9 % of truly short answers routed long).
+DEFAULT_ROUTING = LaneThresholds(short_max_tokens=150, medium_max_tokens=750)
 #: Demotion bounds the simulator tuned (generated tokens; short goes straight to long).
 DEFAULT_DEMOTION = LaneThresholds(short_max_tokens=200, medium_max_tokens=200)
 #: Hand-back defaults the simulator tuned: a safety valve for long-lane runs only (see RESULTS.md).

@@ -30,6 +30,10 @@ REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were e
                      "rate_limited, ...)", ["lane", "reason"], registry=EDGE)
 IN_FLIGHT = Gauge("lanes_edge_in_flight", "Requests in flight on this edge", registry=EDGE)
 CONNECTIONS = Gauge("lanes_edge_connections", "Open WebSocket connections", registry=EDGE)
+ROUTING_THRESHOLD = Gauge("lanes_edge_routing_max_tokens", "Highest prediction routed to a lane (tokens; the long "
+                          "lane has none)", ["lane"], registry=EDGE)
+PREDICTOR_VERSION = Gauge("lanes_edge_predictor_version", "Refreshed predictor version in use (0: the shipped one)",
+                          registry=EDGE)
 TTFT = Histogram("lanes_ttft_seconds", "Time to first token seen by the edge", ["lane"], buckets=_LATENCY_BUCKETS_S,
                  registry=EDGE)
 E2E = Histogram("lanes_e2e_seconds", "Request received to done", ["lane"], buckets=_LATENCY_BUCKETS_S, registry=EDGE)

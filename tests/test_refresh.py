@@ -33,3 +33,44 @@ def test_service_rates_smooth_claim_counts() -> None:
     assert rates.update({"short": 0}, 0) == {}
     assert rates.update({"short": 10}, 1000) == {"short": 10.0}
     assert rates.update({"short": 10}, 2000) == {"short": 5.0}, "one half-life of no claims halves it"
+
+
+async def test_edges_route_by_the_thresholds_the_refresh_fitted(plane: QueuePlane) -> None:
+    """A refit moves the prediction level; the refresh ships thresholds fitted for it, and an
+    edge's reload loop routes by them (unless pinned). Real Redis, the real reload task."""
+    import asyncio
+
+    from lanes.queue.messages import Lane
+    from lanes.scheduler.policy import LaneThresholds
+    from lanes.telemetry import metrics
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+
+    short, long = "Say yes or no, case {}.", "Write a detailed essay about topic {}."
+    async with plane.redis.pipeline(transaction=False) as pipe:
+        for i in range(2000):  # LPUSH: the newest ends up first, as the workers leave them
+            pipe.lpush(plane.keys.observations, encode(Observation((short if i % 2 else long).format(i),
+                                                                   3 if i % 2 else 900)))
+        await pipe.execute()
+    assert (await refresh_predictor({"plane": plane}))["version"] == 1
+    settings = dict(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix)
+    following, pinned = Edge(EdgeSettings(**settings), plane), \
+        Edge(EdgeSettings(**settings, follow_refreshed_routing=False), plane)
+    assert following.thresholds == LaneThresholds(150, 750)
+    tasks = [asyncio.create_task(edge.reload_predictor(interval_s=0.05)) for edge in (following, pinned)]
+    try:
+        async with asyncio.timeout(30):
+            while following.predictor_version < 1 or pinned.predictor_version < 1:
+                await asyncio.sleep(0.05)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    fitted = following.lengths.predictor.routing
+    assert fitted is not None and following.thresholds == fitted and pinned.thresholds == LaneThresholds(150, 750)
+    assert metrics.ROUTING_THRESHOLD.labels("short")._value.get() == fitted.short_max_tokens
+
+    def lane(edge: Edge, text: str) -> Lane:
+        return edge.policy.lane_for(edge.lengths.predictor.predict((ChatMessage("user", text),), 4096))
+
+    assert lane(following, short.format("new")) is Lane.SHORT and lane(following, long.format("new")) is Lane.LONG

@@ -30,6 +30,7 @@ from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.scheduler.live_policy import make_live_policy
 from lanes.scheduler.policy import LaneThresholds, SlotConfig
+from lanes.scheduler.predictor import LengthPredictor
 from lanes.scheduler.refresh import load_published
 from lanes.telemetry import metrics
 from lanes.ws_server import delivery, protocol
@@ -61,10 +62,10 @@ class Edge:
         self.plane = plane
         self.edge_id = settings.edge_id or f"edge-{uuid.uuid4().hex[:10]}"
         self.limits = settings.limits()
-        self.thresholds = LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens)
         #: ``LANES_POLICY``: ``lanes`` routes by predicted length, ``fcfs`` puts everything in one lane.
-        self.policy = make_live_policy(settings.policy, self.thresholds, SlotConfig())
+        self.route_by(LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens))
         self.lengths = lengths or LengthEstimator()
+        self.predictor_version = 0
         self.admission = EdgeAdmission(settings)
         self.router = PoolRouter(settings)
         #: The pool of each request this edge enqueued or resumed (forgotten with its end).
@@ -314,16 +315,35 @@ class Edge:
 
     # -- predictor refresh ---------------------------------------------------------------
 
+    def route_by(self, thresholds: LaneThresholds) -> None:
+        """Route new requests by these lane thresholds (predicted tokens)."""
+        self.thresholds = thresholds
+        self.policy = make_live_policy(self.settings.policy, thresholds, SlotConfig())
+        metrics.ROUTING_THRESHOLD.labels("short").set(thresholds.short_max_tokens)
+        metrics.ROUTING_THRESHOLD.labels("medium").set(thresholds.medium_max_tokens)
+
+    def use_predictor(self, version: int, predictor: LengthPredictor) -> None:
+        """Predict with a refreshed model and, unless the thresholds are pinned
+        (``LANES_FOLLOW_REFRESHED_ROUTING=false``), route by the thresholds fitted for it: a
+        refit moves the prediction level, and fixed thresholds would stop routing as measured."""
+        self.lengths.predictor = predictor
+        self.predictor_version = version
+        metrics.PREDICTOR_VERSION.set(version)
+        routing = predictor.routing
+        if routing is not None and self.settings.follow_refreshed_routing:
+            self.route_by(routing)
+        log.info("length predictor version %d loaded; lanes: short <= %d, long > %d predicted tokens%s", version,
+                 self.thresholds.short_max_tokens, self.thresholds.medium_max_tokens,
+                 "" if routing is not None and self.settings.follow_refreshed_routing
+                 else " (pinned)" if routing is not None else " (the model carries none: unchanged)")
+
     async def reload_predictor(self, interval_s: float = 30.0) -> None:
         """Pick up predictor versions the scheduler's refresh job publishes."""
-        version = 0
         while True:
             try:
-                published = await load_published(self.plane, version)
+                published = await load_published(self.plane, self.predictor_version)
                 if published is not None:
-                    version, predictor = published
-                    self.lengths.predictor = predictor
-                    log.info("length predictor version %d loaded", version)
+                    self.use_predictor(*published)
             except (QueueUnavailable, ValueError) as exc:
                 log.warning("predictor reload failed: %s", exc)
             await asyncio.sleep(interval_s)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from lanes.queue.settings import RedisSettings
+from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.ws_server.delivery import DeliveryConfig
 from lanes.ws_server.protocol import Limits
 
@@ -32,8 +33,12 @@ class EdgeSettings(RedisSettings):
     #: Lane thresholds in the predictor's units (Llama-3 tokens). For the shipped predictor, 150/750
     #: give ~12 % short, ~2 % long, with 0.9 % of truly short answers (of 213 models, on sources
     #: the predictor never saw) routed long (benchmarks/RESULTS.md, "Length predictor (issue 9)").
-    short_max_tokens: int = 150
-    medium_max_tokens: int = 750
+    short_max_tokens: int = DEFAULT_ROUTING.short_max_tokens
+    medium_max_tokens: int = DEFAULT_ROUTING.medium_max_tokens
+    #: Once the scheduler has refreshed the predictor on this deployment's finished requests, route
+    #: by the thresholds fitted with it (two lanes, at most 0.5 % of short answers sent long;
+    #: ``scheduler/refresh.py``) instead of the two above; false pins the two above.
+    follow_refreshed_routing: bool = True
     #: Admission: most requests a lane may hold before new ones are refused (``overloaded``).
     max_depth_short: int = 2000
     max_depth_medium: int = 2000
