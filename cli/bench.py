@@ -63,16 +63,47 @@ def _load_trace(trace: Path) -> Any:
                                  "GeneratedTokens)", param_hint="--trace") from exc
 
 
-def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray) -> Any:
-    """The shipped predictor on each trace row's paired prompt (see ``sim.predictions``)."""
-    from lanes.scheduler.predictor import load_default
+def _load_predictor(weights: Path | None) -> Any:
+    """``--weights``, else the shipped predictor; an unreadable file is a usage error."""
+    from lanes.scheduler.predictor import WeightsError, from_weights, load_default
+
+    try:
+        return load_default() if weights is None else from_weights(weights)
+    except WeightsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--weights") from None
+
+
+def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any, source: str | None = None,
+                      ) -> tuple[Any, list[str]]:
+    """The predictor on each trace row's paired prompt (see ``sim.predictions``), and the prompts."""
+    from lanes.cli.predictor import _require_source
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
-    from lanes.scheduler.sim.predictions import from_pool, predict_prompts
+    from lanes.scheduler.sim.predictions import from_pool, pair_prompts, predict_prompts
 
     observations = _load_prompt_pool(prompts)
+    if source is not None:
+        _require_source(observations, source, prompts or DEFAULT_PROMPT_POOL, "--prompt-source")
+        observations = [o for o in observations if o.source == source]
     pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
-    predicted, latency_ms = predict_prompts(load_default().predict, [o.prompt for o in observations], SIM_MAX_TOKENS)
-    return from_pool(true_tokens, pool_tokens, predicted, latency_ms)
+    predicted, latency_ms = predict_prompts(model.predict, [o.prompt for o in observations], SIM_MAX_TOKENS)
+    paired = pair_prompts(true_tokens, pool_tokens)
+    return from_pool(true_tokens, pool_tokens, predicted, latency_ms), [observations[i].prompt for i in paired]
+
+
+def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
+                  model: Any, every_s: float) -> Any:
+    """``predictions`` (their measured latencies kept) with the scheduler's refresh in the loop."""
+    from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
+    from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
+
+    refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, RefreshConfig(every_s=every_s),
+                                      SIM_MAX_TOKENS)
+    fitted = [r["long_above_tokens"] for r in refreshed.refreshes if r["long_above_tokens"] is not None]
+    info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted),
+            "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
+            "predictor_tau_unseen_prompts": refreshed.tau_unseen, "seen_prompt_share": refreshed.seen_share}
+    return replace(predictions, tokens=refreshed.tokens, tau=refreshed.tau, routing=refreshed.routing,
+                   source=f"{predictions.source}+refresh", info=info)
 
 
 def _known_profile(name: str) -> str:
@@ -119,6 +150,14 @@ def policy(
     predictor_ms: Annotated[float | None, typer.Option(min=0.0, help="Charge this many ms of predictor time per "
                                                        "request instead of the time measured for its prompt "
                                                        "(runs then repeat exactly).")] = None,
+    weights: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="--predictor real/random: "
+                                                 "these weights (.npz) instead of the shipped ones.")] = None,
+    prompt_source: Annotated[str | None, typer.Option(help="Only this source's prompts of --prompts (a data set "
+                                                      "from `lanes predictor build-data`).")] = None,
+    refresh_every_s: Annotated[float, typer.Option(min=0.0, help="--predictor real: run the scheduler's predictor "
+                                                   "refresh in the loop every this many trace seconds (refit on "
+                                                   "finished requests, lane thresholds shipped with it); 0: "
+                                                   "off.")] = 0.0,
 ) -> None:
     """Simulate scheduling policies over a trace with a GPU cost model and a real predictor."""
     from lanes.scheduler.costmodel import get_profile
@@ -134,21 +173,28 @@ def policy(
     loads = _loads(plot_loads) if plot is not None else []  # checked before the runs, not after
     if predictor not in PREDICTORS:
         raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
+    if refresh_every_s > 0 and (predictor != "real" or plot is not None):
+        raise typer.BadParameter("needs --predictor real and no --plot (the refresh's timing depends on the load)",
+                                 param_hint="--refresh-every-s")
     engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
     requests = _load_trace(trace)
     true = requests.output_tokens
+    capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     if predictor == "noise":
         predictions = preds.noisy(true, tau, seed)
     elif predictor == "oracle":
         predictions = preds.oracle(true)
     else:
-        predictions = _pool_predictions(prompts, true)
+        model = _load_predictor(weights)
+        predictions, row_prompts = _pool_predictions(prompts, true, model, prompt_source)
+        if refresh_every_s > 0:
+            arrival_s = requests.time_scaled(load * capacity_rps / requests.rate_rps).arrival_s
+            predictions = _with_refresh(predictions, row_prompts, arrival_s, true, model, refresh_every_s)
         if predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
     if predictor_ms is not None:
         predictions = replace(predictions, latency_ms=np.full(len(true), predictor_ms))
     tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
-    capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
     results = compare(requests, engine, load, names, predictions, **kwargs)
     if as_json:

@@ -82,11 +82,11 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     return observations
 
 
-def _require_source(observations: list[Observation], source: str, data: Path) -> None:
-    """``--source`` must name a source of the data set: else a usage error listing them."""
+def _require_source(observations: list[Observation], source: str, data: Path, flag: str = "--source") -> None:
+    """``flag`` must name a source of the data set: else a usage error listing them."""
     found = sorted({o.source for o in observations})
     if source not in found:
-        raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint="--source")
+        raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint=flag)
 
 
 def chat_level(data: Path) -> float:
@@ -181,13 +181,19 @@ def build_data_command(
 def train_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) written by build-data"),
     out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights"),
+    leave_out: list[str] = typer.Option([], help="also leave this source out (repeatable): a base for "
+                                        "`lanes bench policy --weights --prompt-source --refresh-every-s`"),
 ) -> None:
     """Rebuild the shipped weights from every source but the held-out ones (the pool's and IFEval)."""
-    observations = [o for o in read_observations(data) if o.source not in HELD_OUT_SOURCES]
+    observations = read_observations(data)
+    for source in leave_out:
+        _require_source(observations, source, data, "--leave-out")
+    held_out = [*HELD_OUT_SOURCES, *(s for s in leave_out if s not in HELD_OUT_SOURCES)]
+    observations = [o for o in observations if o.source not in held_out]
     info: dict[str, object] = {
         "data": data.name,
         "held_out_source": HELD_OUT_SOURCE,
-        "held_out_sources": list(HELD_OUT_SOURCES),
+        "held_out_sources": held_out,
         "num_examples": len(observations),
         "sources": sorted({o.source for o in observations}),
     }

@@ -75,3 +75,25 @@ def test_bench_policy_with_a_fixed_predictor_time_repeats_exactly(files: tuple[P
     first, second = lanes(*args), lanes(*args)
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout) == json.loads(second.stdout)
+
+
+def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp_path: Path) -> None:
+    trace, _ = files
+    # A data set with sources: the refresh learns the "chat" source's prompts; "other" is filtered out.
+    prompts = tmp_path / "prompts.json"
+    rows = [{"prompt": f"Write a detailed essay about topic {i}.", "output_tokens": 900, "source": "chat"}
+            for i in range(40)]
+    rows += [{"prompt": f"Say yes or no, case {i}.", "output_tokens": 3, "source": "chat"} for i in range(40)]
+    rows += [{"prompt": "Say hi.", "output_tokens": 3, "source": "other"}]
+    prompts.write_text(json.dumps(rows))
+    out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
+                "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)["lanes"]["predictor"]
+    assert info["source"] == "shipped+refresh" and info["refreshes"] >= 4, info
+    assert 0.0 < info["seen_prompt_share"] <= 1.0, "80 prompts over 300 rows: a refit has seen most of them"
+    for bad_args, hint in ((("--predictor", "noise", "--refresh-every-s", "10"), "--refresh-every-s"),
+                           (("--prompt-source", "nope"), "--prompt-source"),
+                           (("--weights", str(prompts)), "--weights")):
+        bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), *bad_args)
+        assert bad.returncode == 2 and hint in bad.stderr, (bad_args, bad.stderr)

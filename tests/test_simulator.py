@@ -244,3 +244,32 @@ def test_noise_model_hits_target_tau() -> None:
     true = np.random.default_rng(0).lognormal(4.8, 0.9, 4000).astype(int) + 1
     sigma = sigma_for_tau(true, 0.55)
     assert kendall_tau(true, noisy_predictions(true, sigma, seed=3)) == pytest.approx(0.55, abs=0.03)
+
+
+def test_the_refresh_in_the_loop_refits_and_routes_by_the_thresholds_it_ships() -> None:
+    """``sim.refresh``: every ``every_s`` the rows finished by then refit the predictor, and the
+    rows after are predicted by it and routed by the thresholds it carries (the live refresh)."""
+    from lanes.scheduler.policy import RoutingCalibration, choose_lane
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
+
+    n = 600
+    arrival = np.arange(n, dtype=float)
+    true = np.where(np.arange(n) % 2 == 0, 900, 3)
+    prompts = [f"Write a detailed essay about topic {i}." if i % 2 == 0 else f"Say yes or no, case {i}."
+               for i in range(n)]
+    config = RefreshConfig(every_s=100, finish_delay_s=10, calibration=RoutingCalibration(min_shorts=10))
+    out = refreshed_predictions(arrival, true, prompts, load_default(), config, max_tokens=4096)
+    assert [r["at_s"] for r in out.refreshes] == [100, 200, 300, 400, 500]
+    assert out.refreshes[0]["observations"] == 91 and out.refreshes[0]["long_above_tokens"] is None, \
+        "9 short rows held out: too few to fit thresholds, the edges keep theirs"
+    assert set(out.routing[:200]) == {config.initial_routing}
+    fitted = out.routing[200]
+    assert fitted != config.initial_routing and fitted.medium_max_tokens == out.refreshes[1]["long_above_tokens"]
+    lanes = [choose_lane(int(p), r) for p, r in zip(out.tokens, out.routing)]
+    after = list(zip(lanes[200:], true[200:]))
+    assert all(lane is Lane.LONG for lane, t in after if t == 900), "after the refresh the long answers go long"
+    assert sum(lane is Lane.LONG for lane, t in after if t == 3) <= 2, "and all but ~1 % of the short ones short"
+    assert out.seen_share == 0.0 and out.tau == out.tau_unseen and out.tau > 0.5
+    with pytest.raises(ValueError, match="one prompt per row"):
+        refreshed_predictions(arrival, true, prompts[:-1], load_default(), config, max_tokens=4096)

@@ -19,6 +19,7 @@ prompts, the noise model, or random), so every policy sees the same predictions.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -27,7 +28,8 @@ from lanes.queue.messages import Lane
 from lanes.scheduler.live_policy import (DEFAULT_DEMOTION, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_LONG_SHARE,
                                          MAX_MEDIUM_LONG_SHARE, MAX_WAIT_MS, MIN_LONG_SHARE, STARVE_AFTER_MS,
                                          lanes_slot_config)
-from lanes.scheduler.policy import LaneThresholds, SlotConfig, choose_lane, long_threshold_from_observations
+from lanes.scheduler.policy import (NO_BOUND_TOKENS, LaneThresholds, RoutingCalibration, SlotConfig, choose_lane,
+                                    routing_from_observations)
 from lanes.scheduler.preemption import PreemptionConfig
 from lanes.scheduler.sim.mlfq import MlfqConfig
 from lanes.scheduler.sim.trace import Trace
@@ -103,18 +105,19 @@ def lanes_slots(max_num_seqs: int, tuning: LanesTuning) -> SlotConfig:
 
 
 def _lanes(name: str, trace: Trace, predicted: np.ndarray, predictor_ms: np.ndarray | float,
-           max_num_seqs: int, tuning: LanesTuning) -> SimPolicy:
+           max_num_seqs: int, tuning: LanesTuning, routing: Sequence[LaneThresholds] | None = None) -> SimPolicy:
     rounded = np.rint(predicted)
-    num_seen = max(1, round(tuning.calibration_share * len(trace))) if tuning.calibration_share > 0 else len(trace)
-    observed = trace.output_tokens[:num_seen]
-    short_tokens = int(np.quantile(observed, tuning.short_quantile, method="lower"))
-    long_above = long_threshold_from_observations(rounded[:num_seen].tolist(), observed.tolist(), short_tokens,
-                                                  tuning.max_short_to_long)
-    routing = LaneThresholds(short_max_tokens=long_above, medium_max_tokens=long_above)
-    lane_of = [choose_lane(int(p), routing) for p in rounded]
+    info: dict[str, float] = {}
+    if routing is None:
+        num_seen = max(1, round(tuning.calibration_share * len(trace))) if tuning.calibration_share > 0 else len(trace)
+        fitted = routing_from_observations(rounded[:num_seen].tolist(), trace.output_tokens[:num_seen].tolist(),
+                                           RoutingCalibration(tuning.max_short_to_long, tuning.short_quantile, 1))
+        fitted = fitted or LaneThresholds(NO_BOUND_TOKENS, NO_BOUND_TOKENS)
+        info = {"routing_short_max": fitted.short_max_tokens, "routing_medium_max": fitted.medium_max_tokens}
+        routing = [fitted] * len(trace)
+    lane_of = [choose_lane(int(p), r) for p, r in zip(rounded, routing, strict=True)]
     corrects = name != "lanes-static"
-    info = {"routing_short_max": routing.short_max_tokens, "routing_medium_max": routing.medium_max_tokens,
-            **{f"share_{lane.value}_lane": float(np.mean([x is lane for x in lane_of])) for lane in Lane}}
+    info.update({f"share_{lane.value}_lane": float(np.mean([x is lane for x in lane_of])) for lane in Lane})
     return SimPolicy(name, lane_of, lanes_slots(max_num_seqs, tuning), demotion=tuning.demotion if corrects else None,
                      preemption=replace(tuning.preemption, demotion=tuning.demotion) if corrects else None,
                      predicted_tokens=predicted, predictor_ms=predictor_ms, max_tokens=tuning.max_tokens, info=info)
@@ -122,11 +125,14 @@ def _lanes(name: str, trace: Trace, predicted: np.ndarray, predictor_ms: np.ndar
 
 def make_policy(name: str, trace: Trace, predicted: np.ndarray, max_num_seqs: int, *,
                 predictor_ms: np.ndarray | float = 0.0, tuning: LanesTuning | None = None,
-                mlfq: MlfqConfig | None = None) -> SimPolicy:
+                mlfq: MlfqConfig | None = None,
+                routing: Sequence[LaneThresholds] | None = None) -> SimPolicy:
     """Build a policy by name (see ``POLICY_NAMES``); raises ``ValueError`` for others.
 
     ``predicted`` holds one predicted output length per request (policies that use none
     ignore it); ``predictor_ms`` is charged only to the policies that call the predictor.
+    ``routing`` gives the lane thresholds per request when the predictor ships them (the
+    refresh in the loop); otherwise ``lanes`` fits them on the trace's first rows.
     """
     tuning = tuning or LanesTuning()
     true = trace.output_tokens.astype(float)
@@ -144,7 +150,7 @@ def make_policy(name: str, trace: Trace, predicted: np.ndarray, max_num_seqs: in
         split = np.percentile(true, 50)
         return SimPolicy(name, [Lane.SHORT if t <= split else Lane.LONG for t in true], open_slots(max_num_seqs))
     if name in ("lanes", "lanes-static"):
-        return _lanes(name, trace, np.asarray(predicted, dtype=float), predictor_ms, max_num_seqs, tuning)
+        return _lanes(name, trace, np.asarray(predicted, dtype=float), predictor_ms, max_num_seqs, tuning, routing)
     if name == "lanes-oracle":
         return _lanes(name, trace, true, 0.0, max_num_seqs, tuning)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")

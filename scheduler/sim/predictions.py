@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from lanes.queue.messages import ChatMessage
+from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.sim.noise import kendall_tau, noisy_predictions, sigma_for_tau
 
 #: Predictor time charged per request by the noise model (the shipped predictor: ~1-2 ms p99).
@@ -35,6 +36,11 @@ class Predictions:
     source: str
     #: Realised Kendall tau against the trace's true output lengths.
     tau: float
+    #: Lane thresholds per row when the predictor shipped its own (the refresh in the loop,
+    #: ``refresh.py``); None: the ``lanes`` policies fit them on the trace's first rows.
+    routing: list[LaneThresholds] | None = None
+    #: What else the source reports (the refresh's seen share, tau on unseen prompts).
+    info: dict[str, float] = field(default_factory=dict)
 
 
 def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray) -> np.ndarray:

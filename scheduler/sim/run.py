@@ -49,7 +49,7 @@ def compare(
 
     def build(name: str) -> SimPolicy:
         return make_policy(name, scaled, predictions.tokens, n, predictor_ms=predictions.latency_ms,
-                           tuning=tuning, mlfq=mlfq)
+                           tuning=tuning, mlfq=mlfq, routing=predictions.routing)
 
     fcfs = run_policy(scaled, build("fcfs"), engine, num_workers)
     out: dict[str, dict[str, Any]] = {}
@@ -60,6 +60,6 @@ def compare(
         uses = name in USES_PREDICTOR
         summary.update(load=load, offered_rps=scaled.rate_rps, fcfs_capacity_rps=capacity_rps,
                        predictor_tau=predictions.tau if uses else None,
-                       predictor=({"source": predictions.source, **policy.info} if uses else {}))
+                       predictor=({"source": predictions.source, **predictions.info, **policy.info} if uses else {}))
         out[name] = summary
     return out
