@@ -91,13 +91,15 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
 
 
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
-                  model: Any, every_s: float) -> Any:
+                  model: Any, every_s: float, follow_routing: bool, max_short_to_long: float) -> Any:
     """``predictions`` (their measured latencies kept) with the scheduler's refresh in the loop."""
+    from lanes.scheduler.policy import RoutingCalibration
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
     from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
 
-    refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, RefreshConfig(every_s=every_s),
-                                      SIM_MAX_TOKENS)
+    config = RefreshConfig(every_s=every_s, follow_routing=follow_routing,
+                           calibration=RoutingCalibration(max_short_to_long=max_short_to_long))
+    refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, config, SIM_MAX_TOKENS)
     fitted = [r["long_above_tokens"] for r in refreshed.refreshes if r["long_above_tokens"] is not None]
     info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted),
             "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
@@ -156,8 +158,12 @@ def policy(
                                                       "from `lanes predictor build-data`).")] = None,
     refresh_every_s: Annotated[float, typer.Option(min=0.0, help="--predictor real: run the scheduler's predictor "
                                                    "refresh in the loop every this many trace seconds (refit on "
-                                                   "finished requests, lane thresholds shipped with it); 0: "
-                                                   "off.")] = 0.0,
+                                                   "finished requests, lane thresholds shipped with it); with "
+                                                   "--predictor random the prompts are dealt to the rows at "
+                                                   "random, so the refits learn nothing; 0: off.")] = 0.0,
+    refresh_routing: Annotated[str, typer.Option(help="--refresh-every-s: follow (route by the thresholds each "
+                                                 "refit ships, the edges' default) or pin (keep the edges' fixed "
+                                                 "150 / 750).")] = "follow",
 ) -> None:
     """Simulate scheduling policies over a trace with a GPU cost model and a real predictor."""
     from lanes.scheduler.costmodel import get_profile
@@ -173,9 +179,12 @@ def policy(
     loads = _loads(plot_loads) if plot is not None else []  # checked before the runs, not after
     if predictor not in PREDICTORS:
         raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
-    if refresh_every_s > 0 and (predictor != "real" or plot is not None):
-        raise typer.BadParameter("needs --predictor real and no --plot (the refresh's timing depends on the load)",
-                                 param_hint="--refresh-every-s")
+    if refresh_every_s > 0 and (predictor not in ("real", "random") or plot is not None):
+        raise typer.BadParameter("needs --predictor real or random and no --plot (the refresh's timing depends on "
+                                 "the load)", param_hint="--refresh-every-s")
+    if refresh_routing not in ("follow", "pin"):
+        raise typer.BadParameter(f"must be follow or pin, not {refresh_routing!r}", param_hint="--refresh-routing")
+    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
     engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
     requests = _load_trace(trace)
     true = requests.output_tokens
@@ -188,13 +197,16 @@ def policy(
         model = _load_predictor(weights)
         predictions, row_prompts = _pool_predictions(prompts, true, model, prompt_source)
         if refresh_every_s > 0:
+            if predictor == "random":  # prompts dealt to rows at random: nothing in a prompt tells its length
+                row_prompts = [row_prompts[i] for i in np.random.default_rng(seed).permutation(len(row_prompts))]
+                predictions = replace(predictions, source="random")
             arrival_s = requests.time_scaled(load * capacity_rps / requests.rate_rps).arrival_s
-            predictions = _with_refresh(predictions, row_prompts, arrival_s, true, model, refresh_every_s)
-        if predictor == "random":
+            predictions = _with_refresh(predictions, row_prompts, arrival_s, true, model, refresh_every_s,
+                                        refresh_routing == "follow", tuning.max_short_to_long)
+        elif predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
     if predictor_ms is not None:
         predictions = replace(predictions, latency_ms=np.full(len(true), predictor_ms))
-    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
     kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
     results = compare(requests, engine, load, names, predictions, **kwargs)
     if as_json:

@@ -92,6 +92,10 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     info = json.loads(out.stdout)["lanes"]["predictor"]
     assert info["source"] == "shipped+refresh" and info["refreshes"] >= 4, info
     assert 0.0 < info["seen_prompt_share"] <= 1.0, "80 prompts over 300 rows: a refit has seen most of them"
+    blind = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
+                  "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor", "random")
+    assert blind.returncode == 0, blind.stderr
+    assert json.loads(blind.stdout)["lanes"]["predictor"]["source"] == "random+refresh"
     for bad_args, hint in ((("--predictor", "noise", "--refresh-every-s", "10"), "--refresh-every-s"),
                            (("--prompt-source", "nope"), "--prompt-source"),
                            (("--weights", str(prompts)), "--weights")):

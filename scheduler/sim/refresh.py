@@ -42,6 +42,8 @@ class RefreshConfig:
     calibration: RoutingCalibration = RoutingCalibration()
     #: The edges' thresholds until a refresh ships some.
     initial_routing: LaneThresholds = DEFAULT_ROUTING
+    #: False: the edges keep ``initial_routing`` (``LANES_FOLLOW_REFRESHED_ROUTING=false``).
+    follow_routing: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def refreshed_predictions(arrival_s: np.ndarray, true_tokens: np.ndarray, prompt
         rows = [i for i in range(finished) if true_tokens[i] < max_tokens][-config.window:]
         if len(rows) >= config.min_observations:
             model = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in rows], config.calibration)
-            thresholds = model.routing or thresholds
+            thresholds = (model.routing or thresholds) if config.follow_routing else thresholds
             known = frozenset(int(ids[i]) for i in rows)
             refreshes.append({"at_s": at, "observations": len(rows),
                               "long_above_tokens": model.routing.medium_max_tokens if model.routing else None})
