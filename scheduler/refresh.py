@@ -35,6 +35,10 @@ def refit_bytes(observations: list[Observation]) -> bytes:
     from lanes.scheduler.predictor.train import refit_with_routing
 
     model = refit_with_routing(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations])
+    routing = model.routing
+    log.info("refitted on %d observations; lanes: %s", len(observations),
+             f"short <= {routing.short_max_tokens} < long predicted tokens" if routing is not None
+             else "too few short answers held out to fit thresholds, the edges keep theirs")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "weights.npz"
         model.save(path)
