@@ -56,11 +56,15 @@ async def test_edges_route_by_the_thresholds_the_refresh_fitted(plane: QueuePlan
     settings = dict(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix)
     following, pinned = Edge(EdgeSettings(**settings), plane), \
         Edge(EdgeSettings(**settings, follow_refreshed_routing=False), plane)
+    # A threshold set explicitly is not overridden, unless following is asked for too.
+    chosen = Edge(EdgeSettings(**settings, medium_max_tokens=600), plane)
+    told = Edge(EdgeSettings(**settings, medium_max_tokens=600, follow_refreshed_routing=True), plane)
+    edges = (following, pinned, chosen, told)
     assert following.thresholds == LaneThresholds(150, 750)
-    tasks = [asyncio.create_task(edge.reload_predictor(interval_s=0.05)) for edge in (following, pinned)]
+    tasks = [asyncio.create_task(edge.reload_predictor(interval_s=0.05)) for edge in edges]
     try:
         async with asyncio.timeout(30):
-            while following.predictor_version < 1 or pinned.predictor_version < 1:
+            while min(edge.predictor_version for edge in edges) < 1:
                 await asyncio.sleep(0.05)
     finally:
         for task in tasks:
@@ -68,6 +72,7 @@ async def test_edges_route_by_the_thresholds_the_refresh_fitted(plane: QueuePlan
         await asyncio.gather(*tasks, return_exceptions=True)
     fitted = following.lengths.predictor.routing
     assert fitted is not None and following.thresholds == fitted and pinned.thresholds == LaneThresholds(150, 750)
+    assert chosen.thresholds == LaneThresholds(150, 600) and told.thresholds == fitted
     assert metrics.ROUTING_THRESHOLD.labels("short")._value.get() == fitted.short_max_tokens
 
     def lane(edge: Edge, text: str) -> Lane:

@@ -324,17 +324,18 @@ class Edge:
 
     def use_predictor(self, version: int, predictor: LengthPredictor) -> None:
         """Predict with a refreshed model and, unless the thresholds are pinned
-        (``LANES_FOLLOW_REFRESHED_ROUTING=false``), route by the thresholds fitted for it: a
-        refit moves the prediction level, and fixed thresholds would stop routing as measured."""
+        (``LANES_FOLLOW_REFRESHED_ROUTING=false``, or unset with ``LANES_SHORT_MAX_TOKENS`` or
+        ``LANES_MEDIUM_MAX_TOKENS`` set), route by the thresholds fitted for it: a refit moves
+        the prediction level, and fixed thresholds would stop routing as measured."""
         self.lengths.predictor = predictor
         self.predictor_version = version
         metrics.PREDICTOR_VERSION.set(version)
         routing = predictor.routing
-        if routing is not None and self.settings.follow_refreshed_routing:
+        if routing is not None and self.settings.follows_refreshed_routing:
             self.route_by(routing)
         log.info("length predictor version %d loaded; lanes: short <= %d, long > %d predicted tokens%s", version,
                  self.thresholds.short_max_tokens, self.thresholds.medium_max_tokens,
-                 "" if routing is not None and self.settings.follow_refreshed_routing
+                 "" if routing is not None and self.settings.follows_refreshed_routing
                  else " (pinned)" if routing is not None else " (the model carries none: unchanged)")
 
     async def reload_predictor(self, interval_s: float = 30.0) -> None:

@@ -37,8 +37,15 @@ class EdgeSettings(RedisSettings):
     medium_max_tokens: int = DEFAULT_ROUTING.medium_max_tokens
     #: Once the scheduler has refreshed the predictor on this deployment's finished requests, route
     #: by the thresholds fitted with it (two lanes, at most 0.5 % of short answers sent long;
-    #: ``scheduler/refresh.py``) instead of the two above; false pins the two above.
-    follow_refreshed_routing: bool = True
+    #: ``scheduler/refresh.py``) instead of the two above. Unset: follow them unless one of the two
+    #: above was set explicitly; false pins the two above; true follows even so.
+    follow_refreshed_routing: bool | None = None
+
+    @property
+    def follows_refreshed_routing(self) -> bool:
+        if self.follow_refreshed_routing is not None:
+            return self.follow_refreshed_routing
+        return not {"short_max_tokens", "medium_max_tokens"} & self.model_fields_set
     #: Admission: most requests a lane may hold before new ones are refused (``overloaded``).
     max_depth_short: int = 2000
     max_depth_medium: int = 2000
