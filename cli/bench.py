@@ -75,19 +75,32 @@ def _load_predictor(weights: Path | None) -> Any:
 
 def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any, source: str | None = None,
                       ) -> tuple[Any, list[str]]:
-    """The predictor on each trace row's paired prompt (see ``sim.predictions``), and the prompts."""
+    """The predictor on each trace row's paired prompt (see ``sim.predictions``), and the prompts.
+
+    ``source`` ("A" or "A,B,..."): only those sources' prompts; with several, the trace is cut
+    into as many consecutive parts, the k-th paired with the k-th source (traffic that changes).
+    """
     from lanes.cli.predictor import _require_source
+    from lanes.scheduler.sim.noise import kendall_tau
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
-    from lanes.scheduler.sim.predictions import from_pool, pair_prompts, predict_prompts
+    from lanes.scheduler.sim.predictions import Predictions, from_pool, pair_prompts, predict_prompts
 
     observations = _load_prompt_pool(prompts)
-    if source is not None:
-        _require_source(observations, source, prompts or DEFAULT_PROMPT_POOL, "--prompt-source")
-        observations = [o for o in observations if o.source == source]
-    pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
-    predicted, latency_ms = predict_prompts(model.predict, [o.prompt for o in observations], SIM_MAX_TOKENS)
-    paired = pair_prompts(true_tokens, pool_tokens)
-    return from_pool(true_tokens, pool_tokens, predicted, latency_ms), [observations[i].prompt for i in paired]
+    sources: list[str | None] = [x.strip() for x in source.split(",")] if source is not None else [None]
+    for name in sources:
+        if name is not None:
+            _require_source(observations, name, prompts or DEFAULT_PROMPT_POOL, "--prompt-source")
+    tokens, latency_ms = np.empty(len(true_tokens)), np.empty(len(true_tokens))
+    row_prompts = [""] * len(true_tokens)
+    for rows, name in zip(np.array_split(np.arange(len(true_tokens)), len(sources)), sources, strict=True):
+        pool = [o for o in observations if name is None or o.source == name]
+        pool_tokens = np.array([o.output_tokens for o in pool], dtype=float)
+        part = from_pool(true_tokens[rows], pool_tokens,
+                         *predict_prompts(model.predict, [o.prompt for o in pool], SIM_MAX_TOKENS))
+        tokens[rows], latency_ms[rows] = part.tokens, part.latency_ms
+        for row, i in zip(rows, pair_prompts(true_tokens[rows], pool_tokens), strict=True):
+            row_prompts[row] = pool[i].prompt
+    return Predictions(tokens, latency_ms, "shipped", kendall_tau(true_tokens, tokens)), row_prompts
 
 
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
@@ -155,7 +168,8 @@ def policy(
     weights: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="--predictor real/random: "
                                                  "these weights (.npz) instead of the shipped ones.")] = None,
     prompt_source: Annotated[str | None, typer.Option(help="Only this source's prompts of --prompts (a data set "
-                                                      "from `lanes predictor build-data`).")] = None,
+                                                      "from `lanes predictor build-data`); A,B: the first half "
+                                                      "of the trace gets A's prompts, the second B's.")] = None,
     refresh_every_s: Annotated[float, typer.Option(min=0.0, help="--predictor real: run the scheduler's predictor "
                                                    "refresh in the loop every this many trace seconds (refit on "
                                                    "finished requests, lane thresholds shipped with it); with "

@@ -92,6 +92,10 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     info = json.loads(out.stdout)["lanes"]["predictor"]
     assert info["source"] == "shipped+refresh" and info["refreshes"] >= 4, info
     assert 0.0 < info["seen_prompt_share"] <= 1.0, "80 prompts over 300 rows: a refit has seen most of them"
+    two = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "other,chat",
+                "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5")
+    assert two.returncode == 0, two.stderr  # the first half of the rows gets "other"'s one prompt, the rest "chat"'s
+    assert json.loads(two.stdout)["lanes"]["predictor"]["refreshes"] == info["refreshes"], "the same trace"
     blind = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
                   "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor", "random")
     assert blind.returncode == 0, blind.stderr
@@ -101,3 +105,17 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
                            (("--weights", str(prompts)), "--weights")):
         bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), *bad_args)
         assert bad.returncode == 2 and hint in bad.stderr, (bad_args, bad.stderr)
+
+
+def test_prompt_sources_in_sequence_pair_each_part_of_the_trace_with_its_source(tmp_path: Path) -> None:
+    import numpy as np
+    from lanes.cli.bench import _pool_predictions
+    from lanes.scheduler.predictor import load_default
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"prompt": f"a{i}", "output_tokens": i, "source": "a"} for i in range(1, 5)] +
+                                  [{"prompt": f"b{i}", "output_tokens": i, "source": "b"} for i in range(1, 5)]))
+    true = np.array([4, 1, 3, 2, 40, 10, 30, 20])
+    predictions, row_prompts = _pool_predictions(prompts, true, load_default(), "a,b")
+    assert row_prompts == ["a4", "a1", "a3", "a2", "b4", "b1", "b3", "b2"], "rank-paired within each half"
+    assert len(predictions.tokens) == 8 and np.isfinite(predictions.latency_ms).all()
