@@ -331,12 +331,15 @@ class Edge:
         self.predictor_version = version
         metrics.PREDICTOR_VERSION.set(version)
         routing = predictor.routing
-        if routing is not None and self.settings.follows_refreshed_routing:
+        if routing is None:
+            kept = " (the model carries none: unchanged)"
+        elif self.settings.follows_refreshed_routing:
             self.route_by(routing)
+            kept = ""
+        else:
+            kept = " (pinned)"
         log.info("length predictor version %d loaded; lanes: short <= %d, long > %d predicted tokens%s", version,
-                 self.thresholds.short_max_tokens, self.thresholds.medium_max_tokens,
-                 "" if routing is not None and self.settings.follows_refreshed_routing
-                 else " (pinned)" if routing is not None else " (the model carries none: unchanged)")
+                 self.thresholds.short_max_tokens, self.thresholds.medium_max_tokens, kept)
 
     async def reload_predictor(self, interval_s: float = 30.0) -> None:
         """Pick up predictor versions the scheduler's refresh job publishes."""

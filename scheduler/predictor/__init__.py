@@ -111,6 +111,14 @@ class LengthPredictor:
             return None
         return LaneThresholds(short_max, medium_max) if 0 <= short_max <= medium_max else None
 
+    def with_routing(self, routing: LaneThresholds | None, **provenance: object) -> LengthPredictor:
+        """The same model carrying ``routing`` (None: no thresholds) and ``provenance`` in its info."""
+        info = {k: v for k, v in self.info.items() if k != ROUTING_INFO_KEY}
+        if routing is not None:
+            info[ROUTING_INFO_KEY] = {"short_max_tokens": routing.short_max_tokens,
+                                      "medium_max_tokens": routing.medium_max_tokens, **provenance}
+        return LengthPredictor(self.model, info)
+
     def save(self, path: Path) -> None:
         """Write one compressed ``.npz``: a JSON header plus plain numeric arrays (no pickle).
 

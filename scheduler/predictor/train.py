@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from lanes.scheduler.policy import RoutingCalibration, routing_from_observations
-from lanes.scheduler.predictor import ROUTING_INFO_KEY, LengthPredictor
+from lanes.scheduler.predictor import LengthPredictor
 from lanes.scheduler.predictor.lexical import (
     FeatureConfig,
     LexicalModel,
@@ -258,13 +258,8 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
         held = observations[-num_held:]
         predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
         routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration)
-    model = refit(predictor, observations)
-    info = {k: v for k, v in model.info.items() if k != ROUTING_INFO_KEY}
-    if routing is not None:
-        info[ROUTING_INFO_KEY] = {"short_max_tokens": routing.short_max_tokens,
-                                  "medium_max_tokens": routing.medium_max_tokens,
-                                  "fitted_on": num_held, "max_short_to_long": calibration.max_short_to_long}
-    return LengthPredictor(model.model, info)
+    return refit(predictor, observations).with_routing(routing, fitted_on=num_held,
+                                                       max_short_to_long=calibration.max_short_to_long)
 
 
 def fold_ids(num_items: int, num_folds: int, seed: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lanes.queue.messages import ChatMessage
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds, RoutingCalibration
 from lanes.scheduler.predictor import LengthPredictor
@@ -79,14 +80,14 @@ def refreshed_predictions(arrival_s: np.ndarray, true_tokens: np.ndarray, prompt
     while start < n:
         end = int(np.searchsorted(arrival_s, at, side="left")) if at <= arrival_s[-1] else n
         for i in range(start, end):
-            tokens[i] = max(1, min(max_tokens, round(model.predict_text(prompts[i]))))
+            tokens[i] = model.predict((ChatMessage("user", prompts[i]),), max_tokens)
             routing[i] = thresholds
             seen[i] = ids[i] in known
         start = end
         if start >= n:
             break
         finished = int(np.searchsorted(arrival_s, at - config.finish_delay_s, side="right"))
-        rows = [i for i in range(finished) if true_tokens[i] < max_tokens][-config.window:]
+        rows = np.flatnonzero(true_tokens[:finished] < max_tokens)[-config.window:]
         if len(rows) >= config.min_observations:
             model = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in rows], config.calibration)
             thresholds = (model.routing or thresholds) if config.follow_routing else thresholds
