@@ -74,7 +74,7 @@ def _load_predictor(weights: Path | None) -> Any:
 
 
 def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any, source: str | None = None,
-                      ) -> tuple[Any, list[str]]:
+                      label: str = "shipped") -> tuple[Any, list[str]]:
     """The predictor on each trace row's paired prompt (see ``sim.predictions``), and the prompts.
 
     ``source`` ("A" or "A,B,..."): only those sources' prompts; with several, the trace is cut
@@ -100,7 +100,7 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
         tokens[rows], latency_ms[rows] = part.tokens, part.latency_ms
         for row, i in zip(rows, pair_prompts(true_tokens[rows], pool_tokens), strict=True):
             row_prompts[row] = pool[i].prompt
-    return Predictions(tokens, latency_ms, "shipped", kendall_tau(true_tokens, tokens)), row_prompts
+    return Predictions(tokens, latency_ms, label, kendall_tau(true_tokens, tokens)), row_prompts
 
 
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
@@ -209,7 +209,8 @@ def policy(
         predictions = preds.oracle(true)
     else:
         model = _load_predictor(weights)
-        predictions, row_prompts = _pool_predictions(prompts, true, model, prompt_source)
+        predictions, row_prompts = _pool_predictions(prompts, true, model, prompt_source,
+                                                     "shipped" if weights is None else weights.name)
         if refresh_every_s > 0:
             if predictor == "random":  # prompts dealt to rows at random: nothing in a prompt tells its length
                 row_prompts = [row_prompts[i] for i in np.random.default_rng(seed).permutation(len(row_prompts))]
