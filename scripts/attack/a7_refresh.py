@@ -7,7 +7,7 @@ keep it serving, its gauges must show what it routes by, and every chat must end
 
 (PORT: the embedded Redis `lanes up` prints.) About 3.5 minutes.
 """
-import asyncio, io, json, re, sys, tempfile, time, urllib.request
+import asyncio, json, re, sys, tempfile, time, urllib.request
 from pathlib import Path
 import redis.asyncio as aioredis, websockets
 from lanes.scheduler.predictor import load_default, LengthPredictor
