@@ -21,6 +21,13 @@ _PUBLISH_PREDICTOR = """
 redis.call('HSET', KEYS[1], 'weights', ARGV[1], 'observations', ARGV[2])
 return redis.call('HINCRBY', KEYS[1], 'version', 1)
 """
+#: KEYS: predictor hash. ARGV: the caller's version. Returns {version, weights} when newer, else {}:
+#: the weights (~1 MB) cross the network only for a version the caller does not have.
+_NEWER_PREDICTOR = """
+local h = redis.call('HMGET', KEYS[1], 'version', 'weights')
+if not h[1] or not h[2] or tonumber(h[1]) <= tonumber(ARGV[1]) then return {} end
+return h
+"""
 _TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return items"
 _observation_decoder = msgspec.json.Decoder(Observation)
 #: Newest observations kept for the predictor refresh (a capped list).
@@ -139,10 +146,10 @@ class Fleet:
 
     async def published_predictor(self, known_version: int) -> tuple[int, bytes] | None:
         """``(version, weights)`` when a version newer than ``known_version`` is stored."""
-        version, weights = await self.redis.hmget(self.keys.predictor, "version", "weights")
-        if version is None or int(version) <= known_version or not weights:
+        found = await self.redis.eval(_NEWER_PREDICTOR, 1, self.keys.predictor, known_version)
+        if not found or not found[1]:
             return None
-        return int(version), weights
+        return int(found[0]), found[1]
 
     async def claim_tick(self, job: str, tick: int, ttl_ms: int) -> bool:
         """True for the one caller that takes ``job``'s ``tick`` (``SET NX``): a periodic job

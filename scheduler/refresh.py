@@ -59,8 +59,20 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     return {"observations": len(observations), "version": version}
 
 
+class UnusableWeights(ValueError):
+    """The published version's weights do not load (raised with the version, so a reader can
+    skip it instead of fetching it again)."""
+
+    def __init__(self, version: int, cause: Exception) -> None:
+        super().__init__(f"published predictor version {version} does not load ({cause}); edges keep the model "
+                         "they have and skip this version until a newer one is published (see the scheduler's "
+                         "log of the refresh that published it)")
+        self.version = version
+
+
 async def load_published(plane: QueuePlane, known_version: int) -> tuple[int, Any] | None:
-    """The published predictor if newer than ``known_version``: ``(version, LengthPredictor)``."""
+    """The published predictor if newer than ``known_version``: ``(version, LengthPredictor)``;
+    raises ``UnusableWeights`` when its weights do not load."""
     from lanes.scheduler.predictor import from_weights
 
     published = await plane.fleet.published_predictor(known_version)
@@ -74,4 +86,7 @@ async def load_published(plane: QueuePlane, known_version: int) -> tuple[int, An
             path.write_bytes(weights)
             return from_weights(path)
 
-    return version, await asyncio.to_thread(load)
+    try:
+        return version, await asyncio.to_thread(load)
+    except ValueError as exc:
+        raise UnusableWeights(version, exc) from exc

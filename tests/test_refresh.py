@@ -79,3 +79,51 @@ async def test_edges_route_by_the_thresholds_the_refresh_fitted(plane: QueuePlan
         return edge.policy.lane_for(edge.lengths.predictor.predict((ChatMessage("user", text),), 4096))
 
     assert lane(following, short.format("new")) is Lane.SHORT and lane(following, long.format("new")) is Lane.LONG
+
+
+async def test_an_edge_skips_a_published_version_that_does_not_load(plane: QueuePlane, caplog) -> None:
+    """Garbage under the predictor key: one warning naming the version, the shipped model kept,
+    the version not fetched again; the next good version is loaded."""
+    import asyncio
+    import logging
+
+    import pytest
+    from lanes.scheduler.refresh import UnusableWeights
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+
+    assert await plane.fleet.publish_predictor(b"not an npz", 0) == 1
+    with pytest.raises(UnusableWeights) as raised:
+        await load_published(plane, 0)
+    assert raised.value.version == 1 and "version 1 does not load" in str(raised.value)
+    fetched: list[int] = []
+    fetch = plane.fleet.published_predictor
+
+    async def counted(known_version: int):  # what came back over the network, per call
+        found = await fetch(known_version)
+        fetched.append(0 if found is None else len(found[1]))
+        return found
+
+    plane.fleet.published_predictor = counted  # type: ignore[method-assign]
+    edge = Edge(EdgeSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix), plane)
+    shipped = edge.lengths.predictor
+    task = asyncio.create_task(edge.reload_predictor(interval_s=0.02))
+    try:
+        with caplog.at_level(logging.WARNING, logger="lanes.ws_server.edge"):
+            async with asyncio.timeout(10):
+                while len(fetched) < 20:
+                    await asyncio.sleep(0.02)
+            unusable = [r for r in caplog.records if "does not load" in r.getMessage()]
+            assert len(unusable) == 1, "warned once, not at every reload"
+            assert fetched[0] > 0 and not any(fetched[1:]), "the bad version's bytes were fetched once"
+            assert edge.lengths.predictor is shipped and edge.predictor_version == 0
+            for i in range(60):
+                await plane.redis.lpush(plane.keys.observations, encode(Observation(f"{PROMPT} {i}", 2)))
+            assert (await refresh_predictor({"plane": plane, "min_observations": 10}))["version"] == 2
+            async with asyncio.timeout(10):
+                while edge.predictor_version < 2:
+                    await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert edge.lengths.predictor is not shipped

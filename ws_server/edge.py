@@ -31,7 +31,7 @@ from lanes.queue.pubsub import listen
 from lanes.scheduler.live_policy import make_live_policy
 from lanes.scheduler.policy import LaneThresholds, SlotConfig
 from lanes.scheduler.predictor import LengthPredictor
-from lanes.scheduler.refresh import load_published
+from lanes.scheduler.refresh import UnusableWeights, load_published
 from lanes.telemetry import metrics
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
@@ -343,11 +343,15 @@ class Edge:
 
     async def reload_predictor(self, interval_s: float = 30.0) -> None:
         """Pick up predictor versions the scheduler's refresh job publishes."""
+        skipped = 0  # the newest version whose weights did not load: not fetched again
         while True:
             try:
-                published = await load_published(self.plane, self.predictor_version)
+                published = await load_published(self.plane, max(self.predictor_version, skipped))
                 if published is not None:
                     self.use_predictor(*published)
+            except UnusableWeights as exc:
+                skipped = exc.version
+                log.warning("%s", exc)
             except (QueueUnavailable, ValueError) as exc:
                 log.warning("predictor reload failed: %s", exc)
             await asyncio.sleep(interval_s)
