@@ -74,8 +74,9 @@ def _load_predictor(weights: Path | None) -> Any:
 
 
 def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any, source: str | None = None,
-                      label: str = "shipped") -> tuple[Any, list[str]]:
-    """The predictor on each trace row's paired prompt (see ``sim.predictions``), and the prompts.
+                      label: str = "shipped", pairing_seed: int | None = None) -> tuple[Any, list[str]]:
+    """The predictor on each trace row's paired prompt (see ``sim.predictions``; ``pairing_seed``
+    breaks ties between equal lengths at random), and the prompts.
 
     ``source`` ("A" or "A,B,..."): only those sources' prompts; with several, the trace is cut
     into as many consecutive parts, the k-th paired with the k-th source (traffic that changes).
@@ -96,9 +97,9 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
         pool = [o for o in observations if name is None or o.source == name]
         pool_tokens = np.array([o.output_tokens for o in pool], dtype=float)
         part = from_pool(true_tokens[rows], pool_tokens,
-                         *predict_prompts(model.predict, [o.prompt for o in pool], SIM_MAX_TOKENS))
+                         *predict_prompts(model.predict, [o.prompt for o in pool], SIM_MAX_TOKENS), pairing_seed)
         tokens[rows], latency_ms[rows] = part.tokens, part.latency_ms
-        for row, i in zip(rows, pair_prompts(true_tokens[rows], pool_tokens), strict=True):
+        for row, i in zip(rows, pair_prompts(true_tokens[rows], pool_tokens, pairing_seed), strict=True):
             row_prompts[row] = pool[i].prompt
     return Predictions(tokens, latency_ms, label, kendall_tau(true_tokens, tokens)), row_prompts
 
@@ -147,6 +148,9 @@ def policy(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.")] = None,
     plot_loads: Annotated[str, typer.Option(help="Loads swept for --plot.")] = DEFAULT_PLOT_LOADS,
     seed: Annotated[int, typer.Option(help="Seed of the noise / random predictor.")] = 0,
+    pairing_seed: Annotated[int | None, typer.Option(help="--predictor real / random: break ties between trace "
+                                                     "rows and prompts of equal length at random with this seed "
+                                                     "(another pairing just as close; default: in file order).")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Simulated worker instances.")] = 1,
     tau: Annotated[float, typer.Option(min=-1.0, max=1.0, help="--predictor noise: its Kendall tau.")] = 0.52,
     prefix_cache_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of a resumed request's prompt the "
@@ -210,7 +214,7 @@ def policy(
     else:
         model = _load_predictor(weights)
         predictions, row_prompts = _pool_predictions(prompts, true, model, prompt_source,
-                                                     "shipped" if weights is None else weights.name)
+                                                     "shipped" if weights is None else weights.name, pairing_seed)
         if refresh_every_s > 0:
             if predictor == "random":  # prompts dealt to rows at random: nothing in a prompt tells its length
                 row_prompts = [row_prompts[i] for i in np.random.default_rng(seed).permutation(len(row_prompts))]

@@ -223,6 +223,19 @@ def test_pairing_reuses_each_prompt_evenly_and_keeps_rank() -> None:
         predictions.pair_prompts(trace_tokens, np.array([]))
 
 
+def test_a_pairing_seed_breaks_length_ties_at_random_and_keeps_the_pairing_as_close() -> None:
+    trace_tokens = np.array([10] * 6 + [500] * 6)
+    pool = np.array([10, 10, 10, 500, 500, 500])
+    unseeded = predictions.pair_prompts(trace_tokens, pool)
+    assert list(unseeded) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    pairings = {tuple(predictions.pair_prompts(trace_tokens, pool, seed)) for seed in range(5)}
+    assert len(pairings) > 1  # different prompts for the same rows
+    for paired in map(np.array, pairings):
+        assert list(pool[paired]) == list(trace_tokens)  # every row still gets a prompt of its length
+        assert sorted(np.bincount(paired, minlength=6)) == [2] * 6  # and each prompt is used evenly
+    assert list(predictions.pair_prompts(trace_tokens, pool, 3)) == list(predictions.pair_prompts(trace_tokens, pool, 3))
+
+
 def test_pool_predictions_are_charged_their_measured_latency() -> None:
     ticks = iter(np.arange(0.0, 10.0, 0.001))  # every clock read advances 1 ms
     calls: list[int] = []

@@ -43,14 +43,23 @@ class Predictions:
     info: dict[str, float | None] = field(default_factory=dict)
 
 
-def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray) -> np.ndarray:
+def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray, seed: int | None = None) -> np.ndarray:
     """Index into the pool for each trace row: rank-matched, each prompt used evenly
-    (``floor`` or ``ceil`` of rows / prompts times). Raises ``ValueError`` on an empty pool."""
+    (``floor`` or ``ceil`` of rows / prompts times). Raises ``ValueError`` on an empty pool.
+
+    Rows and prompts of equal length keep their order; with ``seed``, ties on both sides are
+    broken at random instead (another pairing just as close, to measure what the choice among
+    equal-length prompts does to a result).
+    """
     if len(pool_tokens) == 0:
         raise ValueError("the prompt pool is empty")
     n, m = len(trace_tokens), len(pool_tokens)
-    rows = np.argsort(trace_tokens, kind="stable")
-    pool_order = np.argsort(pool_tokens, kind="stable")
+    if seed is None:
+        rows = np.argsort(trace_tokens, kind="stable")
+        pool_order = np.argsort(pool_tokens, kind="stable")
+    else:
+        rng = np.random.default_rng(seed)
+        rows, pool_order = (np.lexsort((rng.random(len(x)), x)) for x in (trace_tokens, pool_tokens))
     paired = np.empty(n, dtype=np.int64)
     paired[rows] = pool_order[(np.arange(n) * m) // n]
     return paired
@@ -71,9 +80,10 @@ def predict_prompts(predict: Callable[[Sequence[ChatMessage], int], int], prompt
 
 
 def from_pool(true_tokens: np.ndarray, pool_tokens: np.ndarray, pool_predicted: np.ndarray,
-              pool_latency_ms: np.ndarray) -> Predictions:
-    """The predictor's outputs on each row's paired prompt, with their measured latency."""
-    paired = pair_prompts(true_tokens, pool_tokens)
+              pool_latency_ms: np.ndarray, seed: int | None = None) -> Predictions:
+    """The predictor's outputs on each row's paired prompt (``pair_prompts``), with their
+    measured latency."""
+    paired = pair_prompts(true_tokens, pool_tokens, seed)
     tokens = pool_predicted[paired]
     return Predictions(tokens, pool_latency_ms[paired], "shipped", kendall_tau(true_tokens, tokens))
 
