@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as aioredis
 from lanes.queue.keys import STATS_HISTORY_LEN, Keys
-from lanes.queue.messages import DepthSnapshot, Observation, WorkerReport, encode
+from lanes.queue.messages import DepthSnapshot, Observation, WorkerReport, clip_observed, encode
 from lanes.queue.stats import EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
@@ -30,8 +30,9 @@ return h
 """
 _TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return items"
 _observation_decoder = msgspec.json.Decoder(Observation)
-#: Newest observations kept for the predictor refresh (a capped list).
-MAX_OBSERVATIONS = 5000
+#: Newest observations kept for the predictor refresh (a capped list): four refresh windows, so
+#: that the refresh can leave out one API key's surplus and still fill its window with others'.
+MAX_OBSERVATIONS = 20_000
 #: Edge windows kept while no scheduler merges them (100 edges for 100 s); older ones are dropped.
 MAX_PENDING_WINDOWS = 10_000
 #: Unmerged windows, and the history, vanish this long after their last write (ms): a restart
@@ -121,9 +122,11 @@ class Fleet:
     # -- observations and the predictor --------------------------------------------------
 
     async def add_observation(self, observation: Observation) -> None:
+        """Keep ``observation`` among the newest ``MAX_OBSERVATIONS``, its prompt clipped
+        (``clip_observed``)."""
         key = self.keys.observations
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lpush(key, encode(observation))
+            pipe.lpush(key, encode(msgspec.structs.replace(observation, prompt=clip_observed(observation.prompt))))
             pipe.ltrim(key, 0, MAX_OBSERVATIONS - 1)
             await pipe.execute()
 

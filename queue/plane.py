@@ -63,6 +63,8 @@ class Claim:
     edge: str
     #: Times this request was handed back by a preemption already.
     times_preempted: int = 0
+    #: The API key's id that submitted it ("" without auth).
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -242,9 +244,9 @@ class QueuePlane(TokenStreams):
         )
         if not got:
             return None
-        attempt, payload, enq_ms, now_ms, edge, preempted = got
+        attempt, payload, enq_ms, now_ms, edge, preempted, owner = got
         return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
-                     int(preempted))
+                     int(preempted), owner.decode())
 
     async def heartbeat(self, runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
         """Renew leases of ``(id, attempt)`` runs; per run ``(status, edge)``."""

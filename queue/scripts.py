@@ -31,7 +31,7 @@ return {1, now}
 """
 
 #: KEYS: req, watch, claims. ARGV: id, worker, lease_ms, ttl_s.
-#: Returns {attempt, payload, enq_ms, now, edge, times_preempted} or false when the request
+#: Returns {attempt, payload, enq_ms, now, edge, times_preempted, owner} or false when the request
 #: is not queued.
 #: ``claims`` counts claims per lane: the scheduler turns it into service rates.
 CLAIM = _NOW + """
@@ -41,8 +41,8 @@ redis.call('HINCRBY', KEYS[3], redis.call('HGET', KEYS[1], 'lane'), 1)
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claim_ms', now)
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge', 'preempted')
-return {attempt, h[1], h[2], now, h[3], tonumber(h[4] or '0')}
+local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge', 'preempted', 'owner')
+return {attempt, h[1], h[2], now, h[3], tonumber(h[4] or '0'), h[5] or ''}
 """
 
 #: KEYS: watch, req1..reqN. ARGV: lease_ms, id1, attempt1, ..., idN, attemptN.

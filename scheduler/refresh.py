@@ -9,7 +9,8 @@ route by them instead of their fixed ``LANES_SHORT_MAX_TOKENS`` / ``LANES_MEDIUM
 unless those were set explicitly (``LANES_FOLLOW_REFRESHED_ROUTING`` decides).
 
 Each refit starts from the shipped weights plus the current window (bounded: the newest
-``max_observations``), so repeated refits never double-count an observation. Weights travel
+``max_observations``, in which one API key holds at most ``max_key_share`` while others have
+requests in the list: ``refresh_window``), so repeated refits never double-count an observation. Weights travel
 as ``.npz`` bytes (JSON header + numeric arrays, loaded with ``allow_pickle=False``).
 """
 
@@ -17,14 +18,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import tempfile
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lanes.queue.fleet import MAX_OBSERVATIONS
 from lanes.queue.messages import Observation
 from lanes.queue.plane import QueuePlane
 
 log = logging.getLogger(__name__)
+
+
+def refresh_window(newest_first: Sequence[Observation], size: int, max_key_share: float) -> list[Observation]:
+    """The observations a refresh fits on, oldest first: the newest ``size`` of ``newest_first``,
+    except that while two or more keys (``Observation.owner``) have entries, none takes more
+    than ``ceil(max_key_share * size)`` places (its older surplus is left out, and the window
+    may stay short of ``size``). Pure."""
+    owners = {o.owner for o in newest_first}
+    if len(owners) < 2 or max_key_share >= 1.0:
+        return list(newest_first[:size])[::-1]
+    cap = math.ceil(max_key_share * size)
+    taken: Counter[str] = Counter()
+    window = []
+    for observation in newest_first:
+        if taken[observation.owner] < cap:
+            taken[observation.owner] += 1
+            window.append(observation)
+            if len(window) == size:
+                break
+    return window[::-1]
 
 
 def refit_bytes(observations: list[Observation]) -> bytes:
@@ -50,7 +75,11 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     plane: QueuePlane = ctx["plane"]
     min_observations: int = ctx.get("min_observations", 50)
     max_observations: int = ctx.get("max_observations", 5000)
-    observations = (await plane.fleet.observations(max_observations))[::-1]  # stored newest first
+    stored = await plane.fleet.observations(MAX_OBSERVATIONS)  # newest first
+    observations = refresh_window(stored, max_observations, ctx.get("max_key_share", 1.0))
+    if len(observations) < min(max_observations, len(stored)):
+        log.info("refresh window: %d of the %d newest observations; the rest are API keys' surplus beyond "
+                 "their share (LANES_PREDICTOR_MAX_KEY_SHARE)", len(observations), len(stored))
     if len(observations) < min_observations:
         return {"observations": len(observations), "version": 0}
     weights = await asyncio.to_thread(refit_bytes, observations)

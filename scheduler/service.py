@@ -80,7 +80,8 @@ class Scheduler:
                 redis_settings=_arq_redis_settings(ArqRedisSettings, self.settings.redis_url),
                 queue_name=f"{self.settings.key_prefix}:arq",
                 ctx={"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
-                     "max_observations": self.settings.predictor_max_observations},
+                     "max_observations": self.settings.predictor_max_observations,
+               "max_key_share": self.settings.predictor_max_key_share},
                 handle_signals=False, keep_result=0, poll_delay=1.0,
                 # JSON, never pickle: a Redis writer must not get code execution here.
                 job_serializer=lambda obj: json.dumps(obj).encode(), job_deserializer=json.loads,
@@ -97,7 +98,8 @@ class Scheduler:
         refits, as arq's ``unique`` cron would."""
         every_ms = int((every_s or self.settings.predictor_refresh_minutes * 60) * 1000)
         ctx = {"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
-               "max_observations": self.settings.predictor_max_observations}
+               "max_observations": self.settings.predictor_max_observations,
+               "max_key_share": self.settings.predictor_max_key_share}
         log.info("predictor refresh every %.0f s without arq (a Redis Cluster: arq cannot use one)", every_ms / 1000)
         backoff = Backoff("predictor refresh", log, min_s=1.0, max_s=30.0)
         while True:

@@ -14,7 +14,11 @@ class SchedulerSettings(RedisSettings):
     #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off).
     predictor_refresh_minutes: int = 5
     predictor_min_observations: int = 50
-    predictor_max_observations: int = 5000
+    #: The refresh's window: the newest this many observations...
+    predictor_max_observations: int = Field(default=5000, ge=1)
+    #: ...in which one API key holds at most this share while others have requests in the list
+    #: (1 = no limit): one key's traffic cannot retrain the lanes for everyone.
+    predictor_max_key_share: float = Field(default=0.5, gt=0.0, le=1.0)
     #: Pools to watch even before a worker of theirs is up (comma list); pools of live workers
     #: are added by themselves.
     pools: str = "default"

@@ -76,6 +76,9 @@ async def test_enqueue_is_idempotent(plane: QueuePlane) -> None:
     assert (await plane.enqueue(payload("mine"), "e", owner="alice")).existing_state == "queued"
     theirs = await plane.enqueue(payload("mine"), "e", owner="bob")
     assert not theirs.created and theirs.existing_state == ""
+    # The worker learns who sent it (its observation is counted against that key).
+    claim = await plane.claim("mine", "w")
+    assert claim is not None and claim.owner == "alice"
 
 
 async def test_cancel_queued_leaves_lane(plane: QueuePlane) -> None:

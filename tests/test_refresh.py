@@ -127,3 +127,45 @@ async def test_an_edge_skips_a_published_version_that_does_not_load(plane: Queue
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert edge.lengths.predictor is not shipped
+
+
+def test_the_refresh_window_caps_each_keys_share() -> None:
+    from lanes.scheduler.refresh import refresh_window
+
+    def obs(owner: str, n: int) -> list[Observation]:
+        return [Observation(f"{owner} {i}", 1, owner) for i in range(n)]
+
+    alone = obs("a", 30)  # newest first
+    assert refresh_window(alone, 10, 0.5) == alone[:10][::-1], "one key alone fills the window"
+    assert refresh_window(alone, 50, 0.5) == alone[::-1]
+    flood, few = obs("flood", 100), obs("few", 3)
+    newest_first = flood[:40] + few[:1] + flood[40:] + few[1:]
+    window = refresh_window(newest_first, 10, 0.5)
+    assert [o.prompt for o in window] == [f"few {i}" for i in (2, 1, 0)] + [f"flood {i}" for i in range(4, -1, -1)], \
+        "the flood takes 5 of 10 places, its newest five, and the window stays short"
+    assert len(refresh_window(newest_first, 10, 1.0)) == 10, "share 1: no limit"
+    assert refresh_window([], 10, 0.5) == []
+
+
+async def test_refresh_fits_on_the_capped_window_of_real_observations(plane: QueuePlane) -> None:
+    """Workers' observations through the real fleet calls: one key's flood takes at most its
+    share of the refit's window; stored prompts are clipped to what the predictor reads."""
+    from lanes.queue.messages import (
+        OBSERVED_PROMPT_HEAD_CHARS,
+        OBSERVED_PROMPT_TAIL_CHARS,
+    )
+
+    for i in range(60):
+        await plane.fleet.add_observation(Observation(f"{PROMPT} {i}", 2, "tenant"))
+    for i in range(400):
+        await plane.fleet.add_observation(Observation(f"Write an essay, take {i}.", 900, "flooder"))
+    ctx = {"plane": plane, "min_observations": 10, "max_observations": 200, "max_key_share": 0.5}
+    assert await refresh_predictor(ctx) == {"observations": 160, "version": 1}, "60 of the tenant, 100 flooded"
+    assert await refresh_predictor({**ctx, "max_key_share": 1.0}) == {"observations": 200, "version": 2}
+    long_prompt = "word " * 20_000
+    await plane.fleet.add_observation(Observation(long_prompt, 9, "tenant"))
+    stored = (await plane.fleet.observations(1))[0]
+    assert len(stored.prompt) == OBSERVED_PROMPT_HEAD_CHARS + 1 + OBSERVED_PROMPT_TAIL_CHARS
+    assert stored.prompt.startswith(long_prompt[:OBSERVED_PROMPT_HEAD_CHARS])
+    assert stored.prompt.endswith(long_prompt[-OBSERVED_PROMPT_TAIL_CHARS:])
+    assert (stored.output_tokens, stored.owner) == (9, "tenant")

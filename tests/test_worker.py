@@ -21,26 +21,30 @@ def worker_for(plane: QueuePlane, model_dir: str, **overrides: object) -> Worker
     return Worker(settings, plane, HFEngine(model_dir, max_slots=4))
 
 
-async def enqueue(plane: QueuePlane, request_id: str, max_tokens: int, lane: Lane = Lane.SHORT) -> None:
+async def enqueue(plane: QueuePlane, request_id: str, max_tokens: int, lane: Lane = Lane.SHORT,
+                  owner: str = "") -> None:
     payload = RequestPayload(id=request_id, messages=(ChatMessage("user", f"hi {request_id}"),),
                              max_tokens=max_tokens, temperature=0.0, lane=lane)
-    assert (await plane.enqueue(payload, "edge-x")).created
+    assert (await plane.enqueue(payload, "edge-x", owner=owner)).created
 
 
 async def test_burst_worker_drains_every_lane(plane: QueuePlane, tiny_model) -> None:
     for i, lane in enumerate([Lane.LONG, Lane.MEDIUM, Lane.SHORT, Lane.SHORT, Lane.LONG]):
-        await enqueue(plane, f"r{i}", 6, lane)
+        await enqueue(plane, f"r{i}", 6 if i else 400, lane, owner="key-7")
     worker = worker_for(plane, str(tiny_model.target))
     await asyncio.wait_for(worker.serve(burst=True), 120)
     for i in range(5):
         assert await plane.redis.hget(plane.keys.request(f"r{i}"), "state") == b"done"
         events = await plane.read_stream(f"r{i}")
         assert [e.seq for e in events] == list(range(len(events)))
-        assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens <= 6
+        assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens <= (6 if i else 400)
     assert worker.table.num_finished["done"] == 5
     # Requests that ended on their own (stop) report their true length for the predictor.
     stops = [i for i in range(5) if (await plane.read_stream(f"r{i}"))[-1].finish.reason.value == "stop"]
-    assert await plane.redis.llen(plane.keys.observations) == len(stops)
+    assert stops, "r0 (400 tokens allowed) ends on its own"
+    observed = await plane.fleet.observations(10)
+    assert sorted(o.prompt for o in observed) == sorted(f"hi r{i}" for i in stops)
+    assert {o.owner for o in observed} == {"key-7"}, "counted against the key that sent it"
 
 
 async def test_engine_death_releases_leases_and_raises(plane: QueuePlane, tiny_model) -> None:

@@ -53,13 +53,13 @@ class Reporter:
         metrics.TOKENS_PER_S.set(rate)
         return round(rate, 1)
 
-    async def observation(self, messages: Sequence[ChatMessage], output_tokens: int) -> None:
+    async def observation(self, messages: Sequence[ChatMessage], output_tokens: int, owner: str) -> None:
         """Record a finished request's true length (callers pass only STOP finishes: a LENGTH
-        finish hides the true length)."""
+        finish hides the true length), with the API key's id that sent it."""
         from lanes.scheduler.predictor import prompt_text
 
         with contextlib.suppress(QueueUnavailable):
-            await self.plane.fleet.add_observation(Observation(prompt_text(messages), output_tokens))
+            await self.plane.fleet.add_observation(Observation(prompt_text(messages), output_tokens, owner))
 
 
 def _plain(stats: dict[str, Any]) -> dict[str, float | int | str | bool | None]:

@@ -293,7 +293,7 @@ class Worker:
                 if finish is None:  # preempted: handed back, resumes later after its tokens
                     return
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
-                    await self.reporter.observation(payload.messages, finish.usage.completion_tokens)
+                    await self.reporter.observation(payload.messages, finish.usage.completion_tokens, claim.owner)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
                 final = RequestState.CANCELLED if finish.reason is FinishReason.CANCELLED else RequestState.DONE
