@@ -139,7 +139,7 @@ class Observation(msgspec.Struct, frozen=True, array_like=True):
     prompt: str
     output_tokens: int
     #: The API key's id that submitted it ("" without auth, and in entries written before it
-    #: was recorded): no one key may fill the refresh's window (``FleetPlane.add_observation``).
+    #: was recorded): no one key may fill the refresh's window (``scheduler.refresh.refresh_window``).
     owner: str = ""
 
 
