@@ -16,9 +16,9 @@ from lanes.queue.stats import EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
 #: KEYS: list. Returns every element and deletes the list, atomically.
-#: KEYS: predictor hash. ARGV: weights, observations. Returns the new version.
+#: KEYS: predictor hash. ARGV: weights, observations, observations added. Returns the new version.
 _PUBLISH_PREDICTOR = """
-redis.call('HSET', KEYS[1], 'weights', ARGV[1], 'observations', ARGV[2])
+redis.call('HSET', KEYS[1], 'weights', ARGV[1], 'observations', ARGV[2], 'added', ARGV[3])
 return redis.call('HINCRBY', KEYS[1], 'version', 1)
 """
 #: KEYS: predictor hash. ARGV: the caller's version. Returns {version, weights} when newer, else {}:
@@ -128,7 +128,12 @@ class Fleet:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.lpush(key, encode(msgspec.structs.replace(observation, prompt=clip_observed(observation.prompt))))
             pipe.ltrim(key, 0, MAX_OBSERVATIONS - 1)
+            pipe.incr(self.keys.observations_added)
             await pipe.execute()
+
+    async def observations_added(self) -> int:
+        """Observations ever added (``add_observation`` calls)."""
+        return int(await self.redis.get(self.keys.observations_added) or 0)
 
     async def observations(self, limit: int) -> list[Observation]:
         """The newest ``limit`` observations; malformed entries are skipped."""
@@ -140,12 +145,18 @@ class Fleet:
                 continue
         return found
 
-    async def publish_predictor(self, weights: bytes, num_observations: int) -> int:
-        """Store refreshed predictor weights; returns their new version."""
+    async def publish_predictor(self, weights: bytes, num_observations: int, added: int = 0) -> int:
+        """Store refreshed predictor weights fitted on ``num_observations`` when
+        ``observations_added`` was ``added``; returns their new version."""
         k = self.keys.predictor
         # One script on one key (MULTI is refused by a cluster client): a reader never sees the
         # new version with the old weights (it would keep those until the next version).
-        return int(await self.redis.eval(_PUBLISH_PREDICTOR, 1, k, weights, num_observations))
+        return int(await self.redis.eval(_PUBLISH_PREDICTOR, 1, k, weights, num_observations, added))
+
+    async def published_added(self) -> int | None:
+        """``observations_added`` when the published version was fitted (None: none published)."""
+        added = await self.redis.hget(self.keys.predictor, "added")
+        return None if added is None else int(added)
 
     async def published_predictor(self, known_version: int) -> tuple[int, bytes] | None:
         """``(version, weights)`` when a version newer than ``known_version`` is stored."""

@@ -120,13 +120,19 @@ class Keys:
         """LIST of recent finished requests (prompt, true output tokens), capped, for predictor refresh."""
         return f"{self.prefix}:obs"
 
+    @property
+    def observations_added(self) -> str:
+        """Counter of observations ever added: a refresh with nothing new since the last one skips."""
+        return f"{self.prefix}:obs:added"
+
     def rate_bucket(self, key_id: str) -> str:
         """HASH tokens, at: one API key's fleet-wide token bucket."""
         return f"{self.prefix}:rl:{key_id}"
 
     @property
     def predictor(self) -> str:
-        """HASH version, weights (npz bytes, no pickle): the refreshed length predictor."""
+        """HASH version, weights (npz bytes, no pickle), observations (how many it was fitted on),
+        added (``observations_added`` when it was fitted): the refreshed length predictor."""
         return f"{self.prefix}:predictor"
 
     def api_key(self, key_hash: str) -> str:

@@ -71,10 +71,14 @@ def refit_bytes(observations: list[Observation]) -> bytes:
 
 
 async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
-    """arq cron job: refit on the newest observations and publish a new version."""
+    """arq cron job: refit on the newest observations and publish a new version (none when no
+    observation was added since the published one was fitted: the same window, the same model)."""
     plane: QueuePlane = ctx["plane"]
     min_observations: int = ctx.get("min_observations", 50)
     max_observations: int = ctx.get("max_observations", 5000)
+    added = await plane.fleet.observations_added()
+    if added and added == await plane.fleet.published_added():
+        return {"observations": 0, "version": 0}
     stored = await plane.fleet.observations(MAX_OBSERVATIONS)  # newest first
     observations = refresh_window(stored, max_observations, ctx.get("max_key_share", 1.0))
     if len(observations) < min(max_observations, len(stored)):
@@ -83,7 +87,7 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     if len(observations) < min_observations:
         return {"observations": len(observations), "version": 0}
     weights = await asyncio.to_thread(refit_bytes, observations)
-    version = await plane.fleet.publish_predictor(weights, len(observations))
+    version = await plane.fleet.publish_predictor(weights, len(observations), added)
     log.info("predictor refreshed from %d observations: version %d", len(observations), version)
     return {"observations": len(observations), "version": version}
 

@@ -248,7 +248,9 @@ async def test_refresh_runs_without_arq_once_per_tick(redis_cluster: LocalCluste
             return found[0]
 
         first = await asyncio.wait_for(published(), scaled(30))
-        await asyncio.sleep(3.0)  # at most 4 tick boundaries: 4 refits, or ~8 without the lock
+        for i in range(12):  # 3 s, at most 4 tick boundaries: 4 refits, or ~8 without the lock
+            await planes[0].fleet.add_observation(Observation(f"Write one word that rhymes with dog {i}.", 2))
+            await asyncio.sleep(0.25)  # (something new at every tick: an unchanged window is not refitted)
         more = (await planes[0].fleet.published_predictor(0))[0] - first  # type: ignore[index]
         assert 1 <= more <= 4, f"{more} new versions in 3 ticks of 1 s with two schedulers"
     finally:

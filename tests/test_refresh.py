@@ -161,6 +161,7 @@ async def test_refresh_fits_on_the_capped_window_of_real_observations(plane: Que
         await plane.fleet.add_observation(Observation(f"Write an essay, take {i}.", 900, "flooder"))
     ctx = {"plane": plane, "min_observations": 10, "max_observations": 200, "max_key_share": 0.5}
     assert await refresh_predictor(ctx) == {"observations": 160, "version": 1}, "60 of the tenant, 100 flooded"
+    await plane.fleet.add_observation(Observation(PROMPT, 2, "tenant"))  # (an unchanged list is not refitted)
     assert await refresh_predictor({**ctx, "max_key_share": 1.0}) == {"observations": 200, "version": 2}
     long_prompt = "word " * 20_000
     await plane.fleet.add_observation(Observation(long_prompt, 9, "tenant"))
@@ -169,3 +170,16 @@ async def test_refresh_fits_on_the_capped_window_of_real_observations(plane: Que
     assert stored.prompt.startswith(long_prompt[:OBSERVED_PROMPT_HEAD_CHARS])
     assert stored.prompt.endswith(long_prompt[-OBSERVED_PROMPT_TAIL_CHARS:])
     assert (stored.output_tokens, stored.owner) == (9, "tenant")
+
+
+async def test_a_refresh_with_nothing_new_publishes_nothing(plane: QueuePlane) -> None:
+    """The same window gives the same model: no new version (edges would fetch ~1 MB for it)
+    until an observation is added."""
+    ctx = {"plane": plane, "min_observations": 10}
+    for i in range(20):
+        await plane.fleet.add_observation(Observation(f"{PROMPT} {i}", 2, "k"))
+    assert await refresh_predictor(ctx) == {"observations": 20, "version": 1}
+    assert await plane.fleet.published_added() == 20
+    assert (await refresh_predictor(ctx))["version"] == 0, "nothing new: skipped"
+    await plane.fleet.add_observation(Observation(PROMPT, 3, "k"))
+    assert await refresh_predictor(ctx) == {"observations": 21, "version": 2}

@@ -341,8 +341,10 @@ class Edge:
         log.info("length predictor version %d loaded; lanes: short <= %d, long > %d predicted tokens%s", version,
                  self.thresholds.short_max_tokens, self.thresholds.medium_max_tokens, kept)
 
-    async def reload_predictor(self, interval_s: float = 30.0) -> None:
-        """Pick up predictor versions the scheduler's refresh job publishes."""
+    async def reload_predictor(self, interval_s: float | None = None) -> None:
+        """Pick up predictor versions the scheduler's refresh job publishes (every
+        ``interval_s``, default ``LANES_PREDICTOR_POLL_S``)."""
+        interval_s = interval_s or self.settings.predictor_poll_s
         skipped = 0  # the newest version whose weights did not load: not fetched again
         while True:
             try:

@@ -40,6 +40,9 @@ class EdgeSettings(RedisSettings):
     #: ``scheduler/refresh.py``) instead of the two above. Unset: follow them unless one of the two
     #: above was set explicitly; false pins the two above; true follows even so.
     follow_refreshed_routing: bool | None = None
+    #: How often the edge asks Redis for a newer refreshed predictor (one small read; the
+    #: weights cross the network only when a new version is there).
+    predictor_poll_s: float = Field(default=5.0, gt=0.0)
 
     @property
     def follows_refreshed_routing(self) -> bool:
