@@ -30,9 +30,11 @@ return h
 """
 _TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return items"
 _observation_decoder = msgspec.json.Decoder(Observation)
-#: Newest observations kept for the predictor refresh (a capped list): four refresh windows, so
+#: Newest observations kept for the predictor refresh (a capped list): two refresh windows, so
 #: that the refresh can leave out one API key's surplus and still fill its window with others'.
-MAX_OBSERVATIONS = 20_000
+MAX_OBSERVATIONS = 10_000
+#: Observations read per ``LRANGE``: each call holds Redis for ~1 ms, not one call for the list.
+_OBSERVATIONS_PAGE = 1000
 #: Edge windows kept while no scheduler merges them (100 edges for 100 s); older ones are dropped.
 MAX_PENDING_WINDOWS = 10_000
 #: Unmerged windows, and the history, vanish this long after their last write (ms): a restart
@@ -136,13 +138,18 @@ class Fleet:
         return int(await self.redis.get(self.keys.observations_added) or 0)
 
     async def observations(self, limit: int) -> list[Observation]:
-        """The newest ``limit`` observations; malformed entries are skipped."""
+        """The newest ``limit`` observations; malformed entries are skipped (an entry added
+        between two pages shifts the list: the next page repeats one)."""
         found = []
-        for item in await self.redis.lrange(self.keys.observations, 0, limit - 1):
-            try:
-                found.append(_observation_decoder.decode(item))
-            except msgspec.DecodeError:
-                continue
+        for start in range(0, limit, _OBSERVATIONS_PAGE):
+            page = await self.redis.lrange(self.keys.observations, start, min(limit, start + _OBSERVATIONS_PAGE) - 1)
+            for item in page:
+                try:
+                    found.append(_observation_decoder.decode(item))
+                except msgspec.DecodeError:
+                    continue
+            if len(page) < _OBSERVATIONS_PAGE:
+                break
         return found
 
     async def publish_predictor(self, weights: bytes, num_observations: int, added: int = 0) -> int:

@@ -79,8 +79,11 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     added = await plane.fleet.observations_added()
     if added and added == await plane.fleet.published_added():
         return {"observations": 0, "version": 0}
-    stored = await plane.fleet.observations(MAX_OBSERVATIONS)  # newest first
-    observations = refresh_window(stored, max_observations, ctx.get("max_key_share", 1.0))
+    max_key_share: float = ctx.get("max_key_share", 1.0)
+    # Newest first; with a share cap the whole list (which keys are in it, and older entries to
+    # fill the places a key's surplus leaves).
+    stored = await plane.fleet.observations(max_observations if max_key_share >= 1.0 else MAX_OBSERVATIONS)
+    observations = refresh_window(stored, max_observations, max_key_share)
     if len(observations) < min(max_observations, len(stored)):
         log.info("refresh window: %d of the %d newest observations; the rest are API keys' surplus beyond "
                  "their share (LANES_PREDICTOR_MAX_KEY_SHARE)", len(observations), len(stored))

@@ -183,3 +183,13 @@ async def test_a_refresh_with_nothing_new_publishes_nothing(plane: QueuePlane) -
     assert (await refresh_predictor(ctx))["version"] == 0, "nothing new: skipped"
     await plane.fleet.add_observation(Observation(PROMPT, 3, "k"))
     assert await refresh_predictor(ctx) == {"observations": 21, "version": 2}
+
+
+async def test_observations_are_read_in_pages(plane: QueuePlane) -> None:
+    from lanes.queue import fleet
+
+    for i in range(2500):
+        await plane.fleet.add_observation(Observation(f"p {i}", i))
+    newest = await plane.fleet.observations(fleet.MAX_OBSERVATIONS)
+    assert [o.output_tokens for o in newest] == list(range(2499, -1, -1)), "every entry once, newest first"
+    assert [o.output_tokens for o in await plane.fleet.observations(1500)] == list(range(2499, 999, -1))
