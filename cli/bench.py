@@ -95,11 +95,11 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
     row_prompts = [""] * len(true_tokens)
     for rows, name in zip(np.array_split(np.arange(len(true_tokens)), len(sources)), sources, strict=True):
         pool = [o for o in observations if name is None or o.source == name]
-        pool_tokens = np.array([o.output_tokens for o in pool], dtype=float)
-        part = from_pool(true_tokens[rows], pool_tokens,
-                         *predict_prompts(model.predict, [o.prompt for o in pool], SIM_MAX_TOKENS), pairing_seed)
+        paired = pair_prompts(true_tokens[rows], np.array([o.output_tokens for o in pool], dtype=float), pairing_seed)
+        part = from_pool(true_tokens[rows], paired, *predict_prompts(model.predict, [o.prompt for o in pool],
+                                                                      SIM_MAX_TOKENS))
         tokens[rows], latency_ms[rows] = part.tokens, part.latency_ms
-        for row, i in zip(rows, pair_prompts(true_tokens[rows], pool_tokens, pairing_seed), strict=True):
+        for row, i in zip(rows, paired, strict=True):
             row_prompts[row] = pool[i].prompt
     return Predictions(tokens, latency_ms, label, kendall_tau(true_tokens, tokens)), row_prompts
 

@@ -65,6 +65,12 @@ class Scheduler:
                 # arq cannot use a Redis Cluster (docs/redis-cluster.md): a plain periodic task there.
                 group.create_task(self._refresh_loop() if self.plane.cluster else self._arq_cron())
 
+    def _refresh_ctx(self) -> dict[str, object]:
+        """What ``refresh_predictor`` reads, from the settings (arq's cron and the loop alike)."""
+        return {"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
+                "max_observations": self.settings.predictor_max_observations,
+                "max_key_share": self.settings.predictor_max_key_share}
+
     async def _arq_cron(self) -> None:
         """arq runs the periodic jobs (off the request path): unique per tick across schedulers."""
         from arq.connections import RedisSettings as ArqRedisSettings
@@ -79,9 +85,7 @@ class Scheduler:
                 cron_jobs=[cron(refresh_predictor, minute=set(range(0, 60, every)), unique=True, timeout=300)],
                 redis_settings=_arq_redis_settings(ArqRedisSettings, self.settings.redis_url),
                 queue_name=f"{self.settings.key_prefix}:arq",
-                ctx={"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
-                     "max_observations": self.settings.predictor_max_observations,
-               "max_key_share": self.settings.predictor_max_key_share},
+                ctx=self._refresh_ctx(),
                 handle_signals=False, keep_result=0, poll_delay=1.0,
                 # JSON, never pickle: a Redis writer must not get code execution here.
                 job_serializer=lambda obj: json.dumps(obj).encode(), job_deserializer=json.loads,
@@ -97,9 +101,7 @@ class Scheduler:
         (default ``predictor_refresh_minutes``), the scheduler that takes the tick's lock key
         refits, as arq's ``unique`` cron would."""
         every_ms = int((every_s or self.settings.predictor_refresh_minutes * 60) * 1000)
-        ctx = {"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
-               "max_observations": self.settings.predictor_max_observations,
-               "max_key_share": self.settings.predictor_max_key_share}
+        ctx = self._refresh_ctx()
         log.info("predictor refresh every %.0f s without arq (a Redis Cluster: arq cannot use one)", every_ms / 1000)
         backoff = Backoff("predictor refresh", log, min_s=1.0, max_s=30.0)
         while True:

@@ -247,8 +247,9 @@ def test_pool_predictions_are_charged_their_measured_latency() -> None:
     tokens, latency_ms = predictions.predict_prompts(predict, ["a", "b"], 4096, clock=lambda: float(next(ticks)))
     assert list(tokens) == [42, 42] and len(calls) == 3  # one warm-up call
     assert latency_ms == pytest.approx([1.0, 1.0])
-    pool = predictions.from_pool(np.array([1, 2, 3, 4]), np.array([1.0, 4.0]), np.array([7.0, 9.0]),
-                                 np.array([0.5, 2.0]))
+    trace_tokens = np.array([1, 2, 3, 4])
+    pool = predictions.from_pool(trace_tokens, predictions.pair_prompts(trace_tokens, np.array([1.0, 4.0])),
+                                 np.array([7.0, 9.0]), np.array([0.5, 2.0]))
     assert list(pool.tokens) == [7, 7, 9, 9] and list(pool.latency_ms) == [0.5, 0.5, 2.0, 2.0]
     assert pool.tau > 0.5
 

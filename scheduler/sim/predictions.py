@@ -79,11 +79,10 @@ def predict_prompts(predict: Callable[[Sequence[ChatMessage], int], int], prompt
     return tokens, latency_ms
 
 
-def from_pool(true_tokens: np.ndarray, pool_tokens: np.ndarray, pool_predicted: np.ndarray,
-              pool_latency_ms: np.ndarray, seed: int | None = None) -> Predictions:
-    """The predictor's outputs on each row's paired prompt (``pair_prompts``), with their
-    measured latency."""
-    paired = pair_prompts(true_tokens, pool_tokens, seed)
+def from_pool(true_tokens: np.ndarray, paired: np.ndarray, pool_predicted: np.ndarray,
+              pool_latency_ms: np.ndarray) -> Predictions:
+    """The predictor's outputs on each row's paired prompt (``paired``, from ``pair_prompts``),
+    with their measured latency."""
     tokens = pool_predicted[paired]
     return Predictions(tokens, pool_latency_ms[paired], "shipped", kendall_tau(true_tokens, tokens))
 
