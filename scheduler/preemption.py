@@ -84,8 +84,10 @@ class PreemptionConfig:
     #: Share of the prompt an engine with prefix caching still holds when the request resumes.
     prompt_cached_share: float = 0.0
     #: Also hand back demoted runs (claimed from the waiting lane but past its bound), not
-    #: only runs claimed from a later lane. Off by default: without a predictor that ranks
-    #: well this is least-attained-service scheduling, and it multiplies the long tail.
+    #: only runs claimed from a later lane, so a mispredicted long answer stops holding a slot
+    #: the short lane needs during a peak. Off by default: with a predictor that ranks well it
+    #: lifts the short-request tail, but without one it is least-attained-service scheduling,
+    #: and it multiplies the long tail (benchmarks/RESULTS.md, "Stop 22").
     hand_back_demoted: bool = False
 
     def __post_init__(self) -> None:

@@ -140,3 +140,33 @@ def test_worker_slot_defaults_are_the_simulators_and_scale_with_the_slots() -> N
     assert WorkerSettings(max_slots=8, min_long_slots=4).slots(1).min_long == 1
     with pytest.raises(ValidationError, match="max_long_slots"):
         WorkerSettings(max_long_slots=-1)
+
+
+async def test_a_demoted_run_is_handed_back_to_the_long_lane_when_a_short_request_waits(plane: QueuePlane) -> None:
+    """Predicted short, answers long: past its bound it counts as long, and when a short request
+    has waited past the bound with no free slot it is handed back into the long lane, then resumes
+    after its streamed tokens."""
+    async with running(plane, slots=1, time_scale=1.0, preempt_after_ms=300, min_long_slots=0,
+                       preempt_demoted=True) as worker:
+        assert worker.policy.preemption is not None and worker.policy.preemption.hand_back_demoted
+        await enqueue(plane, "chatty", Lane.SHORT, 400)
+        await until(lambda: _streamed(plane, "chatty", 220))  # demoted past the short bound (200)
+        await enqueue(plane, "short", Lane.SHORT, 5)
+        await until(lambda: _is(plane, "short", "done"))
+        assert worker.table.num_finished["preempted"] == 1
+        await until(lambda: _is(plane, "chatty", "done"), 60)
+    events = await plane.read_stream("chatty")
+    assert [e.seq for e in events] == list(range(len(events))), "resumed after its tokens: no gap, no repeat"
+    assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens == 400
+    assert await plane.redis.hget(plane.keys.request("chatty"), "preempted") == b"1"
+
+
+async def test_demoted_runs_are_kept_by_default(plane: QueuePlane) -> None:
+    async with running(plane, slots=1, time_scale=1.0, preempt_after_ms=300, min_long_slots=0) as worker:
+        assert worker.policy.preemption is not None and not worker.policy.preemption.hand_back_demoted
+        await enqueue(plane, "chatty", Lane.SHORT, 300)
+        await until(lambda: _streamed(plane, "chatty", 220))
+        await enqueue(plane, "short", Lane.SHORT, 5)
+        await until(lambda: _is(plane, "chatty", "done"), 60)
+        assert worker.table.num_finished["preempted"] == 0
+        await until(lambda: _is(plane, "short", "done"))

@@ -68,6 +68,9 @@ class WorkerSettings(RedisSettings):
     preempt_after_ms: float = 20_000.0
     #: A request is handed back at most this many times.
     max_preemptions: int = 1
+    #: Hand back demoted runs too (claimed from a shorter lane, past its bound), not only
+    #: long-lane ones (``PreemptionConfig.hand_back_demoted``; off: unsafe with a weak predictor).
+    preempt_demoted: bool = DEFAULT_PREEMPTION.hand_back_demoted
     #: A run that (re)started less than this long ago is not handed back.
     preempt_min_run_ms: float = DEFAULT_PREEMPTION.min_run_ms
     #: Cancel a running request whose edge channel has had no subscriber this long (its edge
@@ -130,4 +133,4 @@ class WorkerSettings(RedisSettings):
     def preemption(self) -> PreemptionConfig | None:
         return None if self.preempt_after_ms <= 0 else replace(
             DEFAULT_PREEMPTION, wait_bound_ms=self.preempt_after_ms, max_preemptions=self.max_preemptions,
-            min_run_ms=self.preempt_min_run_ms)
+            min_run_ms=self.preempt_min_run_ms, hand_back_demoted=self.preempt_demoted)
