@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import numpy as np
 import typer
+from lanes.queue.messages import REFRESH_WINDOW
 
 app = typer.Typer(help="bench commands", no_args_is_help=True)
 
@@ -105,17 +106,18 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
 
 
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
-                  model: Any, every_s: float, follow_routing: bool, max_short_to_long: float) -> Any:
+                  model: Any, every_s: float, follow_routing: bool, max_short_to_long: float, window: int) -> Any:
     """``predictions`` (their measured latencies kept) with the scheduler's refresh in the loop."""
     from lanes.scheduler.policy import RoutingCalibration
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
     from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
 
-    config = RefreshConfig(every_s=every_s, follow_routing=follow_routing,
+    config = RefreshConfig(every_s=every_s, follow_routing=follow_routing, window=window,
                            calibration=RoutingCalibration(max_short_to_long=max_short_to_long))
     refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, config, SIM_MAX_TOKENS)
     fitted = [r["long_above_tokens"] for r in refreshed.refreshes if r["long_above_tokens"] is not None]
-    info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted),
+    info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted), "refresh_window": window,
+            "most_observations_per_refit": max((int(r["observations"] or 0) for r in refreshed.refreshes), default=0),
             "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
             "predictor_tau_unseen_prompts": refreshed.tau_unseen, "seen_prompt_share": refreshed.seen_share}
     return replace(predictions, tokens=refreshed.tokens, tau=refreshed.tau, routing=refreshed.routing,
@@ -179,6 +181,8 @@ def policy(
                                                    "finished requests, lane thresholds shipped with it); with "
                                                    "--predictor random the prompts are dealt to the rows at "
                                                    "random, so the refits learn nothing; 0: off.")] = 0.0,
+    refresh_window: Annotated[int, typer.Option(min=50, help="--refresh-every-s: each refit reads the newest this "
+                                                "many finished requests (LANES_PREDICTOR_MAX_OBSERVATIONS).")] = REFRESH_WINDOW,
     refresh_routing: Annotated[str, typer.Option(help="--refresh-every-s: follow (route by the thresholds each "
                                                  "refit ships, the edges' default) or pin (keep the edges' fixed "
                                                  "150 / 750).")] = "follow",
@@ -221,7 +225,7 @@ def policy(
                 predictions = replace(predictions, source="random")
             arrival_s = requests.time_scaled(load * capacity_rps / requests.rate_rps).arrival_s
             predictions = _with_refresh(predictions, row_prompts, arrival_s, true, model, refresh_every_s,
-                                        refresh_routing == "follow", tuning.max_short_to_long)
+                                        refresh_routing == "follow", tuning.max_short_to_long, refresh_window)
         elif predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
     if predictor_ms is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as aioredis
 from lanes.queue.keys import STATS_HISTORY_LEN, Keys
-from lanes.queue.messages import DepthSnapshot, Observation, WorkerReport, clip_observed, encode
+from lanes.queue.messages import REFRESH_WINDOW, DepthSnapshot, Observation, WorkerReport, clip_observed, encode
 from lanes.queue.stats import EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
@@ -32,7 +32,8 @@ _TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL
 _observation_decoder = msgspec.json.Decoder(Observation)
 #: Newest observations kept for the predictor refresh (a capped list): two refresh windows, so
 #: that the refresh can leave out one API key's surplus and still fill its window with others'.
-MAX_OBSERVATIONS = 10_000
+#: Prompts are clipped (``clip_observed``), so the list holds at most ~100 MB, typically ~20 MB.
+MAX_OBSERVATIONS = 2 * REFRESH_WINDOW
 #: Observations read per ``LRANGE``: each call holds Redis for ~1 ms, not one call for the list.
 _OBSERVATIONS_PAGE = 1000
 #: Edge windows kept while no scheduler merges them (100 edges for 100 s); older ones are dropped.

@@ -143,9 +143,12 @@ class Observation(msgspec.Struct, frozen=True, array_like=True):
     owner: str = ""
 
 
+#: The predictor refresh's default window: the newest this many finished requests
+#: (``LANES_PREDICTOR_MAX_OBSERVATIONS``; 5,000 before stop 22, benchmarks/RESULTS.md).
+REFRESH_WINDOW = 10_000
 #: An observed prompt keeps its first and last this many characters: what the length predictor
 #: reads of it (n-grams of the first 256 / last 128 words and characters, cues of the first
-#: 2,048 / last 512 characters) is inside, and the list's memory stays bounded (10,000 entries of
+#: 2,048 / last 512 characters) is inside, and the list's memory stays bounded (20,000 entries of
 #: at most ~5 K characters, where a prompt may have 64 K). Only the prompt's size cues (its
 #: characters, words, lines, question marks) read less of a longer one.
 OBSERVED_PROMPT_HEAD_CHARS, OBSERVED_PROMPT_TAIL_CHARS = 4096, 1024

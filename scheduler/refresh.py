@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lanes.queue.fleet import MAX_OBSERVATIONS
-from lanes.queue.messages import Observation
+from lanes.queue.messages import REFRESH_WINDOW, Observation
 from lanes.queue.plane import QueuePlane
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     observation was added since the published one was fitted: the same window, the same model)."""
     plane: QueuePlane = ctx["plane"]
     min_observations: int = ctx.get("min_observations", 50)
-    max_observations: int = ctx.get("max_observations", 5000)
+    max_observations: int = ctx.get("max_observations", REFRESH_WINDOW)
     added = await plane.fleet.observations_added()
     if added and added == await plane.fleet.published_added():
         return {"observations": 0, "version": 0}

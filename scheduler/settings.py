@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lanes.queue.messages import REFRESH_WINDOW
 from lanes.queue.settings import RedisSettings
 from pydantic import Field
 
@@ -15,7 +16,7 @@ class SchedulerSettings(RedisSettings):
     predictor_refresh_minutes: int = 5
     predictor_min_observations: int = 50
     #: The refresh's window: the newest this many observations...
-    predictor_max_observations: int = Field(default=5000, ge=1)
+    predictor_max_observations: int = Field(default=REFRESH_WINDOW, ge=1)
     #: ...in which one API key holds at most this share while others have requests in the list
     #: (1 = no limit): one key's traffic cannot retrain the lanes for everyone.
     predictor_max_key_share: float = Field(default=0.5, gt=0.0, le=1.0)

@@ -92,6 +92,12 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     info = json.loads(out.stdout)["lanes"]["predictor"]
     assert info["source"] == "shipped+refresh" and info["refreshes"] >= 4, info
     assert 0.0 < info["seen_prompt_share"] <= 1.0, "80 prompts over 300 rows: a refit has seen most of them"
+    assert info["refresh_window"] == 10_000 and info["most_observations_per_refit"] > 60, info
+    small = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
+                  "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5",
+                  "--refresh-window", "60")
+    assert small.returncode == 0, small.stderr
+    assert json.loads(small.stdout)["lanes"]["predictor"]["most_observations_per_refit"] == 60
     two = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "other,chat",
                 "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5")
     assert two.returncode == 0, two.stderr  # the first half of the rows gets "other"'s one prompt, the rest "chat"'s

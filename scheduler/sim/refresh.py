@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lanes.queue.messages import ChatMessage
+from lanes.queue.messages import REFRESH_WINDOW, ChatMessage
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds, RoutingCalibration
 from lanes.scheduler.predictor import LengthPredictor
@@ -34,8 +34,8 @@ class RefreshConfig:
     """The live refresh's settings (``scheduler/service.py``, ``queue/fleet.py``)."""
 
     every_s: float = 300.0
-    #: Newest finished requests a refit reads (``fleet.MAX_OBSERVATIONS``).
-    window: int = 5000
+    #: Newest finished requests a refit reads (``LANES_PREDICTOR_MAX_OBSERVATIONS``).
+    window: int = REFRESH_WINDOW
     #: Fewer observations than this: no refit (``refresh_predictor``'s ``min_observations``).
     min_observations: int = 50
     #: A row counts as finished this long after its arrival.
