@@ -62,10 +62,7 @@ async def test_a_long_run_is_handed_back_when_a_short_request_waits_too_long(pla
         await until(lambda: _is(plane, "short", "done"))  # served while "long" was handed back
         assert worker.table.num_finished["preempted"] == 1
         await until(lambda: _is(plane, "long", "done"), 60)
-    events = await plane.read_stream("long")
-    assert [e.seq for e in events] == list(range(len(events))), "resumed after its tokens: no gap, no repeat"
-    assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens == 300
-    assert await plane.redis.hget(plane.keys.request("long"), "preempted") == b"1"
+    await _resumed_whole(plane, "long", 300)
 
 
 async def test_a_short_run_past_its_bound_counts_against_the_long_lane(plane: QueuePlane) -> None:
@@ -91,6 +88,14 @@ async def test_fcfs_is_one_lane_and_open_slots(plane: QueuePlane) -> None:
         for i in range(4):
             await enqueue(plane, f"m{i}", Lane.MEDIUM, 50)
         await until(lambda: _all_done(plane, [f"m{i}" for i in range(4)]))
+
+
+async def _resumed_whole(plane: QueuePlane, rid: str, num_tokens: int) -> None:
+    """``rid`` was handed back once and resumed after its tokens: no gap, no repeat."""
+    events = await plane.read_stream(rid)
+    assert [e.seq for e in events] == list(range(len(events))), "resumed after its tokens: no gap, no repeat"
+    assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens == num_tokens
+    assert await plane.redis.hget(plane.keys.request(rid), "preempted") == b"1"
 
 
 async def _streamed(plane: QueuePlane, rid: str, num: int) -> bool:
@@ -155,10 +160,7 @@ async def test_a_demoted_run_is_handed_back_to_the_long_lane_when_a_short_reques
         await until(lambda: _is(plane, "short", "done"))
         assert worker.table.num_finished["preempted"] == 1
         await until(lambda: _is(plane, "chatty", "done"), 60)
-    events = await plane.read_stream("chatty")
-    assert [e.seq for e in events] == list(range(len(events))), "resumed after its tokens: no gap, no repeat"
-    assert events[-1].finish is not None and events[-1].finish.usage.completion_tokens == 400
-    assert await plane.redis.hget(plane.keys.request("chatty"), "preempted") == b"1"
+    await _resumed_whole(plane, "chatty", 400)
 
 
 async def test_demoted_runs_are_kept_by_default(plane: QueuePlane) -> None:
