@@ -117,7 +117,7 @@ def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarra
     refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, config, SIM_MAX_TOKENS)
     fitted = [r["long_above_tokens"] for r in refreshed.refreshes if r["long_above_tokens"] is not None]
     info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted), "refresh_window": window,
-            "most_observations_per_refit": max((int(r["observations"] or 0) for r in refreshed.refreshes), default=0),
+            "most_observations_per_refit": max((int(r["observations"]) for r in refreshed.refreshes), default=0),
             "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
             "predictor_tau_unseen_prompts": refreshed.tau_unseen, "seen_prompt_share": refreshed.seen_share}
     return replace(predictions, tokens=refreshed.tokens, tau=refreshed.tau, routing=refreshed.routing,

@@ -344,7 +344,8 @@ class Edge:
     async def reload_predictor(self, interval_s: float | None = None) -> None:
         """Pick up predictor versions the scheduler's refresh job publishes (every
         ``interval_s``, default ``LANES_PREDICTOR_POLL_S``)."""
-        interval_s = interval_s or self.settings.predictor_poll_s
+        if interval_s is None:
+            interval_s = self.settings.predictor_poll_s
         skipped = 0  # the newest version whose weights did not load: not fetched again
         while True:
             try:
