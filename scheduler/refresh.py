@@ -9,8 +9,8 @@ route by them instead of their fixed ``LANES_SHORT_MAX_TOKENS`` / ``LANES_MEDIUM
 unless those were set explicitly (``LANES_FOLLOW_REFRESHED_ROUTING`` decides).
 
 Each refit starts from the shipped weights plus the current window (bounded: the newest
-``max_observations``, in which one API key holds at most ``max_key_share`` while others have
-requests in the list: ``refresh_window``), so repeated refits never double-count an observation. Weights travel
+``max_observations``, in which one API key's entries beyond ``max_key_share`` give way to
+other keys' older ones: ``refresh_window``), so repeated refits never double-count an observation. Weights travel
 as ``.npz`` bytes (JSON header + numeric arrays, loaded with ``allow_pickle=False``).
 """
 
@@ -34,22 +34,28 @@ log = logging.getLogger(__name__)
 
 def refresh_window(newest_first: Sequence[Observation], size: int, max_key_share: float) -> list[Observation]:
     """The observations a refresh fits on, oldest first: the newest ``size`` of ``newest_first``,
-    except that while two or more keys (``Observation.owner``) have entries, none takes more
-    than ``ceil(max_key_share * size)`` places (its older surplus is left out, and the window
-    may stay short of ``size``). Pure."""
+    except that while two or more keys (``Observation.owner``) have entries, a key's entries
+    beyond ``ceil(max_key_share * size)`` give way to older entries of the other keys. Places the
+    other keys have no entries for are filled with the surplus, newest first, so the window is
+    ``min(size, len(newest_first))`` long whatever the mix: one key cannot push the others out,
+    and one dominant key among a few small ones does not halve the window. Pure."""
     owners = {o.owner for o in newest_first}
     if len(owners) < 2 or max_key_share >= 1.0:
         return list(newest_first[:size])[::-1]
     cap = math.ceil(max_key_share * size)
     taken: Counter[str] = Counter()
-    window = []
-    for observation in newest_first:
+    chosen: list[int] = []
+    surplus: list[int] = []
+    for i, observation in enumerate(newest_first):
         if taken[observation.owner] < cap:
             taken[observation.owner] += 1
-            window.append(observation)
-            if len(window) == size:
+            chosen.append(i)
+            if len(chosen) == size:
                 break
-    return window[::-1]
+        elif len(surplus) < size:
+            surplus.append(i)
+    chosen += surplus[:size - len(chosen)]
+    return [newest_first[i] for i in sorted(chosen, reverse=True)]
 
 
 def refit_bytes(observations: list[Observation]) -> bytes:
@@ -80,13 +86,15 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
     if added and added == await plane.fleet.published_added():
         return {"observations": 0, "version": 0}
     max_key_share: float = ctx.get("max_key_share", 1.0)
-    # Newest first; with a share cap the whole list (which keys are in it, and older entries to
-    # fill the places a key's surplus leaves).
+    # Newest first; with a share cap the whole list (which keys are in it, and their older entries
+    # that take the places a key's surplus gives way).
     stored = await plane.fleet.observations(max_observations if max_key_share >= 1.0 else MAX_OBSERVATIONS)
     observations = refresh_window(stored, max_observations, max_key_share)
-    if len(observations) < min(max_observations, len(stored)):
-        log.info("refresh window: %d of the %d newest observations; the rest are API keys' surplus beyond "
-                 "their share (LANES_PREDICTOR_MAX_KEY_SHARE)", len(observations), len(stored))
+    held = Counter(o.owner for o in observations)
+    if len(held) > 1:
+        log.info("refresh window: %d observations from %d API keys, the most from one key %d "
+                 "(LANES_PREDICTOR_MAX_KEY_SHARE %g of the window while others have entries)",
+                 len(observations), len(held), max(held.values()), max_key_share)
     if len(observations) < min_observations:
         return {"observations": len(observations), "version": 0}
     weights = await asyncio.to_thread(refit_bytes, observations)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lanes.queue.fleet import MAX_OBSERVATIONS
 from lanes.queue.messages import REFRESH_WINDOW
 from lanes.queue.settings import RedisSettings
 from pydantic import Field
@@ -15,10 +16,11 @@ class SchedulerSettings(RedisSettings):
     #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off).
     predictor_refresh_minutes: int = 5
     predictor_min_observations: int = 50
-    #: The refresh's window: the newest this many observations...
-    predictor_max_observations: int = Field(default=REFRESH_WINDOW, ge=1)
-    #: ...in which one API key holds at most this share while others have requests in the list
-    #: (1 = no limit): one key's traffic cannot retrain the lanes for everyone.
+    #: The refresh's window: the newest this many observations (at most what the list keeps)...
+    predictor_max_observations: int = Field(default=REFRESH_WINDOW, ge=1, le=MAX_OBSERVATIONS)
+    #: ...in which one API key's entries beyond this share give way to other keys' older ones
+    #: (1 = no limit): one key's traffic cannot push the others out of the refit. Its surplus
+    #: fills the places no other key has entries for.
     predictor_max_key_share: float = Field(default=0.5, gt=0.0, le=1.0)
     #: Pools to watch even before a worker of theirs is up (comma list); pools of live workers
     #: are added by themselves.

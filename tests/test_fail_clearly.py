@@ -154,6 +154,8 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
     (["scheduler"], {"LANES_REDIS_URL": "http://:hunter2@127.0.0.1:1"}, "LANES_REDIS_URL='http://:***@127.0.0.1:1'"),
     (["worker", "--engine", "sim"], {"LANES_MAX_SLOTS": "0"}, "LANES_MAX_SLOTS='0': Input should be greater than"),
     (["edge"], {"LANES_PORT": "70000"}, "LANES_PORT='70000': Input should be less than or equal to 65535"),
+    (["scheduler"], {"LANES_PREDICTOR_MAX_OBSERVATIONS": "30000"},
+     "LANES_PREDICTOR_MAX_OBSERVATIONS='30000': Input should be less than or equal to 20000"),
 ])
 def test_a_setting_that_does_not_validate_is_one_line_naming_it(command: list[str], env: dict[str, str],
                                                                 named: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from lanes.queue.messages import ChatMessage, Observation, encode
 from lanes.queue.plane import QueuePlane
 from lanes.scheduler.predictor import load_default
@@ -135,21 +137,30 @@ def test_the_refresh_window_caps_each_keys_share() -> None:
     def obs(owner: str, n: int) -> list[Observation]:
         return [Observation(f"{owner} {i}", 1, owner) for i in range(n)]
 
+    def prompts(window: list[Observation]) -> list[str]:
+        return [o.prompt for o in window]
+
     alone = obs("a", 30)  # newest first
     assert refresh_window(alone, 10, 0.5) == alone[:10][::-1], "one key alone fills the window"
     assert refresh_window(alone, 50, 0.5) == alone[::-1]
-    flood, few = obs("flood", 100), obs("few", 3)
+    flood, few, many = obs("flood", 100), obs("few", 3), obs("many", 20)
+    newest_first = flood[:40] + many[:10] + flood[40:] + many[10:]
+    assert prompts(refresh_window(newest_first, 10, 0.5)) == \
+        [f"many {i}" for i in range(4, -1, -1)] + [f"flood {i}" for i in range(4, -1, -1)], \
+        "the flood's newest five give way to the other key's five newest, though older"
     newest_first = flood[:40] + few[:1] + flood[40:] + few[1:]
-    window = refresh_window(newest_first, 10, 0.5)
-    assert [o.prompt for o in window] == [f"few {i}" for i in (2, 1, 0)] + [f"flood {i}" for i in range(4, -1, -1)], \
-        "the flood takes 5 of 10 places, its newest five, and the window stays short"
+    assert prompts(refresh_window(newest_first, 10, 0.5)) == \
+        [f"few {i}" for i in (2, 1, 0)] + [f"flood {i}" for i in range(6, -1, -1)], \
+        "every entry of the small key, and the flood's newest fill the places it has no entries for"
+    assert prompts(refresh_window(newest_first, 200, 0.5)) == prompts(newest_first[::-1]), "short list: all of it"
     assert len(refresh_window(newest_first, 10, 1.0)) == 10, "share 1: no limit"
     assert refresh_window([], 10, 0.5) == []
 
 
-async def test_refresh_fits_on_the_capped_window_of_real_observations(plane: QueuePlane) -> None:
-    """Workers' observations through the real fleet calls: one key's flood takes at most its
-    share of the refit's window; stored prompts are clipped to what the predictor reads."""
+async def test_refresh_fits_on_the_capped_window_of_real_observations(plane: QueuePlane, caplog) -> None:
+    """Workers' observations through the real fleet calls: one key's flood takes more than its
+    share of the refit's window only where the other keys have no entries to fill it; stored
+    prompts are clipped to what the predictor reads."""
     from lanes.queue.messages import (
         OBSERVED_PROMPT_HEAD_CHARS,
         OBSERVED_PROMPT_TAIL_CHARS,
@@ -160,9 +171,18 @@ async def test_refresh_fits_on_the_capped_window_of_real_observations(plane: Que
     for i in range(400):
         await plane.fleet.add_observation(Observation(f"Write an essay, take {i}.", 900, "flooder"))
     ctx = {"plane": plane, "min_observations": 10, "max_observations": 200, "max_key_share": 0.5}
-    assert await refresh_predictor(ctx) == {"observations": 160, "version": 1}, "60 of the tenant, 100 flooded"
+    assert await refresh_predictor(ctx) == {"observations": 200, "version": 1}, \
+        "the tenant's 60 are all in; the flood's newest 140 fill the places the tenant has no entries for"
+    for i in range(90):
+        await plane.fleet.add_observation(Observation(f"{PROMPT} {60 + i}", 2, "tenant"))
+    for i in range(100):
+        await plane.fleet.add_observation(Observation(f"Write an essay, take {400 + i}.", 900, "flooder"))
+    with caplog.at_level(logging.INFO, logger="lanes.scheduler.refresh"):
+        assert await refresh_predictor(ctx) == {"observations": 200, "version": 2}
+    assert "200 observations from 2 API keys, the most from one key 100" in caplog.text, \
+        "the tenant has 150 entries (all older than the flood's newest 100): the flood holds its half, no more"
     await plane.fleet.add_observation(Observation(PROMPT, 2, "tenant"))  # (an unchanged list is not refitted)
-    assert await refresh_predictor({**ctx, "max_key_share": 1.0}) == {"observations": 200, "version": 2}
+    assert await refresh_predictor({**ctx, "max_key_share": 1.0}) == {"observations": 200, "version": 3}
     long_prompt = "word " * 20_000
     await plane.fleet.add_observation(Observation(long_prompt, 9, "tenant"))
     stored = (await plane.fleet.observations(1))[0]
