@@ -202,36 +202,6 @@ def thresholds_from_error(
 
 
 @dataclass(frozen=True)
-class LaneOrder:
-    """How requests are ordered inside one lane (the lane ZSET's score).
-
-    The score is the enqueue time plus ``weight`` x the predicted service time
-    (``predicted_tokens * ms_per_token``): a blend of SJF and FCFS. Shorter predicted
-    requests go first, but arrival time keeps counting, so a request is overtaken only by
-    requests that arrived less than ``weight`` x (its service time - theirs) after it.
-    """
-
-    #: 0 keeps strict arrival order within a lane (FCFS, today's behaviour).
-    weight: float = 0.0
-    #: Time one request spends per output token in a full batch (L70-H100: ~50 ms at 64 seqs).
-    ms_per_token: float = 50.0
-
-    def __post_init__(self) -> None:
-        if self.weight < 0.0 or self.ms_per_token <= 0.0:
-            raise ValueError("weight must be >= 0 and ms_per_token > 0")
-
-
-def lane_score_ms(enqueued_at_ms: float, predicted_tokens: float, config: LaneOrder) -> float:
-    """Score (ms) of a request in its lane's ZSET: lowest pops first.
-
-    ``lane_score_ms(0, predicted, config)`` is the offset an edge adds to the server's
-    enqueue time. Negative predictions count as 0, so the score is never below the
-    enqueue time.
-    """
-    return enqueued_at_ms + config.weight * max(predicted_tokens, 0.0) * config.ms_per_token
-
-
-@dataclass(frozen=True)
 class SlotConfig:
     """How a worker's ``max_slots`` concurrent requests are shared among lanes.
 

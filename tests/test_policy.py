@@ -9,13 +9,11 @@ import pytest
 from lanes.queue.messages import Lane
 from lanes.scheduler.admission import AdmissionConfig, RejectReason, admit, predict_wait_ms
 from lanes.scheduler.policy import (
-    LaneOrder,
     LaneThresholds,
     RoutingCalibration,
     SlotConfig,
     choose_lane,
     eligible_lanes,
-    lane_score_ms,
     lanes_to_pop,
     routing_from_observations,
     short_to_long_rate,
@@ -34,29 +32,6 @@ def running(short: int = 0, medium: int = 0, long: int = 0) -> dict[Lane, int]:
 def test_choose_lane_boundaries() -> None:
     t = LaneThresholds(short_max_tokens=100, medium_max_tokens=400)
     assert [choose_lane(n, t) for n in (1, 100, 101, 400, 401)] == [S, S, M, M, L]
-
-
-def test_lane_score_weight_zero_is_arrival_order() -> None:
-    fcfs = LaneOrder()
-    assert lane_score_ms(1000.0, 5000, fcfs) == 1000.0
-    assert lane_score_ms(1000.0, 5000, fcfs) < lane_score_ms(1001.0, 10, fcfs)
-
-
-def test_lane_score_blends_predicted_service_time_and_arrival() -> None:
-    order = LaneOrder(weight=0.5, ms_per_token=40.0)
-    assert lane_score_ms(1000.0, 100, order) == pytest.approx(1000.0 + 0.5 * 100 * 40.0)
-    # A shorter request that arrives a little later goes first...
-    assert lane_score_ms(1500.0, 100, order) < lane_score_ms(1000.0, 200, order)
-    # ...but not once the first has waited longer than the service-time difference counts.
-    assert lane_score_ms(3500.0, 100, order) > lane_score_ms(1000.0, 200, order)
-    assert lane_score_ms(0.0, -5, order) == 0.0
-
-
-def test_lane_order_rejects_bad_values() -> None:
-    with pytest.raises(ValueError):
-        LaneOrder(weight=-1.0)
-    with pytest.raises(ValueError):
-        LaneOrder(ms_per_token=0.0)
 
 
 def test_eligible_lanes_keeps_reserved_slots() -> None:

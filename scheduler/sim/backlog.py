@@ -13,13 +13,10 @@ from collections.abc import Sequence
 
 class Backlog:
     """Waiting requests by level. ``keys`` order requests within a level; ``enqueue_s`` are
-    the times ages count from. With ``age_from_key`` a level's age is ``now - head key``
-    (clamped at 0; keys in seconds), which is what ``QueuePlane.lane_depths`` reports for
-    ZSETs scored by ``policy.lane_score_ms``; otherwise it is the oldest request's wait."""
+    the times ages count from: a level's age is its oldest request's wait."""
 
-    def __init__(self, num_levels: int, keys: Sequence[float], enqueue_s: Sequence[float],
-                 age_from_key: bool = False) -> None:
-        self._keys, self._enqueue_s, self._age_from_key = keys, enqueue_s, age_from_key
+    def __init__(self, num_levels: int, keys: Sequence[float], enqueue_s: Sequence[float]) -> None:
+        self._keys, self._enqueue_s = keys, enqueue_s
         self._by_key: list[list[tuple[float, int, int]]] = [[] for _ in range(num_levels)]
         self._by_age: list[list[tuple[float, int, int]]] = [[] for _ in range(num_levels)]
         self._ticket = [0] * len(keys)
@@ -75,9 +72,9 @@ class Backlog:
         return next((level for level, heap in enumerate(self._by_key) if self._head(heap)), None)
 
     def oldest_wait_ms(self, now_s: float) -> dict[int, float]:
-        """Age of each non-empty level's oldest request (or head, with ``age_from_key``), ms."""
+        """Age of each non-empty level's oldest request, ms."""
         ages: dict[int, float] = {}
-        for level, heap in enumerate(self._by_key if self._age_from_key else self._by_age):
+        for level, heap in enumerate(self._by_age):
             head = self._head(heap)
             if head is not None:
                 ages[level] = max(0.0, now_s - head[0]) * 1000.0

@@ -77,8 +77,6 @@ class SimPolicy:
     lane_of: list[Lane]
     slot_config: SlotConfig
     queue_key: np.ndarray | None = None
-    #: Lane ages from the head's key (as Redis reports a score-ordered lane), see ``Backlog``.
-    age_from_key: bool = False
     #: Demotion bounds (None: runs count against the lane they were popped from).
     demotion: LaneThresholds | None = None
     preemption: PreemptionConfig | None = None

@@ -67,7 +67,7 @@ def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers:
         backlog = Backlog(discipline.num_levels, arrival, discipline.wait_since_s)
     else:
         keys = enqueue if policy.queue_key is None else policy.queue_key.tolist()
-        backlog = Backlog(discipline.num_levels, keys, enqueue, policy.age_from_key)
+        backlog = Backlog(discipline.num_levels, keys, enqueue)
     start, first, finish = [math.nan] * n, [math.nan] * n, [math.nan] * n
     generated, num_preemptions = [0] * n, [0] * n
     workers = [Worker(engine) for _ in range(num_workers)]
