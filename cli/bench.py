@@ -53,15 +53,27 @@ def _load_prompt_pool(prompts: Path | None) -> list[Any]:
     return read_observations(path, "--prompts")
 
 
-def _load_trace(trace: Path) -> Any:
-    """The Azure trace at ``trace``; a malformed file is a usage error naming what is wrong."""
-    from lanes.scheduler.sim.trace import load_azure_csv
+def _load_trace(trace: Path, start: int = 0, requests: int = 0) -> Any:
+    """The trace at ``trace`` (any of ``trace.TRACE_FORMATS``), rows ``[start, start + requests)``
+    (``requests`` 0: to the end); a malformed file or slice is a usage error naming what is wrong."""
+    from lanes.scheduler.sim.trace import Trace, load_trace
 
     try:
-        return load_azure_csv(trace)
-    except (ValueError, OSError) as exc:
-        raise typer.BadParameter(f"{exc} (expected an Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, "
-                                 "GeneratedTokens)", param_hint="--trace") from exc
+        loaded = load_trace(trace)
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace") from exc
+    full = loaded.trace
+    if start < 0 or requests < 0 or start + max(requests, 2) > len(full):
+        raise typer.BadParameter(f"the trace has {len(full)} rows; need --start + --requests <= {len(full)} "
+                                 "and at least 2 rows", param_hint="--start / --requests")
+    end = start + requests if requests else len(full)
+    if loaded.skipped:
+        typer.echo(f"{trace}: {loaded.format} trace, {loaded.skipped} failed requests (0 response tokens) left out",
+                   err=True)
+    if start == 0 and end == len(full):
+        return full
+    arrival = full.arrival_s[start:end]
+    return Trace(arrival - arrival[0], full.prompt_tokens[start:end], full.output_tokens[start:end])
 
 
 def _load_predictor(weights: Path | None) -> Any:
@@ -136,7 +148,10 @@ def _known_profile(name: str) -> str:
 
 @app.command("policy")
 def policy(
-    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Azure LLM inference trace CSV (read in place).")],
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trace (read in place): an Azure LLM "
+                                        "inference CSV, a BurstGPT CSV or a Mooncake JSONL.")],
+    start: Annotated[int, typer.Option(min=0, help="First row of the trace simulated.")] = 0,
+    requests: Annotated[int, typer.Option(min=0, help="Rows simulated from --start (0: to the end).")] = 0,
     prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths: JSON "
                        "[{prompt, output_tokens}] or AlpacaEval model_outputs.json. Default: "
                        "benchmarks/data/prompt_pool.json.")] = None,
@@ -208,7 +223,7 @@ def policy(
         raise typer.BadParameter(f"must be follow or pin, not {refresh_routing!r}", param_hint="--refresh-routing")
     tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
     engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
-    requests = _load_trace(trace)
+    requests = _load_trace(trace, start, requests)
     true = requests.output_tokens
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     if predictor == "noise":
@@ -450,7 +465,7 @@ def connections(
 
 @app.command("live")
 def live(
-    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Azure LLM inference trace CSV (read in place).")] = DEFAULT_TRACE,
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trace (read in place): Azure CSV, BurstGPT CSV or Mooncake JSONL.")] = DEFAULT_TRACE,
     prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths, as for `bench policy`. "
                        "Default: benchmarks/data/prompt_pool.json.")] = None,
     requests: Annotated[int, typer.Option("--requests", help="Rows of the trace replayed (the slice).")] = 400,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from bench_support import write_prompts, write_trace
 
@@ -125,3 +126,26 @@ def test_prompt_sources_in_sequence_pair_each_part_of_the_trace_with_its_source(
     predictions, row_prompts = _pool_predictions(prompts, true, load_default(), "a,b")
     assert row_prompts == ["a4", "a1", "a3", "a2", "b4", "b1", "b3", "b2"], "rank-paired within each half"
     assert len(predictions.tokens) == 8 and np.isfinite(predictions.latency_ms).all()
+
+
+def test_bench_policy_reads_mooncake_and_burstgpt_traces_and_slices_them(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    rows = [(round(i * 150 + rng.integers(0, 100)), int(rng.integers(100, 4000)), int(rng.lognormal(4.5, 1.0)) + 1)
+            for i in range(400)]
+    mooncake = tmp_path / "conversation_trace.jsonl"
+    mooncake.write_text("".join(json.dumps({"timestamp": t, "input_length": p, "output_length": o, "hash_ids": [0]})
+                                + "\n" for t, p, o in rows))
+    out = lanes("bench", "policy", "--trace", str(mooncake), "--start", "100", "--requests", "250",
+                "--predictor", "noise", "--policy", "fcfs,lanes", "--json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    assert results["fcfs"]["all"]["num_requests"] == 250 and results["lanes"]["all"]["num_requests"] == 250
+    burst = tmp_path / "BurstGPT_1.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n" + "".join(
+        f"{t / 1000},ChatGPT,{p},{0 if i % 50 == 0 else o},{p + o},Conversation log\n" for i, (t, p, o) in enumerate(rows)))
+    out = lanes("bench", "policy", "--trace", str(burst), "--predictor", "noise", "--policy", "fcfs", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["fcfs"]["all"]["num_requests"] == 392
+    assert "burstgpt trace, 8 failed requests (0 response tokens) left out" in out.stderr
+    too_far = lanes("bench", "policy", "--trace", str(mooncake), "--start", "300", "--requests", "200")
+    assert too_far.returncode == 2 and "the trace has 400 rows" in too_far.stderr, too_far.stderr

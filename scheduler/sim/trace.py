@@ -1,12 +1,21 @@
-"""Request traces for the simulator: the Azure LLM inference CSVs and synthetic ones.
+"""Request traces for the simulator: public production traces and synthetic ones.
 
-The Azure files (``TIMESTAMP,ContextTokens,GeneratedTokens``) carry arrival times and
-token counts only, no prompt text. Files are read where they lie; nothing is copied.
+Three public formats are read, each carrying arrival times and token counts only, no text
+(``load_trace`` tells them apart by their content):
+
+- Azure LLM inference traces 2023/2024 (CSV ``TIMESTAMP,ContextTokens,GeneratedTokens``);
+- BurstGPT (CSV ``Timestamp,...,Request tokens,Response tokens,...``, seconds; rows whose
+  ``Response tokens`` is 0 are failed requests without an answer and are left out);
+- Mooncake / Kimi FAST'25 (JSONL ``{"timestamp": ms, "input_length", "output_length", ...}``).
+
+Files are read where they lie; nothing is copied.
 """
 
 from __future__ import annotations
 
 import csv
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -53,24 +62,90 @@ def _parse_time(text: str) -> float:
 
 def load_azure_csv(path: str | Path) -> Trace:
     """Load an Azure LLM inference trace CSV; raises ``ValueError`` on a malformed file."""
-    arrival, prompt, output = [], [], []
+    return load_trace(path).trace
+
+
+#: What each format's file must hold (named in errors).
+TRACE_FORMATS = {
+    "azure": "an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)",
+    "burstgpt": "a BurstGPT CSV (Timestamp, Request tokens, Response tokens)",
+    "mooncake": 'a Mooncake JSONL trace ({"timestamp": ms, "input_length", "output_length"} per line)',
+}
+_AZURE_COLUMNS = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+_BURSTGPT_COLUMNS = {"Timestamp", "Request tokens", "Response tokens"}
+
+
+@dataclass(frozen=True)
+class LoadedTrace:
+    trace: Trace
+    #: A key of ``TRACE_FORMATS``.
+    format: str
+    #: Rows left out: BurstGPT's failed requests (0 response tokens).
+    skipped: int = 0
+
+
+def load_trace(path: str | Path) -> LoadedTrace:
+    """Load a trace in any of ``TRACE_FORMATS``, told apart by content (a JSON object on the
+    first line, else the CSV header). Requests are put in arrival order (stable) and their
+    times made relative to the first. Raises ``ValueError`` naming the file, line and problem."""
     with open(path, newline="") as f:
+        first = f.readline()
+        f.seek(0)
+        if first.lstrip().startswith("{"):
+            return _finish(path, "mooncake", *_read_mooncake(path, f))
         reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: missing columns {sorted(missing)}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                arrival.append(_parse_time(row["TIMESTAMP"]))
-                prompt.append(int(row["ContextTokens"]))
-                output.append(int(row["GeneratedTokens"]))
-            except (TypeError, ValueError) as exc:  # a short row gives None, a bad one text
-                raise ValueError(f"{path}, line {line}: {exc}") from None
+        columns = set(reader.fieldnames or ())
+        if _AZURE_COLUMNS <= columns:
+            return _finish(path, "azure", *_read_rows(path, reader, "TIMESTAMP", _parse_time, "ContextTokens",
+                                                      "GeneratedTokens", skip_zero=False))
+        if _BURSTGPT_COLUMNS <= columns:
+            return _finish(path, "burstgpt", *_read_rows(path, reader, "Timestamp", float, "Request tokens",
+                                                         "Response tokens", skip_zero=True))
+    raise ValueError(f"{path}: not a trace format lanes reads (its first line: {first.strip()[:80]!r}); expected "
+                     + "; or ".join(TRACE_FORMATS.values()))
+
+
+def _read_rows(path: str | Path, reader: csv.DictReader, time_col: str, parse_time: Callable[[str], float], prompt_col: str,
+               output_col: str, skip_zero: bool) -> tuple[list[float], list[int], list[int], int]:
+    arrival, prompt, output, skipped = [], [], [], 0
+    for line, row in enumerate(reader, start=2):
+        try:
+            tokens = int(float(row[output_col]))
+            if skip_zero and tokens == 0:
+                skipped += 1
+                continue
+            arrival.append(float(parse_time(row[time_col])))
+            prompt.append(int(float(row[prompt_col])))
+            output.append(tokens)
+        except (TypeError, ValueError) as exc:  # a short row gives None, a bad one text
+            raise ValueError(f"{path}, line {line}: {exc}") from None
+    return arrival, prompt, output, skipped
+
+
+def _read_mooncake(path: str | Path, lines: Iterable[str]) -> tuple[list[float], list[int], list[int], int]:
+    arrival, prompt, output = [], [], []
+    for line, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+            arrival.append(float(row["timestamp"]) / 1000.0)
+            prompt.append(int(row["input_length"]))
+            output.append(int(row["output_length"]))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{path}, line {line}: {exc!r}") from None
+    return arrival, prompt, output, 0
+
+
+def _finish(path: str | Path, fmt: str, arrival: list[float], prompt: list[int], output: list[int],
+            skipped: int) -> LoadedTrace:
     if not arrival:
-        raise ValueError(f"{path}: no requests")
+        raise ValueError(f"{path}: no requests" + (f" ({skipped} failed rows without an answer)" if skipped else ""))
     times = np.asarray(arrival, dtype=float)
-    outputs = np.maximum(np.asarray(output, dtype=np.int64), 1)
-    return Trace(times - times[0], np.asarray(prompt, dtype=np.int64), outputs)
+    order = np.argsort(times, kind="stable")
+    times = times[order]
+    outputs = np.maximum(np.asarray(output, dtype=np.int64)[order], 1)
+    return LoadedTrace(Trace(times - times[0], np.asarray(prompt, dtype=np.int64)[order], outputs), fmt, skipped)
 
 
 def synthetic(arrival_s: list[float], prompt_tokens: list[int], output_tokens: list[int]) -> Trace:

@@ -1,0 +1,71 @@
+"""The simulator reads three public trace formats (Azure, BurstGPT, Mooncake) into the same requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from lanes.scheduler.sim.trace import TRACE_FORMATS, load_trace
+
+#: (seconds after the first request, prompt tokens, output tokens)
+ROWS = [(0.0, 812, 130), (0.25, 40, 7), (1.5, 2048, 611), (1.5, 95, 1), (7.125, 300, 88)]
+
+
+def azure(path: Path) -> Path:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:15:{s:09.6f}0,{p},{o}" for s, p, o in ROWS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def burstgpt(path: Path) -> Path:
+    """Newer BurstGPT releases carry more columns; a failed request (0 response tokens) and rows
+    out of order are in the file too."""
+    lines = ["Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    rows = [(3600 + s, p, o) for s, p, o in ROWS]
+    rows.insert(2, (3600.5, 77, 0))
+    rows[0], rows[1] = rows[1], rows[0]
+    lines += [f"{s},,1.0,ChatGPT,{p},{o},{p + o},Conversation log" for s, p, o in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def mooncake(path: Path) -> Path:
+    lines = [json.dumps({"timestamp": round(1000 * s) + 500, "input_length": p, "output_length": o,
+                         "hash_ids": list(range(p // 512 + 1))}) for s, p, o in ROWS]
+    path.write_text("\n".join(lines) + "\n\n")
+    return path
+
+
+@pytest.mark.parametrize("write,fmt,skipped", [(azure, "azure", 0), (burstgpt, "burstgpt", 1),
+                                               (mooncake, "mooncake", 0)])
+def test_each_format_gives_the_same_requests(tmp_path: Path, write, fmt: str, skipped: int) -> None:
+    loaded = load_trace(write(tmp_path / "trace"))
+    assert (loaded.format, loaded.skipped) == (fmt, skipped)
+    trace = loaded.trace
+    assert np.allclose(trace.arrival_s, [s for s, _, _ in ROWS], atol=1e-6), "relative to the first, in order"
+    assert trace.prompt_tokens.tolist() == [p for _, p, _ in ROWS]
+    assert trace.output_tokens.tolist() == [o for _, _, o in ROWS]
+
+
+def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:
+    other = tmp_path / "other.csv"
+    other.write_text("time,prompt,answer\n0,1,2\n")
+    with pytest.raises(ValueError) as unknown:
+        load_trace(other)
+    assert "not a trace format lanes reads" in str(unknown.value)
+    assert all(description in str(unknown.value) for description in TRACE_FORMATS.values())
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"timestamp": 0, "input_length": 5, "output_length": 3}\n{"timestamp": 9, "input_length": 5}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl, line 2: KeyError\('output_length'\)"):
+        load_trace(broken)
+    bad_row = tmp_path / "bad.csv"
+    bad_row.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,x\n")
+    with pytest.raises(ValueError, match="bad.csv, line 2"):
+        load_trace(bad_row)
+    failed = tmp_path / "failed.csv"
+    failed.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,0\n")
+    with pytest.raises(ValueError, match=r"no requests \(1 failed rows without an answer\)"):
+        load_trace(failed)
