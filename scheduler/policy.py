@@ -92,31 +92,56 @@ class RoutingCalibration:
     ``max_short_to_long`` of those may be routed to the long lane. Below ``min_shorts`` short
     observations the budget cannot be measured (one misroute in 200 is 0.5 %), and no
     thresholds are fitted.
+
+    A second, looser budget looks further back: at most ``max_window_short_to_long`` of the
+    answers shorter than the ``short_quantile`` of a longer window (the whole refit window, when
+    the caller passes it) may go long. After traffic drifts to shorter answers the newest median
+    has fallen below the window's, and the first budget no longer covers answers in between;
+    the second keeps most of them out of the long lane, where they would wait minutes
+    (benchmarks/RESULTS.md, "Stop 23"). 1.0 turns it off.
     """
 
     max_short_to_long: float = 0.005
     short_quantile: float = 0.5
     min_shorts: int = 200
+    max_window_short_to_long: float = 0.025
+
+
+def _lower_quantile(values: Sequence[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[math.floor(q * (len(ordered) - 1))]  # numpy's "lower" quantile
 
 
 def routing_from_observations(predicted_tokens: Sequence[float], observed_tokens: Sequence[int],
-                              calibration: RoutingCalibration = RoutingCalibration()) -> LaneThresholds | None:
+                              calibration: RoutingCalibration = RoutingCalibration(),
+                              window_tokens: Sequence[int] = ()) -> LaneThresholds | None:
     """Two-lane routing fitted on finished requests: predictions at or below the long threshold
     (``long_threshold_from_observations``) go short, the rest long; None when fewer than
     ``calibration.min_shorts`` observations are short. The predictions must come from the model
     the thresholds will route for, on prompts it was not fitted on (in-sample predictions of
     short answers sit lower than live ones, and the threshold would send more short requests long).
+
+    ``window_tokens``: the true lengths of a longer window the observations end (the refit's
+    whole window); the threshold then also sends at most ``calibration.max_window_short_to_long``
+    of the answers shorter than that window's short quantile long (never lower than the first
+    budget's threshold).
     """
     if len(predicted_tokens) != len(observed_tokens):
         raise ValueError("need one prediction per observation")
     if not observed_tokens:
         return None
-    ordered = sorted(observed_tokens)
-    short_tokens = ordered[math.floor(calibration.short_quantile * (len(ordered) - 1))]  # numpy's "lower" quantile
+    short_tokens = _lower_quantile(observed_tokens, calibration.short_quantile)
     if sum(t <= short_tokens for t in observed_tokens) < calibration.min_shorts:
         return None
     long_above = long_threshold_from_observations(predicted_tokens, observed_tokens, short_tokens,
                                                   calibration.max_short_to_long)
+    if window_tokens and calibration.max_window_short_to_long < 1.0:
+        # Strictly below the window's quantile: where many answers tie at it (a gap in the
+        # lengths there), "at or below" would take in the whole upper mode.
+        window_short = _lower_quantile(window_tokens, calibration.short_quantile) - 1
+        if any(t <= window_short for t in observed_tokens):  # else nothing to hold
+            long_above = max(long_above, long_threshold_from_observations(
+                predicted_tokens, observed_tokens, window_short, calibration.max_window_short_to_long))
     return LaneThresholds(short_max_tokens=long_above, medium_max_tokens=long_above)
 
 

@@ -94,11 +94,13 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     assert info["source"] == "shipped+refresh" and info["refreshes"] >= 4, info
     assert 0.0 < info["seen_prompt_share"] <= 1.0, "80 prompts over 300 rows: a refit has seen most of them"
     assert info["refresh_window"] == 10_000 and info["most_observations_per_refit"] > 60, info
+    assert info["max_window_short_to_long"] == 0.025, info
     small = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
                   "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5",
-                  "--refresh-window", "60")
+                  "--refresh-window", "60", "--max-window-short-to-long", "1")
     assert small.returncode == 0, small.stderr
-    assert json.loads(small.stdout)["lanes"]["predictor"]["most_observations_per_refit"] == 60
+    small_info = json.loads(small.stdout)["lanes"]["predictor"]
+    assert small_info["most_observations_per_refit"] == 60 and small_info["max_window_short_to_long"] == 1.0
     two = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "other,chat",
                 "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5")
     assert two.returncode == 0, two.stderr  # the first half of the rows gets "other"'s one prompt, the rest "chat"'s

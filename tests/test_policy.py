@@ -160,3 +160,24 @@ def test_routing_from_observations_keeps_the_short_budget_and_needs_enough_short
     assert routing_from_observations([], []) is None
     with pytest.raises(ValueError, match="one prediction per observation"):
         routing_from_observations([1, 2], [3])
+
+
+def test_routing_also_holds_answers_short_by_the_longer_window_after_a_drift() -> None:
+    """Traffic drifted to shorter answers: the newest 400 have median 39 while the whole window's is
+    100, so the first budget covers only answers <= 40 and answers of 41-100 would go long at will."""
+    shorts = [(10 + i % 30, 10 + i % 30) for i in range(200)]  # (predicted, true): <= 40, predicted low
+    middle = [(300 + i, 60 + i % 40) for i in range(100)]  # 60-99 tokens, predicted 300-399
+    longs = [(400 + i, 900) for i in range(100)]
+    predicted, observed = [p for p, _ in shorts + middle + longs], [t for _, t in shorts + middle + longs]
+    window = observed + [100] * 1200 + [900] * 1200  # the older part of the window: median 100
+    newest_only = routing_from_observations(predicted, observed)
+    assert newest_only == LaneThresholds(39, 39), "the newest median (39) alone: every middle answer goes long"
+    routing = routing_from_observations(predicted, observed, RoutingCalibration(), window)
+    held = [p for p, t in zip(predicted, observed, strict=True) if t < 100]
+    assert sum(p > routing.medium_max_tokens for p in held) == int(0.025 * len(held)), \
+        "at most 2.5 % of the answers shorter than the window's median go long"
+    assert routing == LaneThresholds(392, 392)
+    assert routing_from_observations(predicted, observed, RoutingCalibration(max_window_short_to_long=1.0),
+                                     window) == newest_only, "1.0: off"
+    assert routing_from_observations(predicted, [1] * 400, RoutingCalibration(), [1] * 5) == \
+        routing_from_observations(predicted, [1] * 400), "never below the first budget's threshold"

@@ -429,6 +429,37 @@ def test_refit_with_routing_fits_thresholds_on_prompts_the_probe_never_saw(tmp_p
         refit_with_routing(model, window, calibration, held_out_share=1.0)
 
 
+def test_refit_thresholds_also_hold_answers_short_by_the_whole_window() -> None:
+    """The newest fifth drifted to yes/no answers (its median is 3 tokens); the whole window's median
+    is ~115. The first budget alone sends the 80-119-token summaries long; the window's budget keeps
+    them short. The budgets travel in the weights' info."""
+    from lanes.scheduler.policy import RoutingCalibration, choose_lane
+
+    rng = np.random.default_rng(1)
+
+    def summary() -> Observation:
+        return Observation(f"Summarize this paragraph, case {rng.integers(10**6)}.", int(rng.integers(80, 120)))
+
+    def essay() -> Observation:
+        return Observation(f"Write a detailed essay about topic {rng.integers(10**6)}.", 900)
+
+    older = [summary() if i % 2 else essay() for i in range(240)]
+    newest = [Observation(f"Say yes or no, case {rng.integers(10**6)}.", 3) for _ in range(30)]
+    newest += [summary() for _ in range(15)] + [essay() for _ in range(15)]
+    window = older + [newest[i] for i in rng.permutation(60)]
+    short_share = {}
+    for budget in (0.025, 1.0):
+        model = refit_with_routing(load_default(), window, RoutingCalibration(min_shorts=20,
+                                                                              max_window_short_to_long=budget))
+        assert model.info["routing"]["max_window_short_to_long"] == budget  # type: ignore[index]
+        assert choose_lane(model.predict(user("Write a detailed essay about topic 7."), 4096), model.routing) \
+            is Lane.LONG
+        lanes = [choose_lane(model.predict(user(f"Summarize this paragraph, case {i}."), 4096), model.routing)
+                 for i in range(50)]
+        short_share[budget] = lanes.count(Lane.SHORT) / len(lanes)
+    assert short_share[0.025] >= 0.8 and short_share[1.0] <= 0.2, short_share
+
+
 def test_train_command_leaves_named_sources_out(tmp_path: Path) -> None:
     """`lanes predictor train --leave-out S`: a base that never saw S (for the refresh in the
     simulator's loop); an unknown source is a usage error naming the flag."""

@@ -246,7 +246,7 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
     the loop"). A probe ``refit`` on the older ``1 - held_out_share`` of the window predicts the
     newest observations, as the edges will predict prompts the model never saw, and
     ``policy.routing_from_observations`` fits the thresholds on those predictions and their true
-    lengths. The model returned is refitted on the whole window; with too few short
+    lengths (the whole window's lengths set the second, longer-horizon budget). The model returned is refitted on the whole window; with too few short
     observations in the held-out part it carries no thresholds (the edges keep theirs).
     """
     if not 0.0 < held_out_share < 1.0:
@@ -257,9 +257,11 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
         probe = refit(predictor, observations[:-num_held])
         held = observations[-num_held:]
         predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
-        routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration)
-    return refit(predictor, observations).with_routing(routing, fitted_on=num_held,
-                                                       max_short_to_long=calibration.max_short_to_long)
+        routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration,
+                                            [o.output_tokens for o in observations])
+    return refit(predictor, observations).with_routing(
+        routing, fitted_on=num_held, max_short_to_long=calibration.max_short_to_long,
+        max_window_short_to_long=calibration.max_window_short_to_long)
 
 
 def fold_ids(num_items: int, num_folds: int, seed: int) -> np.ndarray:
