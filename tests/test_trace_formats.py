@@ -65,6 +65,11 @@ def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:
     bad_row.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,x\n")
     with pytest.raises(ValueError, match="bad.csv, line 2"):
         load_trace(bad_row)
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text('{"timestamp": 0, "input_length": 5, "output_length": 3}\n'
+                   '{"timestamp": NaN, "input_length": 5, "output_length": 3}\n')
+    with pytest.raises(ValueError, match="request 2 has a time that is not a number or a negative token count"):
+        load_trace(nan)
     failed = tmp_path / "failed.csv"
     failed.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,0\n")
     with pytest.raises(ValueError, match=r"no requests \(1 failed rows without an answer\)"):

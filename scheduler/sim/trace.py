@@ -60,11 +60,6 @@ def _parse_time(text: str) -> float:
     return base + (float("0." + frac) if frac else 0.0)
 
 
-def load_azure_csv(path: str | Path) -> Trace:
-    """Load an Azure LLM inference trace CSV; raises ``ValueError`` on a malformed file."""
-    return load_trace(path).trace
-
-
 #: What each format's file must hold (named in errors).
 TRACE_FORMATS = {
     "azure": "an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)",
@@ -105,8 +100,8 @@ def load_trace(path: str | Path) -> LoadedTrace:
                      + "; or ".join(TRACE_FORMATS.values()))
 
 
-def _read_rows(path: str | Path, reader: csv.DictReader, time_col: str, parse_time: Callable[[str], float], prompt_col: str,
-               output_col: str, skip_zero: bool) -> tuple[list[float], list[int], list[int], int]:
+def _read_rows(path: str | Path, reader: csv.DictReader, time_col: str, parse_time: Callable[[str], float],
+               prompt_col: str, output_col: str, skip_zero: bool) -> tuple[list[float], list[int], list[int], int]:
     arrival, prompt, output, skipped = [], [], [], 0
     for line, row in enumerate(reader, start=2):
         try:
@@ -142,6 +137,9 @@ def _finish(path: str | Path, fmt: str, arrival: list[float], prompt: list[int],
     if not arrival:
         raise ValueError(f"{path}: no requests" + (f" ({skipped} failed rows without an answer)" if skipped else ""))
     times = np.asarray(arrival, dtype=float)
+    bad = np.flatnonzero(~np.isfinite(times) | (np.asarray(prompt) < 0) | (np.asarray(output) < 0))
+    if len(bad):
+        raise ValueError(f"{path}: request {bad[0] + 1} has a time that is not a number or a negative token count")
     order = np.argsort(times, kind="stable")
     times = times[order]
     outputs = np.maximum(np.asarray(output, dtype=np.int64)[order], 1)
