@@ -1,4 +1,4 @@
-"""Pure scheduling policy: lane choice, order within a lane, slot reservation, anti-starvation,
+"""Pure scheduling policy: lane choice and its thresholds, slot reservation, anti-starvation,
 demotion by attained service, engine priority.
 
 No I/O, no clock, no environment: every input is an argument, so the same code runs in
