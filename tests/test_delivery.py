@@ -196,6 +196,21 @@ def test_cancel_before_accepted_waits_for_accepted() -> None:
     assert frames(out)[0]["finish_reason"] == "cancelled"
 
 
+def test_a_cancel_answered_after_a_resume_elsewhere_still_opens_with_resumed() -> None:
+    """The owner cancels on one connection and resumes on another before Redis answers the
+    cancel: the resume's connection gets ``resumed``, then ``done cancelled``, never a bare
+    ``done`` (a Hypothesis state machine found this interleaving)."""
+    d = core()
+    open_accepted(d, 3, "r0", key="bob")
+    assert d.cancel(3, "r0", 0.1) == [CancelRequest("r0", report=True)]
+    out = d.resume(2, "r0", -1, "bob", 0.2)
+    assert Repoint("r0", "bob") in out and frames(out, 3)[0]["code"] == "resumed_elsewhere"
+    out = d.cancel_result("r0", "queued", 0.3)
+    assert [(f["type"], f.get("last_seq"), f.get("finish_reason")) for f in frames(out, 2)] == \
+        [("resumed", -1, None), ("done", None, "cancelled")]
+    assert d.entries == {} and d.repointed("r0", "bob", "cancelled", 0.4) == [], "the late answer changes nothing"
+
+
 def test_cancel_of_a_running_request_ends_locally_if_the_worker_is_silent() -> None:
     d = core()
     open_accepted(d, 1, "r")

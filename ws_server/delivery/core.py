@@ -420,6 +420,11 @@ class Delivery:
             code = finish.error_code or ErrorCode.INTERNAL
             actions.append(_send_error(entry.conn, code, finish.error_message or code, entry.id))
             return actions
+        if not entry.announced and (entry.phase is Phase.RESUMING or entry.resumed_after is not None):
+            # It ends before Redis confirmed the resume (a cancel from the connection that lost
+            # it came back first): a resume still opens with ``resumed``, then the ending.
+            after = entry.resumed_after if entry.resumed_after is not None else entry.next_seq - 1
+            actions.append(Send(entry.conn, protocol.resumed_frame(entry.id, after)))
         timing = protocol.Timing(queue_ms=round(finish.queue_ms, 3), ttft_ms=round((ttft or 0.0) * 1000, 3),
                                  total_ms=round((now - entry.received_at) * 1000, 3))
         actions.append(Send(entry.conn, protocol.done_frame(entry.id, finish.reason, finish.usage, timing)))
