@@ -496,22 +496,18 @@ def live(
     from lanes.bench import live as bench_live
     from lanes.bench.common import write_json
     from lanes.scheduler.predictor import load_default
-    from lanes.scheduler.sim.trace import Trace
 
     names = tuple(n.strip() for n in policy.split(",") if n.strip())
     if not names or set(names) - set(bench_live.POLICIES):
         raise typer.BadParameter(f"--policy takes {', '.join(bench_live.POLICIES)}", param_hint="--policy")
-    full = _load_trace(trace)
-    if requests < 10 or start < 0 or start + requests > len(full):
-        raise typer.BadParameter(f"the trace has {len(full)} rows; need 10 <= --requests and "
-                                 f"--start + --requests <= {len(full)}")
+    if requests < 10:
+        raise typer.BadParameter("need at least 10 rows", param_hint="--requests")
+    sliced = _load_trace(trace, start, requests)
     observations = _load_prompt_pool(prompts)
-    end = start + requests
-    sliced = Trace(full.arrival_s[start:end], full.prompt_tokens[start:end], full.output_tokens[start:end])
     pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
     plan = bench_live.plan(sliced, [o.prompt for o in observations], pool_tokens, load_default().predict,
                            workers=workers, slots=slots, profile=profile, load=load)
-    typer.echo(f"slice rows {start}..{end - 1}: FCFS capacity {plan.capacity_rps:.3f} req/s on {workers} x {slots} "
+    typer.echo(f"slice rows {start}..{start + requests - 1}: FCFS capacity {plan.capacity_rps:.3f} req/s on {workers} x {slots} "
                f"slots; offered {plan.trace.rate_rps:.3f} req/s over {plan.trace.duration_s:.0f} s of trace time "
                f"(~{plan.trace.duration_s / time_scale:.0f} s wall per policy); predictor tau {plan.tau:.2f}, "
                f"long lane above {plan.routing_max_tokens} tokens ({plan.share_long_lane:.0%})", err=True)
