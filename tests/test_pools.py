@@ -82,6 +82,7 @@ async def test_auto_follows_the_rules(system: System) -> None:
         frames = await chat(system.edge_urls["edge"], rid, prompt, model="auto")
         assert frames[-1]["type"] == "done", frames
         assert served_by(system, expected, rid), f"{prompt!r} should go to {expected}"
+        assert frames[0]["pool"] == expected, "accepted names the pool auto chose"
     rid = f"nomodel-{uuid.uuid4().hex[:6]}"
     assert (await chat(system.edge_urls["edge"], rid, "Tell me about the sea."))[-1]["type"] == "done"
     assert served_by(system, rules.default_pool, rid)
@@ -91,6 +92,7 @@ async def test_fixed_answers_need_no_model(system: System) -> None:
     frames = await chat(system.edge_urls["edge"], "hello-1", "Hello!")
     kinds = [f["type"] for f in frames]
     assert kinds[0] == "accepted" and frames[0]["lane"] == "fixed" and kinds[-1] == "done", frames
+    assert "pool" not in frames[0], "no pool serves a fixed answer"
     text = "".join(f["text"] for f in frames if f["type"] == "delta")
     assert text.startswith("Hello!") and frames[-1]["finish_reason"] == "stop"
     for pool in ("small", "large"):
@@ -105,6 +107,12 @@ def test_openai_models_and_unknown_model(system: System) -> None:
     assert refused.value.body["code"] == "model_not_found"
     answer = api.chat.completions.create(model="small", messages=[{"role": "user", "content": "Why?"}], max_tokens=4)
     assert answer.choices[0].message.content and answer.model == "small"
+    prompt = "Prove that there are infinitely many primes, in detail."
+    expected = route(prompt, None, load_rules(RULES), "auto", ComplexityModel.load().complexity).pool
+    routed = api.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": prompt}],
+                                                           max_tokens=4)
+    assert routed.parse().model == expected, "the answer names the pool auto chose, as OpenAI names the model"
+    assert routed.headers["x-lanes-pool"] == expected
 
 
 def test_each_pool_gets_its_autoscaling_signal(system: System) -> None:

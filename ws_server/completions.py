@@ -4,7 +4,8 @@ A completion takes the same path as a WebSocket chat: the delivery core register
 connection of its own (one request), then limits, prediction, lane, admission and the enqueue
 run as for any chat. The core's frames for that connection go to an ``HttpSession``, which the
 response reads: server-sent ``chat.completion.chunk`` events (``stream: true``), or one
-``chat.completion`` at the end. The lane is in the ``x-lanes-lane`` header. A client that goes
+``chat.completion`` at the end. The lane is in the ``x-lanes-lane`` header, the pool that serves
+it in ``x-lanes-pool`` and in ``model`` (for ``auto``, the pool it chose). A client that goes
 away cancels its request at once (there is no resume over HTTP).
 """
 
@@ -137,6 +138,8 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
             return _error(oai.error_from_frame(first))
         headers = {"x-lanes-lane": str(first.get("lane", "")), "x-request-id": request_id,
                    "Cache-Control": "no-cache"}
+        if pool := first.get("pool"):  # "auto" answers with the pool it chose, as OpenAI names the model served
+            model = headers["x-lanes-pool"] = str(pool)
         if parsed.stream:
             handed_to_stream = True
             return StreamingResponse(_events(edge, conn, session, request_id, created, model, parsed.include_usage),

@@ -69,7 +69,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID, f"request {request_id} already exists{owned}")
     edge.admission.enqueued(pool, lane)
     edge._pool_of[request_id] = pool
-    return edge.core.accepted(request_id, lane.value, predicted, time.monotonic())
+    return edge.core.accepted(request_id, lane.value, predicted, time.monotonic(), pool)
 
 def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer) -> list[delivery.Action]:
     """A fixed answer, streamed by the edge itself like any answer (no Redis, no model)."""

@@ -258,8 +258,12 @@ class Timing(msgspec.Struct):
 _enc = msgspec.json.Encoder()
 
 
-def accepted_frame(request_id: str, lane: str, predicted_tokens: int) -> bytes:
-    return _enc.encode({"type": "accepted", "id": request_id, "lane": lane, "predicted_tokens": predicted_tokens})
+def accepted_frame(request_id: str, lane: str, predicted_tokens: int, pool: str | None = None) -> bytes:
+    """``pool``: the model pool the request was enqueued in (absent for a fixed answer)."""
+    frame: dict[str, object] = {"type": "accepted", "id": request_id, "lane": lane, "predicted_tokens": predicted_tokens}
+    if pool is not None:
+        frame["pool"] = pool
+    return _enc.encode(frame)
 
 
 def resumed_frame(request_id: str, last_seq: int) -> bytes:

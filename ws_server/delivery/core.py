@@ -82,8 +82,9 @@ class Delivery:
         self._add(Entry(request_id, key, conn, Phase.OPENING, received_at=now, last_heard_at=now))
         return True, []
 
-    def accepted(self, request_id: str, lane: str, predicted_tokens: int, now: float) -> list[Action]:
-        """The enqueue succeeded: ``accepted`` first, then whatever arrived meanwhile."""
+    def accepted(self, request_id: str, lane: str, predicted_tokens: int, now: float,
+                 pool: str | None = None) -> list[Action]:
+        """The enqueue succeeded (into ``pool``): ``accepted`` first, then whatever arrived meanwhile."""
         entry = self.entries.get(request_id)
         if entry is None or entry.phase is not Phase.OPENING:
             return []
@@ -92,7 +93,7 @@ class Delivery:
         if entry.conn is not None and not entry.announced:
             entry.announced = True
             if entry.resumed_after is None:
-                actions.append(Send(entry.conn, protocol.accepted_frame(request_id, lane, predicted_tokens)))
+                actions.append(Send(entry.conn, protocol.accepted_frame(request_id, lane, predicted_tokens, pool)))
             else:
                 actions.append(Send(entry.conn, protocol.resumed_frame(request_id, entry.resumed_after)))
         if entry.cancel_pending:
