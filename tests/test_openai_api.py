@@ -97,11 +97,35 @@ def test_models_lists_the_pools(system: System) -> None:
 
 @pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"temperature": 5}, "temperature"),
                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                                         ({"max_tokens": 10**6}, "max_tokens")])
+                                         ({"max_tokens": 10**6}, "max_tokens"), ({"logprobs": True}, "logprobs"),
+                                         ({"response_format": {"type": "json_object"}}, "response_format")])
 def test_bad_requests_are_400_naming_the_field(system: System, extra: dict[str, object], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client(system).chat.completions.create(**ask(**extra))
     assert refused.value.status_code == 400 and param in str(refused.value.body)
+
+
+def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused() -> None:
+    """Clients that send every field at OpenAI's default work; a field that asks for something this
+    server does not do (logprobs, JSON mode, penalties...) is refused naming it, never ignored."""
+    from lanes.ws_server.openai_compat import APIError, parse_request
+    from lanes.ws_server.protocol import Limits
+
+    defaults = {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "logit_bias": {},
+                "frequency_penalty": 0, "presence_penalty": 0.0, "tools": [], "tool_choice": "none",
+                "parallel_tool_calls": True, "modalities": ["text"], "audio": None, "user": "u1"}
+    parsed = parse_request(ask(**defaults), Limits())
+    assert parsed.frame.max_tokens == 24 and parsed.frame.temperature == 0
+    asks = {"logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"}, "logit_bias": {"50": 5},
+            "frequency_penalty": 0.5, "presence_penalty": -1, "tool_choice": "auto", "modalities": ["text", "audio"],
+            "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"}}
+    for name, value in asks.items():
+        with pytest.raises(APIError) as refused:
+            parse_request(ask(**{name: value}), Limits())
+        assert (refused.value.status, refused.value.param, refused.value.code) == (400, name, "unsupported_parameter")
+        assert "leave it out" in refused.value.message
+    with pytest.raises(APIError, match="send false"):
+        parse_request(ask(logprobs=0), Limits())  # JSON false and 0 differ
 
 
 def test_wrong_key_is_401_and_the_rate_limit_429(system: System) -> None:

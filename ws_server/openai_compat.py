@@ -5,9 +5,14 @@ responses out.
 Accepted: ``messages`` (string content, or a list of ``{"type": "text"}`` parts; roles system,
 developer (as system), user, assistant), ``model``, ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``,
-``user``. Refused with 400: ``n`` other than 1, ``tools`` / ``functions`` (and their choice
-fields), non-text content parts, ``tool`` messages. Other fields are ignored, as OpenAI's own
-servers ignore unknown ones.
+``user``. Refused with 400 (code ``unsupported_parameter``, ``param`` naming it): ``n`` other
+than 1, and any field asking for what this server does not do: ``tools`` / ``functions`` (and
+their choice fields), ``logprobs`` / ``top_logprobs``, ``response_format`` other than text,
+``logit_bias``, non-zero ``frequency_penalty`` / ``presence_penalty``, ``audio``, ``modalities``
+other than text, ``prediction``; also non-text content parts and ``tool`` messages. A field at
+its "nothing asked" value (``logprobs: false``, ``presence_penalty: 0``...) is accepted, so
+clients that send every default work. Other fields are ignored, as OpenAI's own servers ignore
+unknown ones.
 
 Errors (``{"error": {"message", "type", "code", "param"}}``)::
 
@@ -31,7 +36,15 @@ from lanes.queue.messages import ChatMessage
 from lanes.ws_server.protocol import ChatFrame, Limits, ProtocolError, chat_frame
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+#: Fields a client sets to ask for something this server does not do, each with the values that
+#: ask for nothing (OpenAI's defaults; clients often send them all). Any other value is refused:
+#: ignoring it would hand the client less than it asked for, silently.
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+}
 _enc = msgspec.json.Encoder()
 
 
@@ -63,10 +76,11 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     """Validate a ``/v1/chat/completions`` body; raises ``APIError`` (400) naming the field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, [], "none"):
-            raise APIError(400, f"'{name}' is not supported: this server serves plain chat completions",
-                           param=name, code="unsupported_parameter")
+    for name, nothing_asked in _UNSUPPORTED.items():
+        if not any(_same(body.get(name), value) for value in nothing_asked):
+            allowed = " or send " + " or ".join(_enc.encode(v).decode() for v in nothing_asked[1:]) if nothing_asked[1:] else ""
+            raise APIError(400, f"'{name}' is not supported: this server serves plain text chat completions; "
+                           f"leave it out{allowed}", param=name, code="unsupported_parameter")
     if body.get("n", 1) != 1:
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     if "max_completion_tokens" in body and "max_tokens" in body:
@@ -86,6 +100,11 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     except ProtocolError as err:
         raise APIError(400, err.message, code=err.code.value, param=_param(err.message)) from None
     return CompletionRequest(frame, stream, bool(options and options.get("include_usage")))
+
+
+def _same(given: object, value: object) -> bool:
+    """JSON equality: 0 and 0.0 are the same, false and 0 are not."""
+    return given == value and isinstance(given, bool) == isinstance(value, bool)
 
 
 def _messages(raw: object, limits: Limits) -> tuple[ChatMessage, ...]:
