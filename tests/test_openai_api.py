@@ -105,6 +105,22 @@ def test_bad_requests_are_400_naming_the_field(system: System, extra: dict[str, 
     assert refused.value.status_code == 400 and param in str(refused.value.body)
 
 
+def test_unknown_paths_and_methods_answer_in_openais_error_shape(system: System) -> None:
+    for method, path, status in (("GET", "/chat/completions", 405), ("POST", "/completions", 404),
+                                 ("POST", "/embeddings", 404)):
+        req = urllib.request.Request(base(system) + path, data=b"{}" if method == "POST" else None, method=method)
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(req, timeout=10)
+        error = json.loads(answer.value.read())["error"]
+        assert answer.value.code == status and path in error["message"], error
+        assert "/v1/chat/completions" in error["message"] and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):  # the SDK's own class, with the message it read
+        client(system).completions.create(model="default", prompt="hi")
+    with pytest.raises(urllib.error.HTTPError) as outside:  # other paths keep plain text
+        urllib.request.urlopen(base(system).removesuffix("/v1") + "/nope", timeout=10)
+    assert outside.value.code == 404 and outside.value.headers["content-type"].startswith("text/plain")
+
+
 def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused() -> None:
     """Clients that send every field at OpenAI's default work; a field that asks for something this
     server does not do (logprobs, JSON mode, penalties...) is refused naming it, never ignored."""
@@ -126,6 +142,8 @@ def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused(
         assert "leave it out" in refused.value.message
     with pytest.raises(APIError, match="send false"):
         parse_request(ask(logprobs=0), Limits())  # JSON false and 0 differ
+    with pytest.raises(APIError, match="'model' must be a string"):
+        parse_request(ask(model=5), Limits())
 
 
 def test_wrong_key_is_401_and_the_rate_limit_429(system: System) -> None:

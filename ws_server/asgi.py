@@ -31,7 +31,8 @@ class EdgeApp:
 
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
-        self.http = Starlette(routes=http.routes(edge) + completions.routes(edge))
+        self.http = Starlette(routes=http.routes(edge) + completions.routes(edge),
+                              exception_handlers={404: completions.not_routed, 405: completions.not_routed})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":

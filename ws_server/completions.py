@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from lanes.ws_server import openai_compat as oai
 from lanes.ws_server.auth import Identity, Refusal
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 if TYPE_CHECKING:
@@ -47,6 +48,18 @@ class HttpSession:
 
 def _error(error: oai.APIError) -> Response:
     return Response(error.body(), error.status, media_type="application/json", headers=error.headers())
+
+
+async def not_routed(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 / 405: in OpenAI's error shape under ``/v1/`` (SDKs read ``error.message``),
+    plain text elsewhere."""
+    assert isinstance(exc, HTTPException)
+    if not request.url.path.startswith("/v1/"):
+        return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
+    what = "no such endpoint" if exc.status_code == 404 else f"method {request.method} is not allowed here"
+    error = oai.APIError(exc.status_code, f"{what}: {request.method} {request.url.path} (the OpenAI API here: "
+                         f"POST {COMPLETIONS_PATH}, GET {MODELS_PATH})")
+    return Response(error.body(), exc.status_code, media_type="application/json", headers=exc.headers)
 
 
 def _refused(refusal: Refusal) -> Response:

@@ -93,7 +93,8 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     if not isinstance(stream, bool):
         raise APIError(400, "'stream' must be a boolean", param="stream")
     if not isinstance(body.get("model"), str):
-        raise APIError(400, "'model' is required (a pool name, or 'auto')", param="model")
+        problem = "is required" if body.get("model") is None else "must be a string"
+        raise APIError(400, f"'model' {problem}: a pool name (GET /v1/models lists them), or 'auto'", param="model")
     try:
         frame = chat_frame(body, None, _messages(body.get("messages"), limits), limits,
                            max_tokens_field=max_tokens_field, default_temperature=1.0)
