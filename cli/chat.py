@@ -24,7 +24,8 @@ async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: 
         async for raw in ws:
             msg = json.loads(raw)
             if msg["type"] == "accepted":
-                print(f"[{msg['lane']} lane, ~{msg['predicted_tokens']} tokens predicted]", file=sys.stderr)
+                pool = f"pool {msg['pool']}, " if msg.get("pool") else ""
+                print(f"[{pool}{msg['lane']} lane, ~{msg['predicted_tokens']} tokens predicted]", file=sys.stderr)
             elif msg["type"] == "delta":
                 out.write(msg["text"])  # type: ignore[attr-defined]
                 out.flush()  # type: ignore[attr-defined]
