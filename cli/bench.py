@@ -71,6 +71,9 @@ def _load_trace(trace: Path, start: int = 0, requests: int = 0) -> Any:
     if loaded.skipped:
         typer.echo(f"{trace}: {loaded.format} trace, {loaded.skipped} failed requests (0 response tokens) left out",
                    err=True)
+    if loaded.spread:
+        typer.echo(f"{trace}: {loaded.spread} requests shared their timestamp with an earlier one (coarse "
+                   "timestamps); spread evenly up to the next timestamp", err=True)
     if start == 0 and end == len(full):
         return full
     arrival = full.arrival_s[start:end]

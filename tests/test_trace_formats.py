@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from lanes.scheduler.sim.trace import TRACE_FORMATS, load_trace
+from lanes.scheduler.sim.trace import TRACE_FORMATS, load_trace, spread_ties
 
-#: (seconds after the first request, prompt tokens, output tokens)
+#: (seconds after the first request, prompt tokens, output tokens); two requests share 1.5 s
 ROWS = [(0.0, 812, 130), (0.25, 40, 7), (1.5, 2048, 611), (1.5, 95, 1), (7.125, 300, 88)]
+#: What the simulator gets: the second of the tied pair halfway to the next timestamp.
+ARRIVALS = [0.0, 0.25, 1.5, 4.3125, 7.125]
 
 
 def azure(path: Path) -> Path:
@@ -43,11 +45,20 @@ def mooncake(path: Path) -> Path:
                                                (mooncake, "mooncake", 0)])
 def test_each_format_gives_the_same_requests(tmp_path: Path, write, fmt: str, skipped: int) -> None:
     loaded = load_trace(write(tmp_path / "trace"))
-    assert (loaded.format, loaded.skipped) == (fmt, skipped)
+    assert (loaded.format, loaded.skipped, loaded.spread) == (fmt, skipped, 1)
     trace = loaded.trace
-    assert np.allclose(trace.arrival_s, [s for s, _, _ in ROWS], atol=1e-6), "relative to the first, in order"
+    assert np.allclose(trace.arrival_s, ARRIVALS, atol=1e-6), "relative to the first, in order, ties spread"
     assert trace.prompt_tokens.tolist() == [p for _, p, _ in ROWS]
     assert trace.output_tokens.tolist() == [o for _, _, o in ROWS]
+
+
+def test_requests_logged_at_the_same_instant_are_spread_to_the_next_timestamp() -> None:
+    """Coarse timestamps (Mooncake's whole seconds) would make each second's requests one burst."""
+    spread = spread_ties(np.array([0.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0]))
+    assert np.allclose(spread, [0.0, 1 / 3, 2 / 3, 1.0, 3.0, 3.375, 3.75, 4.125])  # the last over the median gap, 1.5 s
+    untouched = np.array([0.0, 0.1, 0.7, 2.0])
+    assert spread_ties(untouched) is untouched, "traces without ties (Azure's) are left exactly as they are"
+    assert spread_ties(np.array([4.0, 4.0])).tolist() == [4.0, 4.0], "one instant only: nothing to spread over"
 
 
 def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:

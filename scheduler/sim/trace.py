@@ -8,7 +8,9 @@ Three public formats are read, each carrying arrival times and token counts only
   ``Response tokens`` is 0 are failed requests without an answer and are left out);
 - Mooncake / Kimi FAST'25 (JSONL ``{"timestamp": ms, "input_length", "output_length", ...}``).
 
-Files are read where they lie; nothing is copied.
+Files are read where they lie; nothing is copied. Requests logged at the same instant (coarse
+timestamps: Mooncake's are mostly whole seconds, BurstGPT's are seconds) are spread over the gap
+to the next timestamp (``spread_ties``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class LoadedTrace:
     format: str
     #: Rows left out: BurstGPT's failed requests (0 response tokens).
     skipped: int = 0
+    #: Requests that shared their timestamp with an earlier one and were spread (``spread_ties``).
+    spread: int = 0
 
 
 def load_trace(path: str | Path) -> LoadedTrace:
@@ -142,8 +146,31 @@ def _finish(path: str | Path, fmt: str, arrival: list[float], prompt: list[int],
         raise ValueError(f"{path}: request {bad[0] + 1} has a time that is not a number or a negative token count")
     order = np.argsort(times, kind="stable")
     times = times[order]
+    num_tied = int(np.count_nonzero(np.diff(times) == 0))
+    times = spread_ties(times)
     outputs = np.maximum(np.asarray(output, dtype=np.int64)[order], 1)
-    return LoadedTrace(Trace(times - times[0], np.asarray(prompt, dtype=np.int64)[order], outputs), fmt, skipped)
+    return LoadedTrace(Trace(times - times[0], np.asarray(prompt, dtype=np.int64)[order], outputs), fmt, skipped,
+                       num_tied)
+
+
+def spread_ties(times: np.ndarray) -> np.ndarray:
+    """Sorted arrival times with each run of equal ones spread evenly over the gap to the next
+    distinct time (the last run over the median gap between distinct times), in file order.
+
+    A trace logged at coarse resolution puts several requests at the same instant, a burst the
+    real traffic did not have: on Mooncake's conversation trace (90 % of rows share their
+    timestamp) FCFS's short TTFT P99 at rho 0.5 is 28.9 s as logged and 13.4 s spread, and any
+    policy that reorders simultaneous arrivals (lanes pop the short lane first on a tie) gains
+    or loses on an artifact. Times without ties come back unchanged.
+    """
+    distinct, first, counts = np.unique(times, return_index=True, return_counts=True)
+    if len(distinct) == len(times):
+        return times
+    gaps = np.diff(distinct)
+    last_gap = float(np.median(gaps)) if len(gaps) else 0.0
+    span = np.append(gaps, last_gap)
+    within = np.arange(len(times)) - np.repeat(first, counts)  # position inside its run
+    return times + (within / np.repeat(counts, counts)) * np.repeat(span, counts)
 
 
 def synthetic(arrival_s: list[float], prompt_tokens: list[int], output_tokens: list[int]) -> Trace:
