@@ -178,6 +178,9 @@ def policy(
     tau: Annotated[float, typer.Option(min=-1.0, max=1.0, help="--predictor noise: its Kendall tau.")] = 0.52,
     prefix_cache_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of a resumed request's prompt the "
                                                       "engine's prefix cache still holds.")] = 0.0,
+    chunked_prefill_tokens: Annotated[int, typer.Option(min=0, help="Model chunked prefill (vLLM V1) with this token "
+                                                        "budget per iteration (max_num_batched_tokens, e.g. 2048); "
+                                                        "0: prefill and decode iterations alternate (vLLM v0).")] = 0,
     max_short_to_long: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="lanes: short requests allowed in the "
                                                            "long lane (routing calibration).")] = None,
     fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "
@@ -232,7 +235,11 @@ def policy(
     if refresh_routing not in ("follow", "pin"):
         raise typer.BadParameter(f"must be follow or pin, not {refresh_routing!r}", param_hint="--refresh-routing")
     tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
-    engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share)
+    try:
+        engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share,
+                              chunked_prefill_tokens=chunked_prefill_tokens)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--chunked-prefill-tokens") from None
     requests = _load_trace(trace, start, requests)
     true = requests.output_tokens
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)

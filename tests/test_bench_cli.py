@@ -151,3 +151,12 @@ def test_bench_policy_reads_mooncake_and_burstgpt_traces_and_slices_them(tmp_pat
     assert "burstgpt trace, 8 failed requests (0 response tokens) left out" in out.stderr
     too_far = lanes("bench", "policy", "--trace", str(mooncake), "--start", "300", "--requests", "200")
     assert too_far.returncode == 2 and "the trace has 400 rows" in too_far.stderr, too_far.stderr
+    tied = tmp_path / "tied.jsonl"  # whole-second timestamps, as most of Mooncake's
+    tied.write_text("".join(json.dumps({"timestamp": t // 1000 * 1000, "input_length": p, "output_length": o})
+                            + "\n" for t, p, o in rows))
+    out = lanes("bench", "policy", "--trace", str(tied), "--predictor", "noise", "--policy", "fcfs", "--json",
+                "--chunked-prefill-tokens", "2048")
+    assert out.returncode == 0, out.stderr
+    assert "340 requests shared their timestamp with an earlier one" in out.stderr, out.stderr
+    small = lanes("bench", "policy", "--trace", str(tied), "--chunked-prefill-tokens", "64")
+    assert small.returncode == 2 and "more than max_num_seqs (64)" in small.stderr, small.stderr

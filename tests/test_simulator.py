@@ -84,6 +84,46 @@ def test_prefill_budget_and_batching() -> None:
     assert result.start_s[1] == pytest.approx(result.first_token_s[0])
 
 
+def test_chunked_prefill_splits_a_prompt_over_iterations_at_the_same_total_work() -> None:
+    """A 5,000-token prompt alone, budget 2,048: three prefill-only iterations, each paying the fixed
+    per-iteration cost once plus its chunk's share of the unchunked prefill curve."""
+    engine = EngineConfig(PROFILE, max_num_seqs=4, chunked_prefill_tokens=2048)
+    result = simulate(synthetic([0.0], [5000], [3]), policy([Lane.SHORT], SlotConfig(4, 4, 4)), engine)
+    fixed_ms = PROFILE.prefill_step_ms(0)
+    expected_ttft_ms = PROFILE.prefill_step_ms(5000) + 2 * fixed_ms
+    assert result.ttft_s[0] == pytest.approx(expected_ttft_ms / 1000)
+    assert result.e2e_s[0] == pytest.approx((expected_ttft_ms + 2 * PROFILE.decode_step_ms(1)) / 1000)
+    assert result.num_iterations == 3 + 2
+
+
+def test_chunked_prefill_keeps_decoding_through_a_long_prompt() -> None:
+    """vLLM v0 stalls every running request for a long prefill; with chunked prefill (V1) each
+    decodes one token per iteration alongside the chunks. The work is the same (the chunks add up
+    to the unchunked prefill; the decode steps pay the per-iteration fixed cost), so the running
+    answer ends one fixed cost earlier, and the long prompt's first token comes later: its
+    iterations carry the decodes."""
+    trace = synthetic([0.0, 0.2], [100, 8000], [40, 2])
+    lanes, slots = policy([Lane.SHORT, Lane.SHORT], SlotConfig(4, 4, 4)), EngineConfig(PROFILE, max_num_seqs=4)
+    v0 = simulate(trace, lanes, slots)
+    chunked = simulate(trace, lanes, replace(slots, chunked_prefill_tokens=2048))
+    assert chunked.e2e_s[0] == pytest.approx(v0.e2e_s[0] - PROFILE.prefill_step_ms(0) / 1000, abs=1e-6)
+    assert chunked.ttft_s[1] > v0.ttft_s[1]
+    assert chunked.first_token_s[1] < chunked.finish_s[0], "the long prompt finished prefilling while it decoded"
+
+
+def test_chunked_prefill_holds_a_slot_while_prefilling() -> None:
+    """Two 600-token prompts fit one 1,024-token iteration (the second in part); the third waits
+    for a slot (max_num_seqs 2) although the next iterations have budget left."""
+    trace = synthetic([0.0, 0.0, 0.0], [600, 600, 600], [3, 3, 3])
+    engine = EngineConfig(PROFILE, max_num_seqs=2, chunked_prefill_tokens=1024)
+    result = simulate(trace, policy([Lane.SHORT] * 3, SlotConfig(2, 2, 2)), engine)
+    assert result.start_s[0] == result.start_s[1] == 0.0
+    assert result.first_token_s[1] > result.first_token_s[0], "its prompt took a second iteration"
+    assert result.start_s[2] == pytest.approx(result.finish_s[0]), "the third waits for a slot, not for the budget"
+    with pytest.raises(ValueError, match="more than max_num_seqs"):
+        EngineConfig(PROFILE, max_num_seqs=64, chunked_prefill_tokens=64)
+
+
 def test_speculative_decoding_shortens_decode() -> None:
     trace = synthetic([0.0], [512], [101])
     plain = simulate(trace, policy([Lane.SHORT]), ONE)

@@ -55,7 +55,7 @@ class LanesDiscipline:
         return {LANE_ORDER[cls]: num for cls, num in worker.counts.items()}
 
     def next_level(self, worker: Worker, backlog: Backlog, now_s: float) -> int | None:
-        if worker.num_running >= self.engine.max_num_seqs:
+        if worker.num_slots_used >= self.engine.max_num_seqs:
             return None
         ages = self._lane_ages(backlog, now_s)
         lane = next((x for x in lanes_to_pop(self._running(worker), ages, self.policy.slot_config) if x in ages), None)
@@ -120,7 +120,7 @@ class MlfqDiscipline:
         return max(0, math.ceil(needed / self.config.decode_ms))
 
     def next_level(self, worker: Worker, backlog: Backlog, now_s: float) -> int | None:
-        return backlog.best_level() if worker.num_running < self.engine.max_num_seqs else None
+        return backlog.best_level() if worker.num_slots_used < self.engine.max_num_seqs else None
 
     def promote(self, backlog: Backlog, now_s: float, generated: list[int]) -> None:
         """Starvation guard: jobs waiting ``starve_after_s`` move to the top queue."""
@@ -141,7 +141,7 @@ class MlfqDiscipline:
         worst = max((cls for cls, num in worker.counts.items() if num > 0), default=-1)
         if best is None or best >= worst:
             return []
-        free = self.engine.max_num_seqs - worker.num_running
+        free = self.engine.max_num_seqs - worker.num_slots_used
         waiting = backlog.level_sizes()
         victims = sorted(worker.runs, key=lambda i: (worker.runs[i].cls, self.arrival_s[i]), reverse=True)
         out: list[tuple[int, int]] = []

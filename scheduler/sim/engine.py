@@ -29,10 +29,19 @@ class EngineConfig:
     spec: SpecDecoding | None = None
     #: Share of a resumed request's prompt that prefix caching still holds (0: no prefix caching).
     prompt_cached_share: float = 0.0
+    #: Chunked prefill (vLLM V1, TensorRT-LLM's ``enable_chunked_prefill``): tokens per iteration
+    #: (``max_num_batched_tokens``), one per running request's decode and the rest for prompt
+    #: chunks. 0: the vLLM-v0 model above (an iteration prefills or decodes, never both).
+    chunked_prefill_tokens: int = 0
     #: KV swap to or from host memory, ms per token of context (FastServe's preemption).
     #: Llama-2-70B keeps 0.3125 MiB of KV per token (80 layers x 8 KV heads x 128 x 2 x fp16),
     #: split over 8 GPUs that each move theirs at ~25 GB/s over PCIe: ~1.6 us per token.
     swap_ms_per_token: float = 0.0016
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_tokens and self.chunked_prefill_tokens <= self.max_num_seqs:
+            raise ValueError(f"chunked_prefill_tokens must be 0 (off) or more than max_num_seqs ({self.max_num_seqs}): "
+                             "a full batch of decodes would leave no budget for prompts")
 
     @property
     def tokens_per_step(self) -> float:
@@ -41,6 +50,19 @@ class EngineConfig:
     def decode_ms(self, batch_size: int, num_context_tokens: int) -> float:
         step_ms = self.profile.decode_step_ms(batch_size, max(0, num_context_tokens))
         return self.spec.step_ms(step_ms) if self.spec else step_ms
+
+
+@dataclass
+class Prefill:
+    """A request holding a slot while its prompt is prefilled in chunks (chunked prefill)."""
+
+    total: int
+    remaining: int
+    cls: int
+    #: Tokens it had generated before (a resume), and whether its KV is swapped back in.
+    base_tokens: int
+    swapped_in: bool
+    started_s: float
 
 
 @dataclass
@@ -73,10 +95,37 @@ class Worker:
         #: Admission serial number of each run (stale heap entries carry an older one).
         self._serials: dict[int, int] = {}
         self._serial = 0
+        #: Requests whose prompt is still being prefilled in chunks, in admission order.
+        self.prefilling: dict[int, Prefill] = {}
+        #: Prompt and generated tokens prefilled again to resume preempted requests, not yet taken.
+        self.num_reprefill_tokens = 0
 
     @property
     def num_running(self) -> int:
+        """Requests decoding (the batch of a decode step)."""
         return len(self.runs)
+
+    @property
+    def num_slots_used(self) -> int:
+        """Requests holding a slot: decoding, or prefilling in chunks."""
+        return len(self.runs) + len(self.prefilling)
+
+    def start_prefill(self, idx: int, tokens: int, cls: int, base_tokens: int, swapped_in: bool,
+                      now_s: float) -> Prefill:
+        assert idx not in self.runs and idx not in self.prefilling
+        self.prefilling[idx] = pf = Prefill(tokens, tokens, cls, base_tokens, swapped_in, now_s)
+        self.counts[cls] += 1
+        return pf
+
+    def finish_prefill(self, idx: int) -> Prefill:
+        """The prompt is done: the request leaves the prefill list (``add`` it to decode)."""
+        pf = self.prefilling.pop(idx)
+        self.counts[pf.cls] -= 1
+        return pf
+
+    def take_reprefill_tokens(self) -> int:
+        num, self.num_reprefill_tokens = self.num_reprefill_tokens, 0
+        return num
 
     def generated(self, idx: int) -> int:
         run = self.runs[idx]
