@@ -95,53 +95,14 @@ def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers:
             if discipline.resume_by_swap:
                 worker.pending_ms += (prompt[idx] + generated[idx]) * engine.swap_ms_per_token
             backlog.push(level, idx)
-        if engine.chunked_prefill_tokens:
-            end = _chunked_iteration(worker, backlog, discipline, now, prompt, output, generated, start, first)
-            if end is None:  # idle: sleep until the next arrival, or poll a blocked backlog
-                idle_polls = idle_polls + 1 if next_arrival >= n else 0
-                if idle_polls > _MAX_IDLE_POLLS:
-                    raise RuntimeError("backlog can never be popped: check the slot config")
-                end = enqueue[next_arrival] if next_arrival < n else now + 1.0
-            num_reprefill += worker.take_reprefill_tokens()
-            for idx in worker.retire():
-                finish[idx] = end
-                num_done += 1
-            num_iterations += 1
-            heapq.heappush(events, (end, w))
-            continue
-        batch, num_tokens = [], 0
-        while backlog.num_waiting:
-            level = discipline.next_level(worker, backlog, now)
-            if level is None:
-                break
-            idx = backlog.peek(level)
-            assert idx is not None
-            tokens = _prefill_tokens(idx, prompt, generated, engine, discipline.resume_by_swap)
-            if batch and num_tokens + tokens > engine.max_prefill_tokens:
-                break
-            backlog.pop(level)
-            batch.append(idx)
-            num_tokens += tokens
-            swapped_in = _admitted(worker, discipline, idx, tokens, generated, prompt)
-            cls = discipline.classify(idx, generated[idx] + (0 if swapped_in else 1))
-            worker.add(idx, generated[idx], 0 if swapped_in else 1, cls, now, prompt[idx], output[idx])
-            worker.recheck_at_tokens(idx, discipline.class_bound(idx, cls))
-        num_reprefill += worker.take_reprefill_tokens()
-        if batch:
-            end = now + (engine.profile.prefill_step_ms(num_tokens) if num_tokens else 0.0) / 1000.0
-            end += worker.take_pending_ms() / 1000.0
-            for idx in batch:
-                if math.isnan(start[idx]):
-                    start[idx] = now
-                if math.isnan(first[idx]) and (not discipline.resume_by_swap or generated[idx] == 0):
-                    first[idx] = end
-        elif worker.num_running:
-            end = now + worker.decode_step() / 1000.0
-        else:  # idle: sleep until the next arrival, or poll a blocked backlog
+        iteration = _chunked_iteration if engine.chunked_prefill_tokens else _v0_iteration
+        end = iteration(worker, backlog, discipline, now, prompt, output, generated, start, first)
+        if end is None:  # idle: sleep until the next arrival, or poll a blocked backlog
             idle_polls = idle_polls + 1 if next_arrival >= n else 0
             if idle_polls > _MAX_IDLE_POLLS:
                 raise RuntimeError("backlog can never be popped: check the slot config")
             end = enqueue[next_arrival] if next_arrival < n else now + 1.0
+        num_reprefill += worker.take_reprefill_tokens()
         for idx in worker.retire():
             finish[idx] = end
             num_done += 1
@@ -161,6 +122,42 @@ def _admitted(worker: Worker, discipline: LanesDiscipline | MlfqDiscipline, idx:
     elif generated[idx] > 0:
         worker.num_reprefill_tokens += tokens
     return swapped_in
+
+
+def _v0_iteration(worker: Worker, backlog: Backlog, discipline: LanesDiscipline | MlfqDiscipline, now: float,
+                  prompt: list[int], output: list[int], generated: list[int], start: list[float],
+                  first: list[float]) -> float | None:
+    """One vLLM-v0 iteration: a prefill of what fits the prefill token budget (a longer prompt
+    runs alone; each popped request's first token comes at its end), or else one decode step of
+    every running request. Returns the iteration's end, or None when there is nothing to run."""
+    engine = worker.engine
+    batch, num_tokens = [], 0
+    while backlog.num_waiting:
+        level = discipline.next_level(worker, backlog, now)
+        if level is None:
+            break
+        idx = backlog.peek(level)
+        assert idx is not None
+        tokens = _prefill_tokens(idx, prompt, generated, engine, discipline.resume_by_swap)
+        if batch and num_tokens + tokens > engine.max_prefill_tokens:
+            break
+        backlog.pop(level)
+        batch.append(idx)
+        num_tokens += tokens
+        swapped_in = _admitted(worker, discipline, idx, tokens, generated, prompt)
+        cls = discipline.classify(idx, generated[idx] + (0 if swapped_in else 1))
+        worker.add(idx, generated[idx], 0 if swapped_in else 1, cls, now, prompt[idx], output[idx])
+        worker.recheck_at_tokens(idx, discipline.class_bound(idx, cls))
+    if not batch:
+        return now + worker.decode_step() / 1000.0 if worker.num_running else None
+    end = now + (engine.profile.prefill_step_ms(num_tokens) if num_tokens else 0.0) / 1000.0
+    end += worker.take_pending_ms() / 1000.0
+    for idx in batch:
+        if math.isnan(start[idx]):
+            start[idx] = now
+        if math.isnan(first[idx]) and (not discipline.resume_by_swap or generated[idx] == 0):
+            first[idx] = end
+    return end
 
 
 def _chunked_iteration(worker: Worker, backlog: Backlog, discipline: LanesDiscipline | MlfqDiscipline, now: float,
