@@ -185,6 +185,10 @@ def policy(
                                                            "long lane (routing calibration).")] = None,
     fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "
                                                        "lane has waited less than this.")] = None,
+    fcfs_above_prefill_share: Annotated[float | None, typer.Option(min=0.0, help="lanes: step aside (FCFS, open "
+                                                                   "slots) while the finished requests' estimated "
+                                                                   "prefill share of the work is at least this "
+                                                                   "(default 0.6; 1: never).")] = None,
     preempt_wait_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: hand-back wait bound.")] = None,
     hand_back_demoted: Annotated[bool | None, typer.Option("--hand-back-demoted/--no-hand-back-demoted",
                                  help="lanes: hand back demoted runs too.")] = None,
@@ -234,7 +238,8 @@ def policy(
                                  "the load)", param_hint="--refresh-every-s")
     if refresh_routing not in ("follow", "pin"):
         raise typer.BadParameter(f"must be follow or pin, not {refresh_routing!r}", param_hint="--refresh-routing")
-    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s)
+    tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s,
+                     fcfs_above_prefill_share)
     try:
         engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share,
                               chunked_prefill_tokens=chunked_prefill_tokens)
@@ -271,6 +276,11 @@ def policy(
         typer.echo(f"FCFS capacity {capacity_rps:.3f} req/s; offered {load:.2f} x = {load * capacity_rps:.3f} req/s; "
                    f"predictor {predictions.source}, realised tau {predictions.tau:.3f}")
         typer.echo(format_table(results))
+        for name, r in results.items():
+            if "prefill_share" in r:
+                typer.echo(f"{name}: prefill {r['prefill_share']:.0%} of the work at the end; lanes stepped aside "
+                           f"(FCFS) for {r['prefill_heavy_pop_share']:.0%} of pops (--fcfs-above-prefill-share "
+                           f"{tuning.fcfs_above_prefill_share:g})")
     if plot is not None:
         sweep = {x: results if x == load else compare(requests, engine, x, names, predictions, **kwargs)
                  for x in sorted(set(loads) | {load})}
@@ -280,7 +290,7 @@ def policy(
 
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
             hand_back_demoted: bool | None, min_long_share: float | None = None,
-            max_wait_s: float | None = None) -> Any:
+            max_wait_s: float | None = None, fcfs_above_prefill_share: float | None = None) -> Any:
     from lanes.scheduler.live_policy import wait_bound_ms
     from lanes.scheduler.sim.policies import LanesTuning
 
@@ -297,6 +307,8 @@ def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt
         tuning = replace(tuning, max_short_to_long=max_short_to_long)
     if fcfs_below_s is not None:
         tuning = replace(tuning, fcfs_below_ms=fcfs_below_s * 1000.0)
+    if fcfs_above_prefill_share is not None:
+        tuning = replace(tuning, fcfs_above_prefill_share=fcfs_above_prefill_share)
     if preempt_wait_s is not None:
         tuning = replace(tuning, preemption=replace(tuning.preemption, wait_bound_ms=preempt_wait_s * 1000.0))
     if hand_back_demoted is not None:

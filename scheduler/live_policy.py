@@ -39,7 +39,8 @@ DEFAULT_PREEMPTION = PreemptionConfig(demotion=DEFAULT_DEMOTION)
 #: of the slots and medium + long at most MAX_MEDIUM_LONG_SHARE (the rest is kept for the short
 #: lane: short requests arriving behind a burst of long ones start at once); the long lane is
 #: guaranteed MIN_LONG_SHARE once its oldest request waited STARVE_AFTER_MS; FCFS across lanes
-#: until the short lane's oldest waited FCFS_BELOW_MS; any lane first once its oldest waited
+#: until the short lane's oldest waited FCFS_BELOW_MS, and while prompts are most of the engine's
+#: work (PREFILL_HEAVY_SHARE); any lane first once its oldest waited
 #: MAX_WAIT_MS (10 minutes: bounds what a weak predictor defers, costs nothing at tau >= 0.7).
 MAX_LONG_SHARE = 0.75
 MAX_MEDIUM_LONG_SHARE = 0.875
@@ -47,6 +48,14 @@ MIN_LONG_SHARE = 0.1
 STARVE_AFTER_MS = 20_000.0
 FCFS_BELOW_MS = 8_000.0
 MAX_WAIT_MS = 600_000.0
+#: Lanes pop oldest-first while the engine's prefill share of its work is at least this
+#: (``SlotConfig.fcfs_above_prefill_share``, ``workmix``): over every 1,000 consecutive requests
+#: Azure conv stays at 0.22-0.50, Azure code at 0.83-0.88, Mooncake at 0.72-0.78 (RESULTS.md, "Stop 25").
+PREFILL_HEAVY_SHARE = 0.6
+#: Prompt tokens' worth of prefill one decoded token costs, for the share's estimate when the
+#: deployment does not say (``LANES_DECODE_TOKEN_COST``): Llama-70B on H100s at 64 requests
+#: (``costmodel.get_profile("l70-h100").decode_token_cost(64)`` = 11.7).
+DECODE_TOKEN_COST = 12.0
 
 
 class PolicyName(str, enum.Enum):
@@ -116,16 +125,19 @@ def lanes_slot_config(max_slots: int, *, max_long_share: float = MAX_LONG_SHARE,
                       max_medium_long_share: float = MAX_MEDIUM_LONG_SHARE, min_long_share: float = MIN_LONG_SHARE,
                       starve_after_ms: float = STARVE_AFTER_MS, protect_after_ms: float = math.inf,
                       borrow_when_idle: bool = False, fcfs_below_ms: float = FCFS_BELOW_MS,
-                      max_wait_ms: float = MAX_WAIT_MS) -> SlotConfig:
+                      max_wait_ms: float = MAX_WAIT_MS,
+                      fcfs_above_prefill_share: float = PREFILL_HEAVY_SHARE) -> SlotConfig:
     """The ``lanes`` slot config for a worker with ``max_slots`` slots (the workers' defaults and
     the simulator's, see the constants above): long requests capped at ``max_long_share`` of the
     slots and medium + long at ``max_medium_long_share`` (unless ``borrow_when_idle`` and no shorter
     request waits), the long lane guaranteed ``min_long_share`` of the slots once its oldest
     request waited ``starve_after_ms`` (unless the short lane's has waited ``protect_after_ms``),
-    priority only while the short lane's oldest request has waited ``fcfs_below_ms``, and any lane
+    priority only while the short lane's oldest request has waited ``fcfs_below_ms`` and the
+    engine's prefill share of its work is below ``fcfs_above_prefill_share``, and any lane
     first once its oldest request has waited ``max_wait_ms`` (inf: no bound)."""
     return SlotConfig(max_slots=max_slots, max_long=share_of_slots(max_long_share, max_slots),
                       max_medium_long=share_of_slots(max_medium_long_share, max_slots),
                       min_long=min(share_of_slots(min_long_share, max_slots), max_slots),
                       starve_after_ms=starve_after_ms, protect_after_ms=protect_after_ms,
-                      borrow_when_idle=borrow_when_idle, fcfs_below_ms=fcfs_below_ms, max_wait_ms=max_wait_ms)
+                      borrow_when_idle=borrow_when_idle, fcfs_below_ms=fcfs_below_ms, max_wait_ms=max_wait_ms,
+                      fcfs_above_prefill_share=fcfs_above_prefill_share)

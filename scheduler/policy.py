@@ -255,6 +255,11 @@ class SlotConfig:
     #: this, the lanes are popped oldest-first (FCFS across lanes: at light load reordering
     #: only costs the later lanes). 0 (the default): always by priority.
     fcfs_below_ms: float = 0.0
+    #: Lanes only where output length is what requests cost: while the engine's prefill share
+    #: of its work (``workmix.WorkMix``, passed to ``lanes_to_pop``) is at least this, the lanes
+    #: step aside (FCFS, open slots, no hand-backs: prompt-heavy traffic gains nothing from
+    #: jumping long answers). 1.0 or more (the default): never.
+    fcfs_above_prefill_share: float = 1.0
     #: Wait bound: a lane whose oldest request has waited this long is popped first (the
     #: longest-waiting such lane first), caps, guarantees and priorities notwithstanding, so no
     #: request waits without bound behind a stream of shorter ones. inf (the default): no bound.
@@ -266,6 +271,8 @@ class SlotConfig:
             raise ValueError("slot counts must be >= 0")
         if self.min_medium < 0 or self.min_long < 0 or self.min_medium + self.min_long > self.max_slots:
             raise ValueError("guaranteed shares must be >= 0 and fit in max_slots")
+        if not self.fcfs_above_prefill_share >= 0.0:
+            raise ValueError("fcfs_above_prefill_share must be >= 0 (1 or more: never)")
 
 
 def eligible_lanes(running: Mapping[Lane, int], config: SlotConfig) -> tuple[Lane, ...]:
@@ -289,6 +296,7 @@ def lanes_to_pop(
     running: Mapping[Lane, int],
     oldest_wait_ms: Mapping[Lane, float],
     config: SlotConfig,
+    prefill_share: float = 0.0,
 ) -> tuple[Lane, ...]:
     """Lanes to pop from now, in order: the worker takes the first non-empty one.
 
@@ -300,9 +308,15 @@ def lanes_to_pop(
     priority order of ``eligible_lanes`` (oldest lane first instead while the short lane's
     oldest request has waited less than ``fcfs_below_ms``); then, with ``borrow_when_idle``,
     lanes over their cap when every lane ahead of them is empty (so slots never idle needlessly).
+
+    While ``prefill_heavy(prefill_share, config)`` (prompts are most of the engine's work, so an
+    answer's length is not what a request costs) the lanes step aside: every lane, oldest first,
+    no caps, no guarantees: FCFS. ``prefill_share`` comes from ``workmix.WorkMix``.
     """
     if sum(running.get(lane, 0) for lane in LANE_ORDER) >= config.max_slots:
         return ()
+    if prefill_heavy(prefill_share, config):  # lanes step aside: oldest first, no caps
+        return tuple(sorted(LANE_ORDER, key=lambda lane: -oldest_wait_ms.get(lane, -math.inf)))
     shares = {Lane.MEDIUM: config.min_medium, Lane.LONG: config.min_long}
     starving = [
         lane
@@ -326,6 +340,13 @@ def lanes_to_pop(
             if lane not in order and not any(a in oldest_wait_ms for a in ahead):
                 order.append(lane)
     return tuple(order)
+
+
+def prefill_heavy(prefill_share: float, config: SlotConfig) -> bool:
+    """Whether prompts are so much of the engine's work that the lanes step aside (FCFS, no
+    hand-backs): ``prefill_share`` (``workmix``) at least ``config.fcfs_above_prefill_share``,
+    when that is below 1 (1 or more: never)."""
+    return config.fcfs_above_prefill_share < 1.0 and prefill_share >= config.fcfs_above_prefill_share
 
 
 def vllm_priority(lane: Lane) -> int:

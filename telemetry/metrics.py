@@ -64,6 +64,9 @@ SPEC_ACCEPTANCE_LENGTH = Gauge("lanes_spec_mean_acceptance_length", "Tokens per 
 KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache in use", ["engine"], registry=WORKER)
 TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat",
                      registry=WORKER)
+PREFILL_SHARE = Gauge("lanes_worker_prefill_share", "Estimated prefill share of the engine's work over the last "
+                      "finished requests (lanes pop oldest-first at or above LANES_FCFS_ABOVE_PREFILL_SHARE)",
+                      registry=WORKER)
 
 # -- scheduler
 LANE_DEPTH = Gauge("lanes_lane_depth", "Requests waiting per lane", ["pool", "lane"], registry=SCHEDULER)

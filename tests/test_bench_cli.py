@@ -40,6 +40,10 @@ def test_bench_policy_with_prompts_prints_the_json_shape(files: tuple[Path, Path
     assert -1.0 <= results["lanes"]["predictor_tau"] <= 1.0
     assert results["lanes"]["predictor_tau"] == results["priority"]["predictor_tau"]
     assert results["fcfs"]["predictor_tau"] is None and results["mlfq"]["predictor_tau"] is None
+    # The lanes report the engine's prefill share and how often it made them step aside.
+    assert 0.0 < results["lanes"]["prefill_share"] < 1.0
+    assert 0.0 <= results["lanes"]["prefill_heavy_pop_share"] <= 1.0
+    assert "prefill_share" not in results["fcfs"]
 
 
 def test_bench_policy_table_and_bad_prompt_files(files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -47,6 +51,7 @@ def test_bench_policy_table_and_bad_prompt_files(files: tuple[Path, Path], tmp_p
     out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--predictor", "random")
     assert out.returncode == 0, out.stderr
     assert "realised tau" in out.stdout and "lanes" in out.stdout
+    assert "lanes stepped aside (FCFS) for" in out.stdout and "--fcfs-above-prefill-share 0.6" in out.stdout
     missing = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "--prompts" in missing.stderr
     bad = tmp_path / "bad.json"
@@ -64,6 +69,8 @@ def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tu
     assert _tuning(None, None, None, None).min_long_share == 0.1
     assert _tuning(None, None, None, None, max_wait_s=30).max_wait_ms == 30_000
     assert _tuning(None, None, None, None, max_wait_s=0).max_wait_ms == float("inf")
+    assert _tuning(None, None, None, None, fcfs_above_prefill_share=1.0).fcfs_above_prefill_share == 1.0
+    assert _tuning(None, None, None, None).fcfs_above_prefill_share == 0.6
     trace, prompts = files
     bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--min-long-share", "2")
     assert bad.returncode == 2 and "--min-long-share" in bad.stderr and "[0, 1]" in bad.stderr

@@ -90,6 +90,22 @@ async def test_fcfs_is_one_lane_and_open_slots(plane: QueuePlane) -> None:
         await until(lambda: _all_done(plane, [f"m{i}" for i in range(4)]))
 
 
+async def test_lanes_step_aside_while_prompts_dominate_the_work(plane: QueuePlane) -> None:
+    # No slot for the long lane at all; the worker's last finished requests decide whether that holds.
+    async with running(plane, slots=2, time_scale=50.0, max_long_slots=0, max_medium_long_slots=0,
+                       min_long_slots=0, fcfs_above_prefill_share=0.6) as worker:
+        for _ in range(100):
+            worker.work_mix.observe(1000, 200)  # chat-like: answers are most of the work
+        assert worker.prefill_share() < 0.6
+        await enqueue(plane, "long", Lane.LONG, 5)
+        await asyncio.sleep(0.5)
+        assert await state(plane, "long") == "queued", "capped out while answers dominate"
+        for _ in range(1000):
+            worker.work_mix.observe(4000, 10)  # prompt-heavy: code completion, RAG
+        assert worker.prefill_share() > 0.9
+        await until(lambda: _is(plane, "long", "done"))
+
+
 async def _resumed_whole(plane: QueuePlane, rid: str, num_tokens: int) -> None:
     """``rid`` was handed back once and resumed after its tokens: no gap, no repeat."""
     events = await plane.read_stream(rid)

@@ -15,7 +15,7 @@ from lanes.scheduler.sim import predictions
 from lanes.scheduler.sim.engine import EngineConfig
 from lanes.scheduler.sim.metrics import summarize
 from lanes.scheduler.sim.noise import kendall_tau, noisy_predictions, sigma_for_tau
-from lanes.scheduler.sim.policies import SimPolicy, make_policy
+from lanes.scheduler.sim.policies import LanesTuning, SimPolicy, make_policy
 from lanes.scheduler.sim.run import fcfs_capacity_rps, run_policy
 from lanes.scheduler.sim.simulator import simulate
 from lanes.scheduler.sim.trace import Trace, synthetic
@@ -327,3 +327,28 @@ def test_the_refresh_in_the_loop_refits_and_routes_by_the_thresholds_it_ships() 
     assert out.seen_share == 0.0 and out.tau == out.tau_unseen and out.tau > 0.5
     with pytest.raises(ValueError, match="one prompt per row"):
         refreshed_predictions(arrival, true, prompts[:-1], load_default(), config, max_tokens=4096)
+
+
+def test_lanes_step_aside_on_prompt_heavy_traffic() -> None:
+    # Long prompts, short answers (15 % long ones): an answer's length is not what a request
+    # costs, and reordering by it plus the slot caps made both classes wait longer.
+    rng = np.random.default_rng(3)
+    n = 3000
+    output = np.where(rng.random(n) < 0.15, rng.integers(150, 400, n), rng.integers(3, 30, n))
+    trace = synthetic(list(np.cumsum(rng.exponential(0.1, n))), list(rng.integers(2000, 6000, n)), list(output))
+    engine = EngineConfig(PROFILE, max_num_seqs=16)
+    scaled = trace.time_scaled(0.7 * fcfs_capacity_rps(trace, engine) / trace.rate_rps)
+    fcfs = summarize(run_policy(scaled, make_policy("fcfs", scaled, scaled.output_tokens, 16), engine),
+                     scaled.output_tokens)
+    runs = {}
+    for share in (0.6, 1.0):  # the default, and never
+        tuning = replace(LanesTuning(), fcfs_above_prefill_share=share)
+        result = run_policy(scaled, make_policy("lanes-oracle", scaled, scaled.output_tokens * 1.0, 16, tuning=tuning),
+                            engine)
+        runs[share] = (summarize(result, scaled.output_tokens), result.info)
+    (stepped, info), (kept, kept_info) = runs[0.6], runs[1.0]
+    assert info["prefill_share"] > 0.6 and info["prefill_heavy_pop_share"] > 0.9  # all but the first 100
+    assert kept_info["prefill_heavy_pop_share"] == 0.0
+    assert kept["long"]["ttft_s_p99"] > 2 * fcfs["long"]["ttft_s_p99"]
+    for group in ("short", "long"):
+        assert stepped[group]["ttft_s_p99"] <= 1.05 * fcfs[group]["ttft_s_p99"], group

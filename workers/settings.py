@@ -9,7 +9,8 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS, STARVE_AFTER_MS, lanes_slot_config, wait_bound_ms
+from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS,
+                                         PREFILL_HEAVY_SHARE, STARVE_AFTER_MS, lanes_slot_config, wait_bound_ms)
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from pydantic import Field, field_validator, model_validator
@@ -60,6 +61,14 @@ class WorkerSettings(RedisSettings):
     #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
     #: priorities notwithstanding (``SlotConfig.max_wait_ms``; 0 = no bound).
     max_wait_ms: float = Field(default=MAX_WAIT_MS, ge=0.0)
+    #: Priority only where answers are what requests cost: while prompts are at least this share
+    #: of the engine's work over its last 1,000 finished requests (``scheduler/workmix.py``),
+    #: lanes are popped oldest-first (``SlotConfig.fcfs_above_prefill_share``; 1 = never).
+    fcfs_above_prefill_share: float = Field(default=PREFILL_HEAVY_SHARE, ge=0.0)
+    #: For that share: what one decoded token costs in prompt tokens' worth of prefill on this
+    #: deployment's GPUs and model (``costmodel.CostProfile.decode_token_cost``; 12 = Llama-70B
+    #: on H100s at a full batch, ~6 on A100s).
+    decode_token_cost: float = Field(default=DECODE_TOKEN_COST, gt=0.0)
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True
@@ -123,7 +132,7 @@ class WorkerSettings(RedisSettings):
         config = lanes_slot_config(
             max_slots, starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
             borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.fcfs_below_ms,
-            max_wait_ms=wait_bound_ms(self.max_wait_ms))
+            max_wait_ms=wait_bound_ms(self.max_wait_ms), fcfs_above_prefill_share=self.fcfs_above_prefill_share)
         min_long = config.min_long if self.min_long_slots is None else min(self.min_long_slots, max_slots)
         return replace(
             config, min_long=min_long, min_medium=min(self.min_medium_slots, max_slots - min_long),

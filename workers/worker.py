@@ -40,6 +40,7 @@ from lanes.scheduler.policy import (
     effective_lane,
     lane_bound_tokens,
     lanes_to_pop,
+    prefill_heavy,
 )
 from lanes.scheduler.preemption import (
     NEVER_MS,
@@ -47,6 +48,7 @@ from lanes.scheduler.preemption import (
     choose_preemption,
     requeue_lane,
 )
+from lanes.scheduler.workmix import WorkMix
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, inject_context, tracer
 from lanes.workers.engines.base import (
@@ -83,6 +85,9 @@ class Worker:
         self.table = RunTable(orphan_grace_s=settings.orphan_grace_s)
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
         self.oldest_wait_ms: dict[Lane, float] = {}
+        #: Prompt and output tokens of the last finished requests: their prefill share of the
+        #: engine's work decides whether lanes reorder at all (``lanes_now``).
+        self.work_mix = WorkMix()
         self.reporter = Reporter(plane, self.worker_id, settings.heartbeat_s, settings.pool)
         #: Per-lane token counters, looked up once (a ``labels()`` call per token costs ~1.5 us).
         self._token_counters = {lane: metrics.TOKENS.labels(lane.value) for lane in Lane}
@@ -181,7 +186,11 @@ class Worker:
         return self.policy.running_by_lane(self.table.lanes_and_progress())
 
     def lanes_now(self) -> tuple[Lane, ...]:
-        return lanes_to_pop(self.running_by_lane(), self.oldest_wait_ms, self.slots)
+        return lanes_to_pop(self.running_by_lane(), self.oldest_wait_ms, self.slots, self.prefill_share())
+
+    def prefill_share(self) -> float:
+        """Estimated share of this worker's engine time spent on prefill (``workmix``)."""
+        return self.work_mix.prefill_share(self.settings.decode_token_cost)
 
     async def _claim_loop(self, burst: bool) -> None:
         blocker = self.plane.blocking_client()
@@ -292,6 +301,8 @@ class Worker:
                 finish = await self._stream(run, request, queue_ms)
                 if finish is None:  # preempted: handed back, resumes later after its tokens
                     return
+                if finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens)
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
                     await self.reporter.observation(payload.messages, finish.usage.completion_tokens, claim.owner)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
@@ -413,9 +424,12 @@ class Worker:
 
     def _maybe_preempt(self, now_ms: float) -> None:
         """Hand one request back when a lane has waited past the bound and no free slot may pop
-        it (``scheduler/preemption.py``: bounded per request, never near its end)."""
+        it (``scheduler/preemption.py``: bounded per request, never near its end). Never while
+        prompts dominate the engine's work (``policy.prefill_heavy``: the lanes step aside)."""
         config = self.policy.preemption
-        if config is None or any(lane in self.oldest_wait_ms for lane in self.lanes_now()):
+        if config is None or prefill_heavy(self.prefill_share(), self.slots):
+            return
+        if any(lane in self.oldest_wait_ms for lane in self.lanes_now()):
             return
         views = {r.id: RunView(r.id, r.lane, r.prompt_tokens, r.prior_tokens + r.completion_tokens, r.max_tokens,
                                r.predicted_tokens, r.times_preempted, r.started_at_ms)
@@ -432,6 +446,7 @@ class Worker:
 
     async def _report(self) -> None:
         running = {lane.value: n for lane, n in self.running_by_lane().items()}
+        metrics.PREFILL_SHARE.set(self.prefill_share())
         await self.reporter.report(running, self.slots.max_slots, dict(self.table.num_finished), self.engine.stats())
 
     async def _control_loop(self) -> None:

@@ -15,13 +15,14 @@ import math
 import numpy as np
 
 from lanes.queue.messages import Lane
-from lanes.scheduler.policy import LANE_ORDER, effective_lane, lane_bound_tokens, lanes_to_pop
+from lanes.scheduler.policy import LANE_ORDER, effective_lane, lane_bound_tokens, lanes_to_pop, prefill_heavy
 from lanes.scheduler.preemption import RunView, choose_preemption, requeue_lane
 from lanes.scheduler.sim import mlfq
 from lanes.scheduler.sim.backlog import Backlog
 from lanes.scheduler.sim.engine import EngineConfig, Worker
 from lanes.scheduler.sim.policies import SimPolicy
 from lanes.scheduler.sim.trace import Trace
+from lanes.scheduler.workmix import WorkMix
 
 
 class LanesDiscipline:
@@ -35,6 +36,10 @@ class LanesDiscipline:
         self.prompt = trace.prompt_tokens.tolist()
         predicted = policy.predicted_tokens if policy.predicted_tokens is not None else trace.output_tokens
         self.predicted = [int(p) for p in np.rint(predicted)]
+        #: The finished requests' prompt and output tokens, as a worker keeps them (``workmix``).
+        self.mix = WorkMix()
+        self.decode_token_cost = engine.profile.decode_token_cost(engine.max_num_seqs)
+        self.num_decisions = self.num_prefill_heavy = 0
 
     def arrival_level(self, idx: int) -> int:
         return LANE_ORDER.index(self.lane[idx])
@@ -54,12 +59,31 @@ class LanesDiscipline:
     def _running(self, worker: Worker) -> dict[Lane, int]:
         return {LANE_ORDER[cls]: num for cls, num in worker.counts.items()}
 
-    def next_level(self, worker: Worker, backlog: Backlog, now_s: float) -> int | None:
+    def _pick(self, worker: Worker, backlog: Backlog, now_s: float) -> Lane | None:
         if worker.num_slots_used >= self.engine.max_num_seqs:
             return None
         ages = self._lane_ages(backlog, now_s)
-        lane = next((x for x in lanes_to_pop(self._running(worker), ages, self.policy.slot_config) if x in ages), None)
-        return None if lane is None else LANE_ORDER.index(lane)
+        lanes = lanes_to_pop(self._running(worker), ages, self.policy.slot_config, self._prefill_share())
+        return next((x for x in lanes if x in ages), None)
+
+    def _prefill_share(self) -> float:
+        return self.mix.prefill_share(self.decode_token_cost)
+
+    def next_level(self, worker: Worker, backlog: Backlog, now_s: float) -> int | None:
+        lane = self._pick(worker, backlog, now_s)
+        if lane is None:
+            return None
+        self.num_decisions += 1
+        self.num_prefill_heavy += prefill_heavy(self._prefill_share(), self.policy.slot_config)
+        return LANE_ORDER.index(lane)
+
+    def finished(self, idx: int, output_tokens: int) -> None:
+        self.mix.observe(self.prompt[idx], output_tokens)
+
+    def info(self) -> dict[str, float]:
+        """The engine's prefill share at the end and the share of pops made oldest-first for it."""
+        return {"prefill_share": self._prefill_share(),
+                "prefill_heavy_pop_share": self.num_prefill_heavy / max(1, self.num_decisions)}
 
     def preempt(self, worker: Worker, backlog: Backlog, now_s: float, generated: list[int],
                 num_preemptions: list[int]) -> list[tuple[int, int]]:
@@ -67,8 +91,10 @@ class LanesDiscipline:
         config = self.policy.preemption
         if config is None or not worker.runs or not backlog.num_waiting:
             return []
+        if prefill_heavy(self._prefill_share(), self.policy.slot_config):
+            return []
         ages = self._lane_ages(backlog, now_s)
-        if max(ages.values()) < config.wait_bound_ms or self.next_level(worker, backlog, now_s) is not None:
+        if max(ages.values()) < config.wait_bound_ms or self._pick(worker, backlog, now_s) is not None:
             return []
         views = [RunView(str(idx), self.lane[idx], self.prompt[idx], worker.generated(idx), self.policy.max_tokens,
                          self.predicted[idx], num_preemptions[idx], run.started_s * 1000.0)
@@ -118,6 +144,12 @@ class MlfqDiscipline:
         # generated tokens g with attained(g) >= end_ms, minus one: "more than" this bound.
         needed = end_ms + self.base_ms[idx] - self.prefill_ms[idx]
         return max(0, math.ceil(needed / self.config.decode_ms))
+
+    def finished(self, idx: int, output_tokens: int) -> None:
+        return None
+
+    def info(self) -> dict[str, float]:
+        return {}
 
     def next_level(self, worker: Worker, backlog: Backlog, now_s: float) -> int | None:
         return backlog.best_level() if worker.num_slots_used < self.engine.max_num_seqs else None

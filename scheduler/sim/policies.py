@@ -26,8 +26,8 @@ import numpy as np
 
 from lanes.queue.messages import Lane
 from lanes.scheduler.live_policy import (DEFAULT_DEMOTION, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_LONG_SHARE,
-                                         MAX_MEDIUM_LONG_SHARE, MAX_WAIT_MS, MIN_LONG_SHARE, STARVE_AFTER_MS,
-                                         lanes_slot_config)
+                                         MAX_MEDIUM_LONG_SHARE, MAX_WAIT_MS, MIN_LONG_SHARE, PREFILL_HEAVY_SHARE,
+                                         STARVE_AFTER_MS, lanes_slot_config)
 from lanes.scheduler.policy import (NO_BOUND_TOKENS, LaneThresholds, RoutingCalibration, SlotConfig, choose_lane,
                                     routing_from_observations)
 from lanes.scheduler.preemption import PreemptionConfig
@@ -67,6 +67,9 @@ class LanesTuning:
     fcfs_below_ms: float = FCFS_BELOW_MS
     #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first.
     max_wait_ms: float = MAX_WAIT_MS
+    #: ``SlotConfig.fcfs_above_prefill_share``: lanes are popped oldest-first while the
+    #: estimated prefill share of the finished requests' work is at least this (1: never).
+    fcfs_above_prefill_share: float = PREFILL_HEAVY_SHARE
     preemption: PreemptionConfig = DEFAULT_PREEMPTION
     max_tokens: int = SIM_MAX_TOKENS
 
@@ -99,7 +102,7 @@ def lanes_slots(max_num_seqs: int, tuning: LanesTuning) -> SlotConfig:
                              max_medium_long_share=tuning.max_medium_long_share, min_long_share=tuning.min_long_share,
                              starve_after_ms=tuning.starve_after_ms, protect_after_ms=tuning.protect_after_ms,
                              borrow_when_idle=tuning.borrow_when_idle, fcfs_below_ms=tuning.fcfs_below_ms,
-                             max_wait_ms=tuning.max_wait_ms)
+                             max_wait_ms=tuning.max_wait_ms, fcfs_above_prefill_share=tuning.fcfs_above_prefill_share)
 
 
 def _lanes(name: str, trace: Trace, predicted: np.ndarray, predictor_ms: np.ndarray | float,

@@ -61,5 +61,7 @@ def compare(
         summary.update(load=load, offered_rps=scaled.rate_rps, fcfs_capacity_rps=capacity_rps,
                        predictor_tau=predictions.tau if uses else None,
                        predictor=({"source": predictions.source, **predictions.info, **policy.info} if uses else {}))
+        if name.startswith("lanes"):  # the engine's prefill share, and how often it made lanes FCFS
+            summary.update(result.info)
         out[name] = summary
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,6 +44,8 @@ class SimResult:
     num_preemptions: np.ndarray
     #: Tokens prefilled again to resume preempted requests (recompute), summed.
     num_reprefill_tokens: int = 0
+    #: What the discipline reports at the end (the lanes': ``prefill_share``, ``prefill_heavy_pop_share``).
+    info: dict[str, float] = field(default_factory=dict)
 
     @property
     def wait_s(self) -> np.ndarray:
@@ -105,11 +107,12 @@ def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers:
         num_reprefill += worker.take_reprefill_tokens()
         for idx in worker.retire():
             finish[idx] = end
+            discipline.finished(idx, output[idx])
             num_done += 1
         num_iterations += 1
         heapq.heappush(events, (end, w))
     return SimResult(trace.arrival_s, np.asarray(start), np.asarray(first), np.asarray(finish), num_iterations,
-                     np.asarray(num_preemptions), num_reprefill)
+                     np.asarray(num_preemptions), num_reprefill, discipline.info())
 
 
 def _admitted(worker: Worker, discipline: LanesDiscipline | MlfqDiscipline, idx: int, tokens: int,
