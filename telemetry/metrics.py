@@ -65,7 +65,7 @@ KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache i
 TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat",
                      registry=WORKER)
 PREFILL_SHARE = Gauge("lanes_worker_prefill_share", "Estimated prefill share of the engine's work over the last "
-                      "finished requests (lanes pop oldest-first at or above LANES_FCFS_ABOVE_PREFILL_SHARE)",
+                      "finished requests (lanes step aside, FCFS, at or above LANES_FCFS_ABOVE_PREFILL_SHARE)",
                       registry=WORKER)
 
 # -- scheduler
