@@ -183,7 +183,7 @@ def policy(
                                                         "0: prefill and decode iterations alternate (vLLM v0).")] = 0,
     max_short_to_long: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="lanes: short requests allowed in the "
                                                            "long lane (routing calibration).")] = None,
-    fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS with open slots while the short "
+    fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "
                                                        "lane has waited less than this.")] = None,
     fcfs_above_prefill_share: Annotated[float | None, typer.Option(min=0.0, help="lanes: step aside (FCFS, open "
                                                                    "slots) while the finished requests' estimated "

@@ -38,9 +38,9 @@ DEFAULT_PREEMPTION = PreemptionConfig(demotion=DEFAULT_DEMOTION)
 #: (``lanes_slot_config``; tuned there, RESULTS.md): long-lane runs hold at most MAX_LONG_SHARE
 #: of the slots and medium + long at most MAX_MEDIUM_LONG_SHARE (the rest is kept for the short
 #: lane: short requests arriving behind a burst of long ones start at once); the long lane is
-#: guaranteed MIN_LONG_SHARE once its oldest request waited STARVE_AFTER_MS; plain FCFS (open
-#: slots) until the short lane's oldest waited FCFS_BELOW_MS, and while prompts are most of the
-#: engine's work (PREFILL_HEAVY_SHARE); any lane first once its oldest waited
+#: guaranteed MIN_LONG_SHARE once its oldest request waited STARVE_AFTER_MS; FCFS across lanes
+#: until the short lane's oldest waited FCFS_BELOW_MS, and while prompts are most of the engine's
+#: work (PREFILL_HEAVY_SHARE); any lane first once its oldest waited
 #: MAX_WAIT_MS (10 minutes: bounds what a weak predictor defers, costs nothing at tau >= 0.7).
 MAX_LONG_SHARE = 0.75
 MAX_MEDIUM_LONG_SHARE = 0.875
@@ -48,7 +48,7 @@ MIN_LONG_SHARE = 0.1
 STARVE_AFTER_MS = 20_000.0
 FCFS_BELOW_MS = 8_000.0
 MAX_WAIT_MS = 600_000.0
-#: Lanes step aside (FCFS, open slots) while the engine's prefill share of its work is at least this
+#: Lanes pop oldest-first while the engine's prefill share of its work is at least this
 #: (``SlotConfig.fcfs_above_prefill_share``, ``workmix``): over every 1,000 consecutive requests
 #: Azure conv stays at 0.22-0.50, Azure code at 0.83-0.88, Mooncake at 0.72-0.78 (RESULTS.md, "Stop 25").
 PREFILL_HEAVY_SHARE = 0.6
@@ -132,8 +132,8 @@ def lanes_slot_config(max_slots: int, *, max_long_share: float = MAX_LONG_SHARE,
     slots and medium + long at ``max_medium_long_share`` (unless ``borrow_when_idle`` and no shorter
     request waits), the long lane guaranteed ``min_long_share`` of the slots once its oldest
     request waited ``starve_after_ms`` (unless the short lane's has waited ``protect_after_ms``),
-    lanes (order and caps) only once the short lane's oldest request has waited ``fcfs_below_ms``
-    and while the engine's prefill share of its work is below ``fcfs_above_prefill_share``, and any lane
+    priority only while the short lane's oldest request has waited ``fcfs_below_ms`` and the
+    engine's prefill share of its work is below ``fcfs_above_prefill_share``, and any lane
     first once its oldest request has waited ``max_wait_ms`` (inf: no bound)."""
     return SlotConfig(max_slots=max_slots, max_long=share_of_slots(max_long_share, max_slots),
                       max_medium_long=share_of_slots(max_medium_long_share, max_slots),

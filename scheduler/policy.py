@@ -251,9 +251,9 @@ class SlotConfig:
     protect_after_ms: float = math.inf
     #: Let long requests use the reserved slots while the short and medium lanes are empty.
     borrow_when_idle: bool = False
-    #: Lanes only under load: while the short lane's oldest request has waited less than this,
-    #: the lanes step aside (oldest-first, open slots: at light load reordering and reserving
-    #: slots only cost the later lanes). 0 (the default): always lanes.
+    #: Priority only under load: while the short lane's oldest request has waited less than
+    #: this, the lanes are popped oldest-first (FCFS across lanes: at light load reordering
+    #: only costs the later lanes). 0 (the default): always by priority.
     fcfs_below_ms: float = 0.0
     #: Lanes only where output length is what requests cost: while the engine's prefill share
     #: of its work (``workmix.WorkMix``, passed to ``lanes_to_pop``) is at least this, the lanes
@@ -301,22 +301,21 @@ def lanes_to_pop(
     """Lanes to pop from now, in order: the worker takes the first non-empty one.
 
     ``running`` counts this worker's running requests per lane; ``oldest_wait_ms`` holds
-    the age of each lane's oldest waiting request (a missing lane is empty).
+    the age of each lane's oldest waiting request (a missing lane is empty). Lanes whose oldest
+    request has waited ``max_wait_ms`` come first, longest-waiting first. Then starving lanes
+    below their guaranteed share come first, longest-waiting first, unless a lane ahead has
+    waited ``protect_after_ms`` itself; then the capped
+    priority order of ``eligible_lanes`` (oldest lane first instead while the short lane's
+    oldest request has waited less than ``fcfs_below_ms``); then, with ``borrow_when_idle``,
+    lanes over their cap when every lane ahead of them is empty (so slots never idle needlessly).
 
-    The lanes step aside (every lane, oldest first, no caps, no guarantees: FCFS) at light load,
-    while the short lane's oldest request has waited less than ``fcfs_below_ms`` (reordering and
-    reserving slots would only cost the later lanes), and while ``prefill_heavy(prefill_share,
-    config)`` (prompts are most of the engine's work; ``prefill_share`` comes from
-    ``workmix.WorkMix``). Otherwise lanes whose oldest request has waited ``max_wait_ms`` come
-    first, longest-waiting first. Then starving lanes below their guaranteed share, longest-waiting
-    first, unless a lane ahead has waited ``protect_after_ms`` itself; then the capped priority
-    order of ``eligible_lanes``; then, with ``borrow_when_idle``, lanes over their cap when every
-    lane ahead of them is empty (so slots never idle needlessly).
+    While ``prefill_heavy(prefill_share, config)`` (prompts are most of the engine's work, so an
+    answer's length is not what a request costs) the lanes step aside: every lane, oldest first,
+    no caps, no guarantees: FCFS. ``prefill_share`` comes from ``workmix.WorkMix``.
     """
     if sum(running.get(lane, 0) for lane in LANE_ORDER) >= config.max_slots:
         return ()
-    light = oldest_wait_ms.get(Lane.SHORT, 0.0) < config.fcfs_below_ms
-    if light or prefill_heavy(prefill_share, config):  # lanes step aside: oldest first, no caps
+    if prefill_heavy(prefill_share, config):  # lanes step aside: oldest first, no caps
         return tuple(sorted(LANE_ORDER, key=lambda lane: -oldest_wait_ms.get(lane, -math.inf)))
     shares = {Lane.MEDIUM: config.min_medium, Lane.LONG: config.min_long}
     starving = [
@@ -328,6 +327,8 @@ def lanes_to_pop(
     ]
     starving.sort(key=lambda lane: -oldest_wait_ms[lane])
     eligible = [lane for lane in eligible_lanes(running, config) if lane not in starving]
+    if oldest_wait_ms.get(Lane.SHORT, 0.0) < config.fcfs_below_ms:  # light load: oldest lane first
+        eligible.sort(key=lambda lane: -oldest_wait_ms.get(lane, -math.inf))
     order = starving + eligible
     overdue = sorted((lane for lane in LANE_ORDER if oldest_wait_ms.get(lane, -1.0) >= config.max_wait_ms),
                      key=lambda lane: -oldest_wait_ms[lane])

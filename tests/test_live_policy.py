@@ -67,7 +67,7 @@ async def test_a_long_run_is_handed_back_when_a_short_request_waits_too_long(pla
 
 async def test_a_short_run_past_its_bound_counts_against_the_long_lane(plane: QueuePlane) -> None:
     async with running(plane, slots=2, time_scale=4.0, preempt_after_ms=0, max_long_slots=1,
-                       max_medium_long_slots=1, min_long_slots=0, fcfs_below_ms=0) as worker:
+                       max_medium_long_slots=1, min_long_slots=0) as worker:
         await enqueue(plane, "chatty", Lane.SHORT, 600)  # predicted short, answers long
         await until(lambda: _streamed(plane, "chatty", 220))
         assert worker.running_by_lane() == {Lane.LONG: 1}, "demoted past the short bound"
@@ -90,21 +90,10 @@ async def test_fcfs_is_one_lane_and_open_slots(plane: QueuePlane) -> None:
         await until(lambda: _all_done(plane, [f"m{i}" for i in range(4)]))
 
 
-async def test_at_light_load_the_slot_caps_step_aside(plane: QueuePlane) -> None:
-    # Under load the long lane would get no slot; while the short lane has not waited
-    # LANES_FCFS_BELOW_MS (8 s) the worker is FCFS with open slots.
-    async with running(plane, slots=2, time_scale=50.0, max_long_slots=0, max_medium_long_slots=0,
-                       min_long_slots=0) as worker:
-        assert worker.slots.fcfs_below_ms == 8000.0
-        await enqueue(plane, "long", Lane.LONG, 5)
-        await until(lambda: _is(plane, "long", "done"))
-
-
 async def test_lanes_step_aside_while_prompts_dominate_the_work(plane: QueuePlane) -> None:
-    # No slot for the long lane at all, even at light load (fcfs_below_ms=0); the worker's last
-    # finished requests decide whether that holds.
+    # No slot for the long lane at all; the worker's last finished requests decide whether that holds.
     async with running(plane, slots=2, time_scale=50.0, max_long_slots=0, max_medium_long_slots=0,
-                       min_long_slots=0, fcfs_below_ms=0, fcfs_above_prefill_share=0.6) as worker:
+                       min_long_slots=0, fcfs_above_prefill_share=0.6) as worker:
         for _ in range(100):
             worker.work_mix.observe(1000, 200)  # chat-like: answers are most of the work
         assert worker.prefill_share() < 0.6

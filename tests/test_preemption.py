@@ -66,15 +66,6 @@ def test_fcfs_below_pops_the_oldest_lane_until_the_short_lane_waits() -> None:
     assert lanes_to_pop({}, {S: 1000.0, L: 3000.0}, SlotConfig(max_slots=8))[:2] == (S, M)
 
 
-def test_below_the_fcfs_bound_the_slot_caps_step_aside_too() -> None:
-    # The long cap is reached: under load only the short lane may pop; at light load it is FCFS.
-    config = SlotConfig(max_slots=8, max_long=2, max_medium_long=3, min_long=1, fcfs_below_ms=5000)
-    running = {L: 2, M: 1}
-    assert lanes_to_pop(running, {S: 1000.0, L: 3000.0, M: 2000.0}, config) == (L, M, S)
-    assert lanes_to_pop(running, {S: 6000.0, L: 3000.0, M: 2000.0}, config) == (S,)
-    assert lanes_to_pop({L: 8}, {S: 1000.0}, config) == (), "full is full"
-
-
 def test_long_threshold_from_observations_bounds_the_short_misroute() -> None:
     predicted = [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 500, 600]
     observed = [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 900, 900]

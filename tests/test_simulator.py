@@ -330,14 +330,14 @@ def test_the_refresh_in_the_loop_refits_and_routes_by_the_thresholds_it_ships() 
 
 
 def test_lanes_step_aside_on_prompt_heavy_traffic() -> None:
-    # Long prompts, short answers (15 % long ones), near capacity: lanes reorder by answer length
-    # unless they measure that prompts are most of the work.
+    # Long prompts, short answers (15 % long ones): an answer's length is not what a request
+    # costs, and reordering by it plus the slot caps made both classes wait longer.
     rng = np.random.default_rng(3)
     n = 3000
     output = np.where(rng.random(n) < 0.15, rng.integers(150, 400, n), rng.integers(3, 30, n))
     trace = synthetic(list(np.cumsum(rng.exponential(0.1, n))), list(rng.integers(2000, 6000, n)), list(output))
     engine = EngineConfig(PROFILE, max_num_seqs=16)
-    scaled = trace.time_scaled(0.95 * fcfs_capacity_rps(trace, engine) / trace.rate_rps)
+    scaled = trace.time_scaled(0.7 * fcfs_capacity_rps(trace, engine) / trace.rate_rps)
     fcfs = summarize(run_policy(scaled, make_policy("fcfs", scaled, scaled.output_tokens, 16), engine),
                      scaled.output_tokens)
     runs = {}
@@ -349,6 +349,6 @@ def test_lanes_step_aside_on_prompt_heavy_traffic() -> None:
     (stepped, info), (kept, kept_info) = runs[0.6], runs[1.0]
     assert info["prefill_share"] > 0.6 and info["prefill_heavy_pop_share"] > 0.9  # all but the first 100
     assert kept_info["prefill_heavy_pop_share"] == 0.0
-    assert kept["long"]["ttft_s_p99"] > 1.1 * fcfs["long"]["ttft_s_p99"]
+    assert kept["long"]["ttft_s_p99"] > 2 * fcfs["long"]["ttft_s_p99"]
     for group in ("short", "long"):
-        assert stepped[group]["ttft_s_p99"] == pytest.approx(fcfs[group]["ttft_s_p99"], rel=0.02), group
+        assert stepped[group]["ttft_s_p99"] <= 1.05 * fcfs[group]["ttft_s_p99"], group

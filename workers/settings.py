@@ -55,8 +55,8 @@ class WorkerSettings(RedisSettings):
     #: Let long requests use reserved slots while the shorter lanes are empty (more
     #: throughput, but a short request arriving then waits for a slot).
     borrow_when_idle: bool = False
-    #: Lanes only under load: while the short lane's oldest request has waited less than this,
-    #: the worker is FCFS with open slots (``SlotConfig.fcfs_below_ms``; 0 = always lanes).
+    #: Priority only under load: while the short lane's oldest request has waited less than
+    #: this, lanes are popped oldest-first (``SlotConfig.fcfs_below_ms``; 0 = always by priority).
     fcfs_below_ms: float = Field(default=FCFS_BELOW_MS, ge=0.0)
     #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
     #: priorities notwithstanding (``SlotConfig.max_wait_ms``; 0 = no bound).

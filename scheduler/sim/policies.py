@@ -63,11 +63,11 @@ class LanesTuning:
     min_long_share: float = MIN_LONG_SHARE
     starve_after_ms: float = STARVE_AFTER_MS
     protect_after_ms: float = math.inf
-    #: ``SlotConfig.fcfs_below_ms``: FCFS with open slots while the short lane waits less.
+    #: ``SlotConfig.fcfs_below_ms``: lanes are popped oldest-first while the short lane waits less.
     fcfs_below_ms: float = FCFS_BELOW_MS
     #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first.
     max_wait_ms: float = MAX_WAIT_MS
-    #: ``SlotConfig.fcfs_above_prefill_share``: FCFS with open slots while the
+    #: ``SlotConfig.fcfs_above_prefill_share``: lanes are popped oldest-first while the
     #: estimated prefill share of the finished requests' work is at least this (1: never).
     fcfs_above_prefill_share: float = PREFILL_HEAVY_SHARE
     preemption: PreemptionConfig = DEFAULT_PREEMPTION
