@@ -73,5 +73,8 @@ def test_prefill_heavy_lanes_pop_oldest_first_with_open_slots() -> None:
 def test_worker_settings_reach_the_slot_config() -> None:
     assert WorkerSettings(max_slots=8).slots(8).fcfs_above_prefill_share == PREFILL_HEAVY_SHARE
     assert WorkerSettings(max_slots=8, fcfs_above_prefill_share=1.0).slots(8).fcfs_above_prefill_share == 1.0
-    with pytest.raises(ValueError, match="decode_token_cost"):
-        WorkerSettings(decode_token_cost=0)
+    for bad in (0, math.inf, math.nan):  # inf would silently mean "never step aside"
+        with pytest.raises(ValueError, match="decode_token_cost"):
+            WorkerSettings(decode_token_cost=bad)
+    with pytest.raises(ValueError, match="fcfs_above_prefill_share"):
+        WorkerSettings(fcfs_above_prefill_share=math.inf)

@@ -64,11 +64,11 @@ class WorkerSettings(RedisSettings):
     #: Priority only where answers are what requests cost: while prompts are at least this share
     #: of the engine's work over its last 1,000 finished requests (``scheduler/workmix.py``),
     #: lanes are popped oldest-first (``SlotConfig.fcfs_above_prefill_share``; 1 = never).
-    fcfs_above_prefill_share: float = Field(default=PREFILL_HEAVY_SHARE, ge=0.0)
+    fcfs_above_prefill_share: float = Field(default=PREFILL_HEAVY_SHARE, ge=0.0, allow_inf_nan=False)
     #: For that share: what one decoded token costs in prompt tokens' worth of prefill on this
     #: deployment's GPUs and model (``costmodel.CostProfile.decode_token_cost``; 12 = Llama-70B
     #: on H100s at a full batch, ~6 on A100s).
-    decode_token_cost: float = Field(default=DECODE_TOKEN_COST, gt=0.0)
+    decode_token_cost: float = Field(default=DECODE_TOKEN_COST, gt=0.0, allow_inf_nan=False)
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True
