@@ -106,6 +106,37 @@ async def test_lanes_step_aside_while_prompts_dominate_the_work(plane: QueuePlan
         await until(lambda: _is(plane, "long", "done"))
 
 
+async def test_one_keys_long_prompts_do_not_switch_the_lanes_off_for_everyone(plane: QueuePlane) -> None:
+    """Real requests with their API keys feed the window: one key sending only long prompts with
+    max_tokens 1 counts for a quarter of the work at most, so the lanes stay; the same traffic
+    from several keys is a prompt-heavy deployment, and they step aside."""
+
+    async def send(prefix: str, owners: list[str], n: int, content: str, max_tokens: int) -> list[str]:
+        ids = [f"{prefix}{i}" for i in range(n)]
+        for i, rid in enumerate(ids):
+            payload = RequestPayload(id=rid, messages=(ChatMessage("user", f"{content} {rid}"),), max_tokens=max_tokens,
+                                     temperature=0.0, lane=Lane.SHORT)
+            assert (await plane.enqueue(payload, "edge-x", owner=owners[i % len(owners)])).created
+        return ids
+
+    async def finish(ids: list[str]) -> None:
+        await until(lambda: _all_done(plane, ids), timeout_s=60.0)
+
+    long_prompt = "def f(x):\n    return x\n" * 350  # ~2,000 prompt tokens
+    async with running(plane, slots=8, time_scale=50.0, max_long_slots=0, max_medium_long_slots=0,
+                       min_long_slots=0, fcfs_above_prefill_share=0.6) as worker:
+        await finish(await send("chat", [f"chat-{k}" for k in range(4)], 120, "hi", 60))
+        await finish(await send("flood", ["flood"], 300, long_prompt, 1))
+        assert worker.work_mix.num_keys == 5 and len(worker.work_mix) == 420
+        assert worker.prefill_share() < 0.3, "the flood counts for a quarter of the work at most"
+        await enqueue(plane, "long", Lane.LONG, 5)
+        await asyncio.sleep(0.5)
+        assert await state(plane, "long") == "queued", "the lanes (here: no long slot) still hold"
+        await finish(await send("rag", [f"rag-{k}" for k in range(3)], 300, long_prompt, 1))
+        assert worker.work_mix.num_keys >= 8 and worker.prefill_share() > 0.6  # 9 once "long" (no key) ran
+        await until(lambda: _is(plane, "long", "done"))
+
+
 async def _resumed_whole(plane: QueuePlane, rid: str, num_tokens: int) -> None:
     """``rid`` was handed back once and resumed after its tokens: no gap, no repeat."""
     events = await plane.read_stream(rid)

@@ -11,7 +11,7 @@ from lanes.queue.messages import Lane
 from lanes.scheduler.costmodel import get_profile
 from lanes.scheduler.live_policy import PREFILL_HEAVY_SHARE, lanes_slot_config
 from lanes.scheduler.policy import SlotConfig, lanes_to_pop, prefill_heavy
-from lanes.scheduler.workmix import WorkMix
+from lanes.scheduler.workmix import MAX_KEY_SHARE, WorkMix, capped_weights
 from lanes.workers.settings import WorkerSettings
 
 
@@ -78,3 +78,66 @@ def test_worker_settings_reach_the_slot_config() -> None:
             WorkerSettings(decode_token_cost=bad)
     with pytest.raises(ValueError, match="fcfs_above_prefill_share"):
         WorkerSettings(fcfs_above_prefill_share=math.inf)
+
+
+def test_one_key_flooding_long_prompts_does_not_switch_the_lanes_off_for_everyone() -> None:
+    k = 12.0
+    mix = WorkMix()
+    for i in range(1000):
+        if i % 10 == 0:
+            mix.observe(1020, 129, f"chat-{i // 10 % 4}")  # 10 % of requests: ordinary chat from four keys
+        else:
+            mix.observe(8000, 1, "flood")  # 90 %: long prompts, max_tokens 1, one key
+    assert mix.num_keys == 5
+    prompt = 900 * 8000 + 100 * 1020
+    flood_alone = prompt / (prompt + k * (900 + 100 * 129))
+    assert flood_alone > 0.9, "uncapped, the flood would decide"
+    # Capped at a quarter of the work, the flood leaves the chat's share (~0.4) in charge.
+    chat = 1020 / (1020 + k * 129)
+    flood = 8000 / (8000 + k)
+    assert mix.prefill_share(k) == pytest.approx(MAX_KEY_SHARE * flood + (1 - MAX_KEY_SHARE) * chat)
+    assert mix.prefill_share(k) < PREFILL_HEAVY_SHARE
+    # max_key_share=1 is the cap off: the share as before this rule.
+    uncapped = WorkMix(max_key_share=1.0)
+    for i in range(1000):
+        uncapped.observe(*((1020, 129, "chat") if i % 10 == 0 else (8000, 1, "flood")))
+    assert uncapped.prefill_share(k) == pytest.approx(flood_alone)
+
+
+def test_prompt_heavy_traffic_across_keys_still_steps_aside_and_one_key_is_unchanged() -> None:
+    k = 12.0
+    spread, single = WorkMix(), WorkMix()
+    for i in range(1000):
+        spread.observe(1469, 13, f"key-{i % 7}")  # Azure code's medians from seven clients
+        single.observe(1469, 13)  # the same without auth (one key, "")
+    expected = 1469 / (1469 + k * 13)
+    assert spread.prefill_share(k) == pytest.approx(expected) == single.prefill_share(k)
+    assert spread.prefill_share(k) >= PREFILL_HEAVY_SHARE
+    # The window forgets keys that left it.
+    for _ in range(1000):
+        spread.observe(1020, 129, "chat")
+    assert spread.num_keys == 1
+    assert spread.prefill_share(k) == pytest.approx(1020 / (1020 + k * 129))
+
+
+def test_capped_weights_water_fill_the_largest_keys() -> None:
+    assert capped_weights([], 0.5) == [] and capped_weights([5.0], 0.5) == [1.0]
+    assert capped_weights([10.0, 1.0], 0.5) == pytest.approx([0.1, 1.0]), "two keys at 0.5: equal"
+    assert capped_weights([10.0, 10.0, 1.0], 0.5) == [1.0, 1.0, 1.0], "none above half"
+    assert capped_weights([100.0, 1.0, 1.0, 1.0], 0.5) == pytest.approx([0.03, 1.0, 1.0, 1.0])
+    # Two big keys, a cap of a quarter: both brought to one level holding exactly 25 % each.
+    weights = capped_weights([60.0, 30.0, 5.0, 5.0, 5.0, 5.0], 0.25)
+    held = [w * x for w, x in zip(weights, [60.0, 30.0, 5.0, 5.0, 5.0, 5.0], strict=True)]
+    assert held[0] == pytest.approx(held[1]) == pytest.approx(0.25 * sum(held)) and weights[2:] == [1.0] * 4
+    # A cap below 1 / keys cannot hold: every key is brought to the smallest.
+    assert capped_weights([3.0, 2.0, 1.0], 0.25) == pytest.approx([1 / 3, 1 / 2, 1.0])
+    assert capped_weights([0.0, 0.0], 0.5) == [1.0, 1.0] and capped_weights([100.0, 1.0], 1.0) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="max_key_share"):
+        WorkMix(max_key_share=0.0)
+
+
+def test_worker_setting_for_the_key_cap() -> None:
+    assert WorkerSettings().prefill_share_max_key_share == MAX_KEY_SHARE == 0.25
+    for bad in (0, 1.5, math.nan):
+        with pytest.raises(ValueError, match="prefill_share_max_key_share"):
+            WorkerSettings(prefill_share_max_key_share=bad)

@@ -13,6 +13,7 @@ from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, 
                                          PREFILL_HEAVY_SHARE, STARVE_AFTER_MS, lanes_slot_config, wait_bound_ms)
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
+from lanes.scheduler.workmix import MAX_KEY_SHARE as PREFILL_SHARE_MAX_KEY_SHARE
 from pydantic import Field, field_validator, model_validator
 
 EngineName = Literal["hf", "vllm", "trtllm", "sim"]
@@ -69,6 +70,10 @@ class WorkerSettings(RedisSettings):
     #: deployment's GPUs and model (``costmodel.CostProfile.decode_token_cost``; 12 = Llama-70B
     #: on H100s at a full batch, ~6 on A100s).
     decode_token_cost: float = Field(default=DECODE_TOKEN_COST, gt=0.0, allow_inf_nan=False)
+    #: For that share: while two or more API keys have requests in the window, no key counts for
+    #: more than this share of its work, so one client's long prompts cannot switch the lanes off
+    #: for everyone (``workmix.capped_weights``; 1 = no cap).
+    prefill_share_max_key_share: float = Field(default=PREFILL_SHARE_MAX_KEY_SHARE, gt=0.0, le=1.0)
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
     report_observations: bool = True

@@ -87,7 +87,7 @@ class Worker:
         self.oldest_wait_ms: dict[Lane, float] = {}
         #: Prompt and output tokens of the last finished requests: their prefill share of the
         #: engine's work decides whether lanes reorder at all (``lanes_now``).
-        self.work_mix = WorkMix()
+        self.work_mix = WorkMix(max_key_share=settings.prefill_share_max_key_share)
         self.reporter = Reporter(plane, self.worker_id, settings.heartbeat_s, settings.pool)
         #: Per-lane token counters, looked up once (a ``labels()`` call per token costs ~1.5 us).
         self._token_counters = {lane: metrics.TOKENS.labels(lane.value) for lane in Lane}
@@ -302,7 +302,7 @@ class Worker:
                 if finish is None:  # preempted: handed back, resumes later after its tokens
                     return
                 if finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
-                    self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens)
+                    self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens, claim.owner)
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
                     await self.reporter.observation(payload.messages, finish.usage.completion_tokens, claim.owner)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)

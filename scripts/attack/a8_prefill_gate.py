@@ -1,11 +1,13 @@
-"""The prefill-share gate (stop 25) under a hostile client, real processes.
+"""The prefill-share gate (stops 25, 26) under a hostile client, real processes.
 
-A client floods prompt-heavy requests (long prompts, max_tokens 1) to push a worker's lanes aside
-(FCFS), while other clients chat, disconnect mid-stream and resume, cancel, and a worker is
-killed and replaced. Then answer-heavy traffic must bring the lanes back. Checks: every request
-ends with exactly one terminal frame and contiguous seqs, the worker's
-``lanes_worker_prefill_share`` follows the traffic both ways, and the worker's memory stays flat
-over repeated floods (the window is 1,000 requests).
+One API key floods prompt-heavy requests (long prompts, max_tokens 1) to push a worker's lanes
+aside (FCFS) while four other keys chat: since stop 26 one key counts for a quarter of the work
+at most, so the lanes must hold. Then the same kind of traffic from three keys (a prompt-heavy
+deployment: RAG, code completion) must make them step aside, while clients chat, disconnect
+mid-stream and resume, cancel, and a worker is killed and replaced. Then answer-heavy traffic
+must bring the lanes back. Checks: every request ends with exactly one terminal frame and
+contiguous seqs, the worker's ``lanes_worker_prefill_share`` follows the traffic, and the
+worker's memory stays flat over repeated floods (the window is 1,000 requests).
 
     .venv/bin/python scripts/attack/a8_prefill_gate.py
 """
@@ -68,33 +70,45 @@ async def chatter(c, key, label):
     await b.close()
 
 
-async def main(c, key, port):
+async def chats(url, keys, n, label):
+    """Answer-heavy traffic, ``n`` requests spread over ``keys``."""
+    await asyncio.gather(*(flood(url, k, n // len(keys), "hi", 120, f"{label}{i}-") for i, k in enumerate(keys)))
+
+
+async def main(c, keys, port):
     url = c.edge_urls["e1"]
+    chat, hostile, rag = keys["chat"], keys["flood"], keys["rag"]
     print(f"start: prefill share {share(port):.3f}", flush=True)
-    await flood(url, key, 150, "hi", 120, "chat")  # answer-heavy: the lanes stay on
+    await chats(url, chat, 160, "chat")  # answer-heavy: the lanes stay on
     s = share(port)
-    print(f"after 150 chats (short prompt, 120 tokens): share {s:.3f}", flush=True)
+    print(f"after 160 chats from 4 keys (short prompt, 120 tokens): share {s:.3f}", flush=True)
     if s >= 0.6:
         problems.append(f"answer-heavy traffic pushed the share to {s:.3f}")
     pid = c.procs["w0"].pid
     rss = []
     for rnd in range(3):
-        await asyncio.gather(flood(url, key, 400, LONG_PROMPT, 1, f"heavy{rnd}-"), chatter(c, key, f"side{rnd}"))
+        # Round 0: one key alone (hostile); rounds 1-2: three keys (a prompt-heavy deployment).
+        senders = [hostile] if rnd == 0 else rag
+        await asyncio.gather(*(flood(url, k, 400 // len(senders), LONG_PROMPT, 1, f"heavy{rnd}.{i}-")
+                               for i, k in enumerate(senders)), chatter(c, chat[rnd], f"side{rnd}"))
         s = share(port)
         rss.append(rss_kb(pid))
-        print(f"flood {rnd}: 400 prompt-heavy requests + side chats: share {s:.3f}, worker RSS {rss[-1]} KiB", flush=True)
-        if s < 0.6:
-            problems.append(f"flood {rnd}: prompt-heavy traffic left the share at {s:.3f}")
+        print(f"flood {rnd}: 400 prompt-heavy requests from {len(senders)} key(s) + side chats: share {s:.3f}, "
+              f"worker RSS {rss[-1]} KiB", flush=True)
+        if rnd == 0 and s >= 0.6:
+            problems.append(f"one key's flood switched the lanes off for everyone: share {s:.3f}")
+        if rnd > 0 and s < 0.6:
+            problems.append(f"flood {rnd}: prompt-heavy traffic from three keys left the share at {s:.3f}")
     if rss[-1] - rss[0] > 20_000:
         problems.append(f"worker RSS grew {rss[0]} -> {rss[-1]} KiB over floods 1-3")
     # A second worker killed mid-flood: its requests are requeued and still end exactly once.
     c.start_worker("w1", "", "--engine", "sim", "--sim-time-scale", "20", "--max-slots", "8")
     c.wait_workers(2)
-    task = asyncio.create_task(flood(url, key, 200, LONG_PROMPT, 30, "kill-"))
+    task = asyncio.create_task(flood(url, rag[0], 200, LONG_PROMPT, 30, "kill-"))
     await asyncio.sleep(1.5)
     c.kill("w1")
     await task
-    await flood(url, key, 1000, "hi", 120, "back")  # answer-heavy again: the window turns over
+    await chats(url, chat, 1000, "back")  # answer-heavy again: the window turns over
     s = share(port)
     print(f"after 1,000 chats: share {s:.3f}", flush=True)
     if s >= 0.6:
@@ -105,12 +119,13 @@ if __name__ == "__main__":
     port = free_port()
     c, tmp = start_cluster("gate", workers=())
     try:
-        key = create_key(c, "gate")
+        keys = {"chat": [create_key(c, f"chat{i}") for i in range(4)], "flood": create_key(c, "flood"),
+                "rag": [create_key(c, f"rag{i}") for i in range(3)]}
         c.start_worker("w0", "", "--engine", "sim", "--sim-time-scale", "20", "--max-slots", "8",
                        "--metrics-port", str(port))
         c.wait_workers(1)
         t = time.monotonic()
-        asyncio.run(main(c, key, port))
+        asyncio.run(main(c, keys, port))
         crashed = [n for n, p in c.procs.items() if p.poll() not in (None, 0) and n != "w1"]
         if crashed:
             problems.append(f"crashed: {crashed}")
