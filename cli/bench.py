@@ -196,6 +196,9 @@ def policy(
                                                          "guaranteed once it starves (default 0.1).")] = None,
     max_wait_s: Annotated[float | None, typer.Option(help="lanes: a lane whose oldest request has waited this "
                                                      "long is popped first (default 600; 0: no bound).")] = None,
+    max_medium_long_share: Annotated[float | None, typer.Option(
+        min=0.0, max=1.0, help="lanes: share of the slots medium + long requests may hold; the rest is kept for "
+        "the short lane (LANES_MAX_MEDIUM_LONG_SLOTS as a share).")] = None,
     predictor_ms: Annotated[float | None, typer.Option(min=0.0, help="Charge this many ms of predictor time per "
                                                        "request instead of the time measured for its prompt "
                                                        "(runs then repeat exactly).")] = None,
@@ -239,7 +242,7 @@ def policy(
     if refresh_routing not in ("follow", "pin"):
         raise typer.BadParameter(f"must be follow or pin, not {refresh_routing!r}", param_hint="--refresh-routing")
     tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s,
-                     fcfs_above_prefill_share)
+                     fcfs_above_prefill_share, max_medium_long_share)
     try:
         engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share,
                               chunked_prefill_tokens=chunked_prefill_tokens)
@@ -290,7 +293,8 @@ def policy(
 
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
             hand_back_demoted: bool | None, min_long_share: float | None = None,
-            max_wait_s: float | None = None, fcfs_above_prefill_share: float | None = None) -> Any:
+            max_wait_s: float | None = None, fcfs_above_prefill_share: float | None = None,
+            max_medium_long_share: float | None = None) -> Any:
     from lanes.scheduler.live_policy import wait_bound_ms
     from lanes.scheduler.sim.policies import LanesTuning
 
@@ -303,6 +307,8 @@ def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt
         if max_wait_s < 0:
             raise typer.BadParameter(f"must be >= 0 (0: no bound), got {max_wait_s}", param_hint="--max-wait-s")
         tuning = replace(tuning, max_wait_ms=wait_bound_ms(max_wait_s * 1000.0))
+    if max_medium_long_share is not None:
+        tuning = replace(tuning, max_medium_long_share=max_medium_long_share)
     if max_short_to_long is not None:
         tuning = replace(tuning, max_short_to_long=max_short_to_long)
     if fcfs_below_s is not None:

@@ -71,6 +71,7 @@ def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tu
     assert _tuning(None, None, None, None, max_wait_s=0).max_wait_ms == float("inf")
     assert _tuning(None, None, None, None, fcfs_above_prefill_share=1.0).fcfs_above_prefill_share == 1.0
     assert _tuning(None, None, None, None).fcfs_above_prefill_share == 0.6
+    assert _tuning(None, None, None, None, max_medium_long_share=1.0).max_medium_long_share == 1.0
     trace, prompts = files
     bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--min-long-share", "2")
     assert bad.returncode == 2 and "--min-long-share" in bad.stderr and "[0, 1]" in bad.stderr
