@@ -43,7 +43,10 @@ DEFAULT_PREEMPTION = PreemptionConfig(demotion=DEFAULT_DEMOTION)
 #: work (PREFILL_HEAVY_SHARE); any lane first once its oldest waited
 #: MAX_WAIT_MS (10 minutes: bounds what a weak predictor defers, costs nothing at tau >= 0.7).
 MAX_LONG_SHARE = 0.75
-MAX_MEDIUM_LONG_SHARE = 0.875
+#: 95 %: one slot kept for the short lane up to 20 slots, 4 of 64. It was 87.5 % (8 of 64) until
+#: stop 26; that throttled the medium lane, which holds most requests, at moderate load and cost
+#: long requests up to 5 % on their TTFT P99 at rho 0.73 (RESULTS.md, "Stop 26").
+MAX_MEDIUM_LONG_SHARE = 0.95
 MIN_LONG_SHARE = 0.1
 STARVE_AFTER_MS = 20_000.0
 FCFS_BELOW_MS = 8_000.0

@@ -182,7 +182,7 @@ def test_worker_slot_defaults_are_the_simulators_and_scale_with_the_slots() -> N
     eight = WorkerSettings().slots(8)
     assert (eight.max_long, eight.max_medium_long, eight.min_long, eight.fcfs_below_ms) == (6, 7, 1, 8000.0)
     wide = WorkerSettings(max_slots=64).slots(64)
-    assert (wide.max_long, wide.max_medium_long, wide.min_long) == (48, 56, 6)
+    assert (wide.max_long, wide.max_medium_long, wide.min_long) == (48, 60, 6)
     # Two slots keep one for the short lane; one slot runs every lane and still guarantees long.
     assert (lanes_slot_config(2).max_long, lanes_slot_config(2).max_medium_long) == (1, 1)
     assert (lanes_slot_config(1).max_long, lanes_slot_config(1).min_long) == (1, 1)

@@ -43,7 +43,7 @@ class WorkerSettings(RedisSettings):
     max_slots: int = Field(default=8, ge=1)
     #: Slot reservation: long-lane requests may hold at most this many slots, medium + long
     #: at most ``max_medium_long_slots``; the rest stay free for shorter lanes. Unset: 75 % and
-    #: 87.5 % of the slots (6 and 7 of 8; ``live_policy.MAX_LONG_SHARE``, ``MAX_MEDIUM_LONG_SHARE``).
+    #: 95 % of the slots (6 and 7 of 8, 48 and 60 of 64; ``live_policy.MAX_LONG_SHARE``, ``MAX_MEDIUM_LONG_SHARE``).
     max_long_slots: int | None = Field(default=None, ge=0)
     max_medium_long_slots: int | None = Field(default=None, ge=0)
     #: Anti-starvation: once a lane's oldest request waited ``starve_after_ms``, it may take
