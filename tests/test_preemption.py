@@ -161,7 +161,7 @@ def test_policy_switch_fcfs_is_one_open_lane() -> None:
 
 def test_policy_switch_lanes_routes_demotes_and_shares_bounds() -> None:
     slots = lanes_slot_config(64)
-    assert (slots.min_long, slots.max_long, slots.max_medium_long, slots.fcfs_below_ms) == (6, 48, 56, 8000.0)
+    assert (slots.min_long, slots.max_long, slots.max_medium_long, slots.fcfs_below_ms) == (6, 48, 60, 8000.0)
     lanes = make_live_policy(PolicyName.LANES, BOUNDS, slots, demotion=LaneThresholds(200, 200))
     assert [lanes.lane_for(p) for p in (100, 101, 401)] == [S, M, L]
     assert lanes.running_by_lane([(S, 250), (S, 10)]) == {L: 1, S: 1}
