@@ -18,31 +18,32 @@ token; ``costmodel.CostProfile.decode_token_cost``), so over the window
     share = prompt tokens / (prompt tokens + decode_token_cost x output tokens).
 
 One client must not decide this for everyone: sending long prompts with ``max_tokens`` 1 would
-otherwise switch a worker's lanes off for all its traffic. So while two or more API keys have
-requests in the window, no key counts for more than ``max_key_share`` of the window's work
-(prompt + ``decode_token_cost`` x output; with fewer than ``1 / max_key_share`` keys, for more
-than an equal share): keys above it are scaled down to it, as the predictor's refresh caps a
-key's share of its window (``refresh.refresh_window``). A deployment
-whose traffic is prompt-heavy across its keys still steps aside; one key flooding does not make
-it. With one key (or none: no auth) the weighting changes nothing.
+otherwise switch a worker's lanes off for all its traffic. So while the other API keys hold at
+least ``MIN_OTHERS_SHARE`` of the window's requests, the key with the most work counts for at most
+``max_key_share`` of the window's work (prompt + ``decode_token_cost`` x output): it is scaled
+down to that, the others count as they are (``capped_top_weight``), much as the predictor's
+refresh caps a key's share of its window (``refresh.refresh_window``). A deployment whose traffic
+is prompt-heavy across its keys still steps aside; one key flooding does not make it. One key, no
+auth, or one key with a few stray requests of others beside it: nothing changes (a tiny second
+key must not speak for the whole window).
 
 Pure: no clock, no I/O; the same object runs in a worker and in the simulator.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
 #: Finished requests the share is taken over, and how many it needs before it says anything.
 WINDOW = 1000
 MIN_REQUESTS = 100
-#: Most of the window's work one API key counts for while other keys have requests in it (with
-#: fewer than ``1 / MAX_KEY_SHARE`` keys, an equal share). A key sending only long prompts at
-#: this share leaves the share under ``live_policy.PREFILL_HEAVY_SHARE`` (0.6) while the rest of
-#: the traffic is chat below 0.47 (Azure conv's windows: 0.22-0.50).
+#: Most of the window's work the key with the most work counts for, while the other keys hold
+#: at least MIN_OTHERS_SHARE of the window's requests. A key sending only long prompts at this
+#: share leaves the share under ``live_policy.PREFILL_HEAVY_SHARE`` (0.6) while the rest of the
+#: traffic is chat below 0.47 (Azure conv's windows: 0.22-0.50).
 MAX_KEY_SHARE = 0.25
+MIN_OTHERS_SHARE = 0.1
 
 
 @dataclass
@@ -52,27 +53,13 @@ class _KeyTokens:
     output: int = 0
 
 
-def capped_weights(work: list[float], max_share: float) -> list[float]:
-    """Weights in (0, 1] for each key's ``work`` so that no weighted key holds more than
-    ``max_share`` of the weighted total: the largest keys are scaled down to one common level
-    (water-filling), the others keep weight 1. With fewer than ``1 / max_share`` keys that
-    cannot hold; the cap is then ``1 / len(work)`` (every key brought to the smallest). Pure."""
-    total = sum(work)
-    if len(work) < 2 or total <= 0:
-        return [1.0] * len(work)
-    share = max(max_share, 1.0 / len(work))
-    if share >= 1.0:
-        return [1.0] * len(work)
-    rest, level = total, math.inf
-    for capped, w in enumerate(sorted(work, reverse=True)):
-        # The ``capped`` largest keys at ``level``, the rest (``rest``, this one on) as they are:
-        # level = share x (capped x level + rest). Ends by ``capped = ceil(1 / share) - 1``,
-        # where ``capped x share < 1``.
-        level = share * rest / (1.0 - capped * share)
-        if w <= level:
-            break
-        rest -= w
-    return [min(1.0, level / w) if w > 0 else 1.0 for w in work]
+def capped_top_weight(top_work: float, others_work: float, max_share: float) -> float:
+    """The weight in (0, 1] that brings the largest key's ``top_work`` to at most ``max_share``
+    of the weighted total, the other keys' ``others_work`` counted as it is. Pure."""
+    if max_share >= 1.0 or top_work <= 0:
+        return 1.0
+    allowed = max_share / (1.0 - max_share) * others_work  # top <= share x (top + others)
+    return min(1.0, allowed / top_work) if allowed > 0 else 1.0
 
 
 class WorkMix:
@@ -121,21 +108,21 @@ class WorkMix:
             del self._keys[key]
 
     def prefill_share(self, decode_token_cost: float) -> float:
-        """Estimated share of the engine's work spent on prefill, in [0, 1], no key counting
-        for more than ``max_key_share`` of the work while others have requests in the window;
-        0 until ``min_requests`` requests were observed (lanes start by priority, as before)."""
+        """Estimated share of the engine's work spent on prefill, in [0, 1], the key with the
+        most work counting for at most ``max_key_share`` of it while the others hold
+        ``MIN_OTHERS_SHARE`` of the window's requests; 0 until ``min_requests`` requests were observed (lanes start by priority, as before)."""
         if len(self._requests) < self.min_requests:
             return 0.0
         if self._cached is not None and self._cached[0] == decode_token_cost:
             return self._cached[1]
-        if len(self._keys) < 2:
-            prompt, work = float(self._prompt), self._prompt + decode_token_cost * self._output
-        else:
-            keys = list(self._keys.values())
-            works = [k.prompt + decode_token_cost * k.output for k in keys]
-            weights = capped_weights(works, self.max_key_share)
-            prompt = sum(w * k.prompt for w, k in zip(weights, keys, strict=True))
-            work = sum(w * x for w, x in zip(weights, works, strict=True))
+        prompt, work = float(self._prompt), self._prompt + decode_token_cost * self._output
+        if len(self._keys) > 1 and self.max_key_share < 1.0:
+            top = max(self._keys.values(), key=lambda k: k.prompt + decode_token_cost * k.output)
+            if len(self._requests) - top.requests >= MIN_OTHERS_SHARE * len(self._requests):
+                top_work = top.prompt + decode_token_cost * top.output
+                weight = capped_top_weight(top_work, work - top_work, self.max_key_share)
+                prompt -= (1.0 - weight) * top.prompt
+                work -= (1.0 - weight) * top_work
         share = prompt / work if work > 0 else 0.0
         self._cached = (decode_token_cost, share)
         return share

@@ -11,7 +11,7 @@ from lanes.queue.messages import Lane
 from lanes.scheduler.costmodel import get_profile
 from lanes.scheduler.live_policy import PREFILL_HEAVY_SHARE, lanes_slot_config
 from lanes.scheduler.policy import SlotConfig, lanes_to_pop, prefill_heavy
-from lanes.scheduler.workmix import MAX_KEY_SHARE, WorkMix, capped_weights
+from lanes.scheduler.workmix import MAX_KEY_SHARE, MIN_OTHERS_SHARE, WorkMix, capped_top_weight
 from lanes.workers.settings import WorkerSettings
 
 
@@ -120,18 +120,34 @@ def test_prompt_heavy_traffic_across_keys_still_steps_aside_and_one_key_is_uncha
     assert spread.prefill_share(k) == pytest.approx(1020 / (1020 + k * 129))
 
 
-def test_capped_weights_water_fill_the_largest_keys() -> None:
-    assert capped_weights([], 0.5) == [] and capped_weights([5.0], 0.5) == [1.0]
-    assert capped_weights([10.0, 1.0], 0.5) == pytest.approx([0.1, 1.0]), "two keys at 0.5: equal"
-    assert capped_weights([10.0, 10.0, 1.0], 0.5) == [1.0, 1.0, 1.0], "none above half"
-    assert capped_weights([100.0, 1.0, 1.0, 1.0], 0.5) == pytest.approx([0.03, 1.0, 1.0, 1.0])
-    # Two big keys, a cap of a quarter: both brought to one level holding exactly 25 % each.
-    weights = capped_weights([60.0, 30.0, 5.0, 5.0, 5.0, 5.0], 0.25)
-    held = [w * x for w, x in zip(weights, [60.0, 30.0, 5.0, 5.0, 5.0, 5.0], strict=True)]
-    assert held[0] == pytest.approx(held[1]) == pytest.approx(0.25 * sum(held)) and weights[2:] == [1.0] * 4
-    # A cap below 1 / keys cannot hold: every key is brought to the smallest.
-    assert capped_weights([3.0, 2.0, 1.0], 0.25) == pytest.approx([1 / 3, 1 / 2, 1.0])
-    assert capped_weights([0.0, 0.0], 0.5) == [1.0, 1.0] and capped_weights([100.0, 1.0], 1.0) == [1.0, 1.0]
+def test_a_few_stray_requests_of_another_key_do_not_speak_for_the_window() -> None:
+    """One tenant sending code completions, plus a health check under its own key: the stray key
+    holds under MIN_OTHERS_SHARE of the requests, so the tenant's work counts in full."""
+    k = 12.0
+    mix = WorkMix()
+    for i in range(1000):
+        mix.observe(*((20, 100, "health") if i % 100 == 0 else (1469, 13, "tenant")))
+    assert mix.num_keys == 2 and 10 < MIN_OTHERS_SHARE * 1000
+    prompt = 990 * 1469 + 10 * 20
+    assert mix.prefill_share(k) == pytest.approx(prompt / (prompt + k * (990 * 13 + 10 * 100)))
+    assert mix.prefill_share(k) >= PREFILL_HEAVY_SHARE, "the prompt-heavy tenant still steps aside"
+
+
+def test_two_keys_one_flooding_the_other_chatting() -> None:
+    k = 12.0
+    mix = WorkMix()
+    for i in range(1000):
+        mix.observe(*((1020, 129, "chat") if i % 5 == 0 else (8000, 1, "flood")))  # chat: 20 % of requests
+    chat, flood = 1020 / (1020 + k * 129), 8000 / (8000 + k)
+    assert mix.prefill_share(k) == pytest.approx(MAX_KEY_SHARE * flood + (1 - MAX_KEY_SHARE) * chat)
+    assert mix.prefill_share(k) < PREFILL_HEAVY_SHARE
+
+
+def test_capped_top_weight() -> None:
+    assert capped_top_weight(90.0, 10.0, 0.25) == pytest.approx((10.0 / 3) / 90.0)  # 90 -> 3.33: a quarter of 13.33
+    assert capped_top_weight(3.0, 10.0, 0.25) == 1.0, "already under a quarter"
+    assert capped_top_weight(90.0, 10.0, 1.0) == 1.0 and capped_top_weight(0.0, 10.0, 0.25) == 1.0
+    assert capped_top_weight(90.0, 0.0, 0.25) == 1.0, "no other work: nothing to weigh against"
     with pytest.raises(ValueError, match="max_key_share"):
         WorkMix(max_key_share=0.0)
 

@@ -70,9 +70,9 @@ class WorkerSettings(RedisSettings):
     #: deployment's GPUs and model (``costmodel.CostProfile.decode_token_cost``; 12 = Llama-70B
     #: on H100s at a full batch, ~6 on A100s).
     decode_token_cost: float = Field(default=DECODE_TOKEN_COST, gt=0.0, allow_inf_nan=False)
-    #: For that share: while two or more API keys have requests in the window, no key counts for
-    #: more than this share of its work, so one client's long prompts cannot switch the lanes off
-    #: for everyone (``workmix.capped_weights``; 1 = no cap).
+    #: For that share: while the other API keys send at least 10 % of the window's requests, the key
+    #: with the most work counts for at most this share of it, so one client's long prompts cannot
+    #: switch the lanes off for everyone (``workmix.capped_top_weight``; 1 = no cap).
     prefill_share_max_key_share: float = Field(default=PREFILL_SHARE_MAX_KEY_SHARE, gt=0.0, le=1.0)
     #: Report each finished request's true length for the predictor's refresh (the prompt
     #: text goes to Redis, capped list; off keeps prompts out of it).
