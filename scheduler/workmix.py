@@ -110,7 +110,9 @@ class WorkMix:
     def prefill_share(self, decode_token_cost: float) -> float:
         """Estimated share of the engine's work spent on prefill, in [0, 1], the key with the
         most work counting for at most ``max_key_share`` of it while the others hold
-        ``MIN_OTHERS_SHARE`` of the window's requests; 0 until ``min_requests`` requests were observed (lanes start by priority, as before)."""
+        ``MIN_OTHERS_SHARE`` of the window's requests; 0 until ``min_requests`` requests were
+        observed (lanes start by priority, as before). Kept until the next ``observe``: callers
+        ask per pop decision, it changes only when a request finishes."""
         if len(self._requests) < self.min_requests:
             return 0.0
         if self._cached is not None and self._cached[0] == decode_token_cost:

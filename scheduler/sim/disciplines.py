@@ -39,9 +39,6 @@ class LanesDiscipline:
         #: The finished requests' prompt and output tokens, as a worker keeps them (``workmix``).
         self.mix = WorkMix()
         self.decode_token_cost = engine.profile.decode_token_cost(engine.max_num_seqs)
-        #: Their prefill share and whether it makes the lanes step aside; they change only when a
-        #: request finishes (``finished``), not per pop.
-        self.prefill_share, self.prefill_heavy = 0.0, False
         self.num_decisions = self.num_prefill_heavy = 0
 
     def arrival_level(self, idx: int) -> int:
@@ -66,7 +63,7 @@ class LanesDiscipline:
         if worker.num_slots_used >= self.engine.max_num_seqs:
             return None
         ages = self._lane_ages(backlog, now_s)
-        lanes = lanes_to_pop(self._running(worker), ages, self.policy.slot_config, self.prefill_share)
+        lanes = lanes_to_pop(self._running(worker), ages, self.policy.slot_config, self._prefill_share())
         return next((x for x in lanes if x in ages), None)
 
     def next_level(self, worker: Worker, backlog: Backlog, now_s: float) -> int | None:
@@ -74,17 +71,22 @@ class LanesDiscipline:
         if lane is None:
             return None
         self.num_decisions += 1
-        self.num_prefill_heavy += self.prefill_heavy
+        self.num_prefill_heavy += self._prefill_heavy()
         return LANE_ORDER.index(lane)
 
     def finished(self, idx: int, output_tokens: int) -> None:
         self.mix.observe(self.prompt[idx], output_tokens)
-        self.prefill_share = self.mix.prefill_share(self.decode_token_cost)
-        self.prefill_heavy = prefill_heavy(self.prefill_share, self.policy.slot_config)
+
+    def _prefill_share(self) -> float:
+        """The finished requests' prefill share (``WorkMix`` keeps it until the next one finishes)."""
+        return self.mix.prefill_share(self.decode_token_cost)
+
+    def _prefill_heavy(self) -> bool:
+        return prefill_heavy(self._prefill_share(), self.policy.slot_config)
 
     def info(self) -> dict[str, float]:
         """The engine's prefill share at the end and the share of pops made oldest-first for it."""
-        return {"prefill_share": self.prefill_share,
+        return {"prefill_share": self._prefill_share(),
                 "prefill_heavy_pop_share": self.num_prefill_heavy / max(1, self.num_decisions)}
 
     def preempt(self, worker: Worker, backlog: Backlog, now_s: float, generated: list[int],
@@ -93,7 +95,7 @@ class LanesDiscipline:
         config = self.policy.preemption
         if config is None or not worker.runs or not backlog.num_waiting:
             return []
-        if self.prefill_heavy:
+        if self._prefill_heavy():
             return []
         ages = self._lane_ages(backlog, now_s)
         if max(ages.values()) < config.wait_bound_ms or self._pick(worker, backlog, now_s) is not None:

@@ -4,9 +4,8 @@ One API key floods prompt-heavy requests (long prompts, max_tokens 1) to push a 
 aside (FCFS) while four other keys chat: since stop 26 the key with the most work counts for a
 quarter of it at most while the others send 10 % of the requests, so the lanes must hold. Then
 the same kind of traffic from three keys (a prompt-heavy deployment: RAG, code completion) must
-make them step aside, while clients chat, disconnect
-mid-stream and resume, cancel, and a worker is killed and replaced. Then answer-heavy traffic
-must bring the lanes back. Checks: every request ends with exactly one terminal frame and
+make them step aside, while clients chat, disconnect mid-stream and resume, cancel, and a
+worker is killed and replaced. Then answer-heavy traffic must bring the lanes back. Checks: every request ends with exactly one terminal frame and
 contiguous seqs, the worker's ``lanes_worker_prefill_share`` follows the traffic, and the
 worker's memory stays flat over repeated floods (the window is 1,000 requests).
 
