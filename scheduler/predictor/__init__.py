@@ -1,11 +1,14 @@
 """Output-length predictor: what the edge asks before it picks a lane.
 
-One model, ``lexical`` (``lexical.py``): hashed TF-IDF word and character n-grams plus
-hand-written length cues, and a linear model on log(1 + output tokens), trained on ~24,000
-prompts from eleven public sources answered by ~230 models (``data.py``, docs/predictor-data.md),
-each source centred and balanced (``train.py``) so that it ranks prompts of sources it never saw.
+Two models, blended: ``lexical`` (``lexical.py``): hashed TF-IDF word and character n-grams plus
+hand-written length cues, and a linear model on log(1 + output tokens); and a small fine-tuned
+transformer (``encoder.py``: three MiniLM layers run by ONNX Runtime with int8 weights). Both
+are trained on ~24,000 prompts from eleven public sources answered by ~230 models (``data.py``,
+docs/predictor-data.md), each source centred and balanced (``train.py``) so that they rank
+prompts of sources they never saw; the score is ``(1 - w) * lexical + w * encoder``.
 Leave-one-source-out Kendall tau, in-source CV tau and latency: benchmarks/RESULTS.md, "Length
-predictor (issue 9)". Predictions are in Llama-3 tokens at the level of current chat models.
+predictor (issue 9)" and "Stop 27". Predictions are in Llama-3 tokens at the level of current
+chat models. The refresh (``train.refit``) moves the lexical part only; the encoder is fixed.
 
 Public interface: ``load_default()`` / ``from_weights(path)`` -> ``LengthPredictor`` with
 ``predict(messages, max_tokens) -> int``, ``predict_text``, ``score_text`` and ``routing`` (lane
@@ -15,7 +18,8 @@ thresholds a refresh fitted for the model's level); ``prompt_text``; ``WeightsEr
 
 Pure and importable without torch, redis or sklearn: no clock, no environment, and no I/O except
 the explicit ``from_weights`` / ``save`` / ``load_default`` (``.npz`` with a JSON header, read with
-``allow_pickle=False``). Training and refits live in ``train``, metrics in ``eval``, the data set
+``allow_pickle=False``; a header that names an encoder loads its ONNX graph, found beside the
+weights file or in ``WEIGHTS_DIR`` and checked by SHA-256). Training and refits live in ``train``, metrics in ``eval``, the data set
 in ``data`` (and its builder in ``sources``).
 
 Errors::
@@ -31,8 +35,9 @@ import json
 import math
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from lanes.queue.messages import ChatMessage
@@ -77,15 +82,30 @@ class LengthPredictor:
     model: LexicalModel
     #: Provenance (training data, metrics, refit count); saved with the weights, never read by predict.
     info: dict[str, object]
+    #: The fine-tuned encoder (``encoder.Encoder``) blended in, or None for the lexical model alone.
+    encoder: Any = None
+    #: Its share of the score, in [0, 1).
+    encoder_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.encoder_weight < 1.0 or (self.encoder is None and self.encoder_weight):
+            raise ValueError(f"encoder_weight must be in [0, 1) and 0 without an encoder, got {self.encoder_weight}")
 
     @property
     def kind(self) -> str:
-        """The model family (``"lexical"``)."""
-        return self.model.kind
+        """The model family: ``"lexical"``, or ``"lexical+encoder"`` when an encoder is blended in."""
+        return self.model.kind if self.encoder is None else f"{self.model.kind}+encoder"
 
     def score_text(self, prompt: str) -> float:
         """Predicted log(1 + output tokens) for a prompt (the ranking score)."""
-        return self.model.score_text(prompt)
+        lexical = self.model.score_text(prompt)
+        if self.encoder is None:
+            return lexical
+        return (1.0 - self.encoder_weight) * lexical + self.encoder_weight * self.encoder.score_text(prompt)
+
+    def encoder_scores(self, prompts: Sequence[str]) -> np.ndarray | None:
+        """The encoder's scores of ``prompts`` (batched), or None without an encoder."""
+        return None if self.encoder is None else self.encoder.score_texts(prompts)
 
     def predict_text(self, prompt: str) -> float:
         """Predicted output tokens for a prompt, uncapped (>= 0; a median-like estimate)."""
@@ -117,7 +137,7 @@ class LengthPredictor:
         if routing is not None:
             info[ROUTING_INFO_KEY] = {"short_max_tokens": routing.short_max_tokens,
                                       "medium_max_tokens": routing.medium_max_tokens, **provenance}
-        return LengthPredictor(self.model, info)
+        return replace(self, info=info)
 
     def save(self, path: Path) -> None:
         """Write one compressed ``.npz``: a JSON header plus plain numeric arrays (no pickle).
@@ -126,7 +146,11 @@ class LengthPredictor:
         ``lanes predictor train`` rebuilds the committed weights identically.
         """
         header, arrays = self.model.to_arrays()
-        meta = {"feature_version": FEATURE_VERSION, "kind": self.kind, "model": header, "info": self.info}
+        meta: dict[str, object] = {"feature_version": FEATURE_VERSION, "kind": self.model.kind, "model": header,
+                                   "info": self.info}
+        if self.encoder is not None:
+            meta["encoder"] = {"file": self.encoder.path.name, "sha256": self.encoder.sha256,
+                               "weight": self.encoder_weight}
         members = {"header_json": np.array(json.dumps(meta, sort_keys=True)), **arrays}
         with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
             for key, value in members.items():
@@ -148,16 +172,36 @@ def from_weights(path: Path) -> LengthPredictor:
         if meta.get("feature_version") != FEATURE_VERSION:
             raise WeightsError(f"{path}: feature_version {meta.get('feature_version')} != {FEATURE_VERSION}")
         header, info = meta["model"], dict(meta["info"])
-        if meta["kind"] == LexicalModel.kind:
-            return LengthPredictor(LexicalModel.from_arrays(header, arrays), info)
-        raise WeightsError(f"{path}: unknown model kind {meta['kind']!r}")
+        if meta["kind"] != LexicalModel.kind:
+            raise WeightsError(f"{path}: unknown model kind {meta['kind']!r}")
+        model = LexicalModel.from_arrays(header, arrays)
+        if "encoder" not in meta:
+            return LengthPredictor(model, info)
+        named = meta["encoder"]
+        return LengthPredictor(model, info, _load_encoder(path, str(named["file"]), str(named["sha256"])),
+                               float(named["weight"]))
     except (KeyError, TypeError, ValueError, OSError) as exc:
         if isinstance(exc, WeightsError):
             raise
         raise WeightsError(f"cannot read predictor weights {path}: {exc}") from exc
 
 
+def _load_encoder(weights: Path, name: str, sha256: str) -> Any:
+    """The encoder a weights file names: beside it, else in ``WEIGHTS_DIR``. Raises ``WeightsError``."""
+    from lanes.scheduler.predictor.encoder import EncoderError, load_encoder
+
+    if Path(name).name != name:
+        raise WeightsError(f"{weights}: encoder file name {name!r} is not a plain file name")
+    graph = weights.parent / name
+    if not graph.exists():
+        graph = WEIGHTS_DIR / name
+    try:
+        return load_encoder(graph, sha256)
+    except EncoderError as exc:
+        raise WeightsError(f"{weights}: {exc}") from exc
+
+
 @functools.cache
 def load_default() -> LengthPredictor:
-    """The committed default (``lexical``) model, loaded once per process. Raises ``WeightsError``."""
+    """The committed default model (lexical + encoder), loaded once per process. Raises ``WeightsError``."""
     return from_weights(DEFAULT_WEIGHTS_PATH)

@@ -43,6 +43,9 @@ from lanes.scheduler.predictor.lexical import (
 #: nine training sources (the held-out pool's source excluded) among 0.5 / 1 / 2 / 4 / 8 / 16
 #: (benchmarks/RESULTS.md, "Length predictor (issue 9)": 0.332 at 1, 0.338 at 4, 0.337 at 8).
 LEXICAL_ALPHA = 4.0
+#: The encoder's share of a blended score (``LengthPredictor.encoder_weight``): chosen by the
+#: leave-one-source-out tau mean over the nine training sources (benchmarks/RESULTS.md, "Stop 27").
+ENCODER_WEIGHT = 0.5
 #: Lexical anchoring strength for ``refit``: larger keeps the model closer to the current one.
 LEXICAL_REFIT_ALPHA = 4.0
 #: Refuse windows larger than this: the cron job must bound its memory (observations).
@@ -212,10 +215,24 @@ def train_lexical(
 
 
 def train(
-    observations: Sequence[Observation], info: dict[str, object] | None = None, level: float | None = None
+    observations: Sequence[Observation], info: dict[str, object] | None = None, level: float | None = None,
+    encoder: object | None = None, encoder_weight: float = ENCODER_WEIGHT,
 ) -> LengthPredictor:
-    """A lexical predictor with default hyper-parameters (see ``train_lexical``)."""
-    return LengthPredictor(train_lexical(observations, level=level), dict(info or {}))
+    """A lexical predictor with default hyper-parameters (see ``train_lexical``), blended with
+    ``encoder`` (an ``encoder.Encoder`` fine-tuned on the same observations) when one is given."""
+    return LengthPredictor(train_lexical(observations, level=level), dict(info or {}), encoder,
+                           encoder_weight if encoder is not None else 0.0)
+
+
+def lexical_target(predictor: LengthPredictor, observations: Sequence[Observation]) -> np.ndarray:
+    """What the lexical part must score so that the blend scores log(1 + tokens): the target
+    itself without an encoder, else ``(y - w * encoder) / (1 - w)``."""
+    target = log_target([o.output_tokens for o in observations])
+    encoded = predictor.encoder_scores([o.prompt for o in observations])
+    if encoded is None:
+        return target
+    weight = predictor.encoder_weight
+    return (target - weight * encoded) / (1.0 - weight)
 
 
 def refit(predictor: LengthPredictor, observations: Sequence[Observation]) -> LengthPredictor:
@@ -223,16 +240,20 @@ def refit(predictor: LengthPredictor, observations: Sequence[Observation]) -> Le
 
     Ridge anchored at the current weights, every observation weighted alike and not centred
     (IDF fixed; n-grams never seen in training still get weight; the intercept moves to the
-    deployment's own length level). Windows over ``MAX_REFIT_OBSERVATIONS`` raise
+    deployment's own length level). With an encoder blended in, only the lexical part moves: it
+    is fitted to what the blend still misses (``lexical_target``). Windows over ``MAX_REFIT_OBSERVATIONS`` raise
     ValueError: the caller owns the window (e.g. a capped deque of recent finished requests).
     """
     if len(observations) > MAX_REFIT_OBSERVATIONS:
         raise ValueError(f"refit window of {len(observations)} > {MAX_REFIT_OBSERVATIONS} observations")
     if not observations:
         return predictor
-    new_model = _anchored_ridge(predictor.model, observations, LEXICAL_REFIT_ALPHA)
+    target = lexical_target(predictor, observations)
+    # Weighted by (1 - w)^2, the lexical part's share of the blend's squared error.
+    row_weights = np.full(len(observations), (1.0 - predictor.encoder_weight) ** 2)
+    new_model = _anchored_ridge(predictor.model, observations, LEXICAL_REFIT_ALPHA, target, row_weights)
     count = int(str(predictor.info.get("refit_observations", 0))) + len(observations)
-    return LengthPredictor(new_model, {**predictor.info, "refit_observations": count})
+    return replace(predictor, model=new_model, info={**predictor.info, "refit_observations": count})
 
 
 def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observation],
