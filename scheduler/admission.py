@@ -83,6 +83,31 @@ def admit(
     return AdmissionDecision(True, wait_ms)
 
 
+def refusal_in_every_lane(
+    deadline_ms: float | None,
+    depth: Mapping[Lane, int],
+    service_rps: Mapping[Lane, float],
+    config: AdmissionConfig,
+    undecided: int = 0,
+) -> AdmissionDecision | None:
+    """None when some lane would ``admit`` a request now; else the refusal to retry soonest.
+
+    The edge asks this before it predicts a length: a request that no lane could take is refused
+    without paying for the prediction, so a burst's refusals come back at once however costly the
+    predictor is. ``undecided``: requests past this check whose length is still being predicted;
+    each will take a place in some lane, so once they alone fill the room the depth limits leave,
+    every lane counts as full.
+    """
+    room = sum(max(0, config.max_depth[lane] - depth.get(lane, 0)) if lane in config.max_depth else math.inf
+               for lane in LANE_ORDER)
+    if undecided >= room:
+        depth = {lane: max(depth.get(lane, 0), config.max_depth[lane]) for lane in LANE_ORDER}
+    decisions = [admit(lane, deadline_ms, depth, service_rps, config) for lane in LANE_ORDER]
+    if any(d.admitted for d in decisions):
+        return None
+    return min(decisions, key=lambda d: d.retry_after_ms)
+
+
 def _refuse(reason: RejectReason, wait_ms: float, num_excess: int, rate_rps: float,
             config: AdmissionConfig) -> AdmissionDecision:
     retry_ms = config.max_retry_after_ms if rate_rps <= 0 else 1000.0 * num_excess / rate_rps

@@ -7,7 +7,13 @@ import math
 import pytest
 
 from lanes.queue.messages import Lane
-from lanes.scheduler.admission import AdmissionConfig, RejectReason, admit, predict_wait_ms
+from lanes.scheduler.admission import (
+    AdmissionConfig,
+    RejectReason,
+    admit,
+    predict_wait_ms,
+    refusal_in_every_lane,
+)
 from lanes.scheduler.policy import (
     LaneThresholds,
     RoutingCalibration,
@@ -143,6 +149,29 @@ def test_admit_refuses_full_lane_and_unmeetable_deadline() -> None:
     assert late.predicted_wait_ms == pytest.approx(3000.0) and late.retry_after_ms == 2000
     dead = admit(L, 1000, {L: 1}, {}, AdmissionConfig())
     assert (dead.reason, dead.retry_after_ms) == (RejectReason.NO_CAPACITY, 60_000)
+
+
+def test_a_request_no_lane_can_take_is_refused_before_its_lane_is_known() -> None:
+    """The edge asks this before predicting a length: only when every lane would refuse."""
+    config = AdmissionConfig(max_depth={S: 4, M: 4, L: 4})
+    rates = {S: 5.0, M: 5.0, L: 1.0}
+    assert refusal_in_every_lane(None, {S: 4, M: 4, L: 3}, rates, config) is None  # the long lane has room
+    everywhere = refusal_in_every_lane(None, {S: 4, M: 6, L: 9}, rates, config)
+    assert everywhere is not None and everywhere.reason is RejectReason.LANE_FULL
+    # The soonest retry of the three: the short lane's (1 excess at 5 req/s = 200 ms).
+    assert everywhere.retry_after_ms == min(admit(lane, None, {S: 4, M: 6, L: 9}, rates, config).retry_after_ms
+                                            for lane in (S, M, L)) == 200
+    # A deadline no lane can meet, with room in every lane, refuses too.
+    late = refusal_in_every_lane(1000, {S: 3, M: 3, L: 3}, {S: 1.0, M: 1.0, L: 1.0}, config)
+    assert late is not None and late.reason is RejectReason.DEADLINE
+    # Requests whose length is still being predicted will take the room that is left: 1 + 1 + 1
+    # places, so a fourth arrival behind three undecided ones is refused, a third is not.
+    assert refusal_in_every_lane(None, {S: 3, M: 3, L: 3}, rates, config, undecided=2) is None
+    full = refusal_in_every_lane(None, {S: 3, M: 3, L: 3}, rates, config, undecided=3)
+    assert full is not None and full.reason is RejectReason.LANE_FULL
+    # A lane without a depth limit always has room.
+    assert refusal_in_every_lane(None, {S: 9, M: 9}, rates, AdmissionConfig(max_depth={S: 4, M: 4}),
+                                 undecided=100) is None
 
 
 def test_routing_from_observations_keeps_the_short_budget_and_needs_enough_shorts() -> None:

@@ -9,14 +9,16 @@ outage of the service.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import msgspec
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import DepthSnapshot, Lane
-from lanes.scheduler.admission import AdmissionConfig, AdmissionDecision, admit
+from lanes.scheduler.admission import AdmissionConfig, AdmissionDecision, admit, refusal_in_every_lane
 from lanes.ws_server.settings import EdgeSettings
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class EdgeAdmission:
         self._snapshots: dict[str, tuple[DepthSnapshot, float]] = {}
         #: Per pool: what this edge enqueued since that snapshot.
         self._since: dict[str, Counter[Lane]] = {}
+        self._predicting: Counter[str] = Counter()
 
     def observe(self, data: bytes) -> None:
         try:
@@ -77,8 +80,30 @@ class EdgeAdmission:
         snap = self.fresh(pool)
         if snap is None:
             return AdmissionDecision(True, 0.0)
-        since = self._since.get(pool, Counter())
-        depth = {ln: snap.pending.get(ln.value, 0) + since[ln] for ln in Lane}
-        rates = {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}
+        depth, rates = self._state(pool, snap)
         deadline = deadline_ms if deadline_ms is not None else self.default_deadline_ms
         return admit(lane, deadline, depth, rates, self.config)
+
+    def refusal_in_every_lane(self, pool: str, deadline_ms: int | None) -> AdmissionDecision | None:
+        """The refusal when no lane of ``pool`` could take a request now, else None (asked before
+        the length prediction, ``scheduler.admission.refusal_in_every_lane``)."""
+        snap = self.fresh(pool)
+        if snap is None:
+            return None
+        depth, rates = self._state(pool, snap)
+        deadline = deadline_ms if deadline_ms is not None else self.default_deadline_ms
+        return refusal_in_every_lane(deadline, depth, rates, self.config, self._predicting[pool])
+
+    @contextlib.contextmanager
+    def predicting(self, pool: str) -> Iterator[None]:
+        """Count a request of ``pool`` whose length is being predicted (``refusal_in_every_lane``)."""
+        self._predicting[pool] += 1
+        try:
+            yield
+        finally:
+            self._predicting[pool] -= 1
+
+    def _state(self, pool: str, snap: DepthSnapshot) -> tuple[dict[Lane, int], dict[Lane, float]]:
+        since = self._since.get(pool, Counter())
+        depth = {ln: snap.pending.get(ln.value, 0) + since[ln] for ln in Lane}
+        return depth, {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}

@@ -45,7 +45,15 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE,
                                 f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
                                 retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers")
-    predicted = await edge.lengths.predict(frame.messages, frame.max_tokens)
+    if (everywhere := edge.admission.refusal_in_every_lane(pool, frame.deadline_ms)) is not None:
+        # No lane could take it: refused before the length prediction (~2 ms), so a burst's
+        # refusals come back at once.
+        reason = everywhere.reason.value if everywhere.reason else "overloaded"
+        return edge.core.refuse(request_id, ErrorCode.OVERLOADED,
+                                f"no lane can start this request in time ({reason}); retry later",
+                                retry_after_ms=everywhere.retry_after_ms, reason=reason)
+    with edge.admission.predicting(pool):
+        predicted = await edge.lengths.predict(frame.messages, frame.max_tokens)
     lane = edge.policy.lane_for(predicted)
     decision = edge.admission.decide(pool, lane, frame.deadline_ms)
     if not decision.admitted:
