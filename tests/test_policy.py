@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from lanes.queue.messages import Lane
 from lanes.scheduler.admission import (
     AdmissionConfig,

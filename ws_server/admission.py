@@ -18,7 +18,12 @@ from collections.abc import Iterator
 import msgspec
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import DepthSnapshot, Lane
-from lanes.scheduler.admission import AdmissionConfig, AdmissionDecision, admit, refusal_in_every_lane
+from lanes.scheduler.admission import (
+    AdmissionConfig,
+    AdmissionDecision,
+    admit,
+    refusal_in_every_lane,
+)
 from lanes.ws_server.settings import EdgeSettings
 
 log = logging.getLogger(__name__)
