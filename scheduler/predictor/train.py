@@ -43,8 +43,9 @@ from lanes.scheduler.predictor.lexical import (
 #: nine training sources (the held-out pool's source excluded) among 0.5 / 1 / 2 / 4 / 8 / 16
 #: (benchmarks/RESULTS.md, "Length predictor (issue 9)": 0.332 at 1, 0.338 at 4, 0.337 at 8).
 LEXICAL_ALPHA = 4.0
-#: The encoder's share of a blended score (``LengthPredictor.encoder_weight``): chosen by the
-#: leave-one-source-out tau mean over the nine training sources (benchmarks/RESULTS.md, "Stop 27").
+#: The encoder's share of a blended score (``LengthPredictor.encoder_weight``). Leave-one-source-out
+#: tau mean over the nine training sources: 0.343 / 0.374 / 0.386 / 0.389 / 0.388 at 0 / 0.3 / 0.5 /
+#: 0.6 / 0.7; 0.5 because the refresh ranks better with smaller shares (benchmarks/RESULTS.md, "Stop 27").
 ENCODER_WEIGHT = 0.5
 #: Lexical anchoring strength for ``refit``: larger keeps the model closer to the current one.
 LEXICAL_REFIT_ALPHA = 4.0
