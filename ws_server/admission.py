@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 
 import msgspec
@@ -45,7 +45,9 @@ class EdgeAdmission:
         #: Per pool: the latest snapshot and when it arrived (monotonic s).
         self._snapshots: dict[str, tuple[DepthSnapshot, float]] = {}
         #: Per pool: what this edge enqueued since that snapshot.
-        self._since: dict[str, Counter[Lane]] = {}
+        #: Per pool: this edge's enqueues (wall-clock ms when Redis confirmed them, lane) that the
+        #: latest snapshot may not count yet.
+        self._since: dict[str, deque[tuple[float, Lane]]] = {}
         self._predicting: Counter[str] = Counter()
 
     def observe(self, data: bytes) -> None:
@@ -55,10 +57,20 @@ class EdgeAdmission:
             log.warning("ignoring malformed depth snapshot")
             return
         self._snapshots[snapshot.pool] = (snapshot, time.monotonic())
-        self._since.pop(snapshot.pool, None)
+        # The snapshot (Redis time at_ms, taken before it read the depths) counts what was enqueued
+        # before at_ms; later enqueues stay counted here. Clearing them all lost the enqueues that
+        # landed while the snapshot was on its way, and a burst straddling it over-admitted.
+        self._forget(snapshot.pool, snapshot.at_ms)
 
     def enqueued(self, pool: str, lane: Lane) -> None:
-        self._since.setdefault(pool, Counter())[lane] += 1
+        now_ms = time.time() * 1000.0
+        self._since.setdefault(pool, deque()).append((now_ms, lane))
+        self._forget(pool, now_ms - _STALE_MS)  # bounded even when no snapshot comes
+
+    def _forget(self, pool: str, before_ms: float) -> None:
+        recent = self._since.get(pool)
+        while recent and recent[0][0] <= before_ms:
+            recent.popleft()
 
     def fresh(self, pool: str = DEFAULT_POOL) -> DepthSnapshot | None:
         """``pool``'s latest snapshot if it is recent enough to act on."""
@@ -109,6 +121,6 @@ class EdgeAdmission:
             self._predicting[pool] -= 1
 
     def _state(self, pool: str, snap: DepthSnapshot) -> tuple[dict[Lane, int], dict[Lane, float]]:
-        since = self._since.get(pool, Counter())
+        since = Counter(lane for _, lane in self._since.get(pool, ()))
         depth = {ln: snap.pending.get(ln.value, 0) + since[ln] for ln in Lane}
         return depth, {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}
