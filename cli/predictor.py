@@ -153,9 +153,13 @@ def generalization_report(
     lexical = {name: out_of_fold_scores(observations, ids) for name, ids in groups.items()}
     encoded = {name: _encoder_out_of_fold(observations, ids, log=True) for name, ids in groups.items()} if encoder else {}
 
-    def taus(name: str, weight: float) -> dict[str, float]:
-        score = lexical[name] if not encoder else (1.0 - weight) * lexical[name] + weight * encoded[name]
-        return {s: kendall_tau(score[sources == s], tokens[sources == s]) for s in names}
+    weights = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0) if encoder else (0.0,)
+    taus = {(name, w): {s: kendall_tau(score[sources == s], tokens[sources == s]) for s in names}
+            for name in groups for w in weights
+            for score in [lexical[name] if not encoder else (1.0 - w) * lexical[name] + w * encoded[name]]}
+
+    def mean(values: dict[str, float], training_only: bool = False) -> float:
+        return float(np.mean([t for s, t in values.items() if not (training_only and s in HELD_OUT_SOURCES)]))
 
     weight = ENCODER_WEIGHT if encoder else 0.0
     report: dict[str, object] = {
@@ -164,16 +168,15 @@ def generalization_report(
         "num_examples_per_source": {s: int((sources == s).sum()) for s in names},
     }
     for name in groups:
-        report[f"{name}_kendall_tau_mean"] = float(np.mean(list(taus(name, weight).values())))
+        report[f"{name}_kendall_tau_mean"] = mean(taus[name, weight])
     for name in groups:
-        report[f"{name}_kendall_tau"] = taus(name, weight)
+        report[f"{name}_kendall_tau"] = taus[name, weight]
     if encoder:
         report["encoder_weight"] = weight
         report["by_encoder_weight"] = {
-            f"{w:g}": {**{f"{name}_mean": float(np.mean(list(taus(name, w).values()))) for name in groups},
-                       **{f"{name}_mean_training_sources": float(np.mean(
-                           [t for s, t in taus(name, w).items() if s not in HELD_OUT_SOURCES])) for name in groups}}
-            for w in (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)}
+            f"{w:g}": {**{f"{name}_mean": mean(taus[name, w]) for name in groups},
+                       **{f"{name}_mean_training_sources": mean(taus[name, w], True) for name in groups}}
+            for w in weights}
     if scores_out is not None:
         out = {f"{name}_tokens": np.expm1(lexical[name]).round(1).tolist() for name in groups}
         out.update({f"{name}_encoder_tokens": np.expm1(encoded[name]).round(1).tolist() for name in encoded})

@@ -48,6 +48,8 @@ class EdgeAdmission:
         #: Per pool: this edge's enqueues (wall-clock ms when Redis confirmed them, lane) that the
         #: latest snapshot may not count yet.
         self._since: dict[str, deque[tuple[float, Lane]]] = {}
+        #: The same per lane (kept with the list: admission reads it on every request).
+        self._since_count: dict[str, Counter[Lane]] = {}
         self._predicting: Counter[str] = Counter()
 
     def observe(self, data: bytes) -> None:
@@ -65,12 +67,13 @@ class EdgeAdmission:
     def enqueued(self, pool: str, lane: Lane) -> None:
         now_ms = time.time() * 1000.0
         self._since.setdefault(pool, deque()).append((now_ms, lane))
+        self._since_count.setdefault(pool, Counter())[lane] += 1
         self._forget(pool, now_ms - _STALE_MS)  # bounded even when no snapshot comes
 
     def _forget(self, pool: str, before_ms: float) -> None:
         recent = self._since.get(pool)
         while recent and recent[0][0] <= before_ms:
-            recent.popleft()
+            self._since_count[pool][recent.popleft()[1]] -= 1
 
     def fresh(self, pool: str = DEFAULT_POOL) -> DepthSnapshot | None:
         """``pool``'s latest snapshot if it is recent enough to act on."""
@@ -121,6 +124,6 @@ class EdgeAdmission:
             self._predicting[pool] -= 1
 
     def _state(self, pool: str, snap: DepthSnapshot) -> tuple[dict[Lane, int], dict[Lane, float]]:
-        since = Counter(lane for _, lane in self._since.get(pool, ()))
+        since = self._since_count.get(pool, Counter())
         depth = {ln: snap.pending.get(ln.value, 0) + since[ln] for ln in Lane}
         return depth, {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from lanes.queue.errors import ErrorCode
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import Finish, FinishReason, RequestPayload, TokenEvent, Usage
+from lanes.queue.stats import NO_LANE
 from lanes.scheduler.router.fixed_answers import FixedAnswer, answer_deltas
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
@@ -18,6 +19,7 @@ from lanes.ws_server.auth import Identity
 from lanes.ws_server.routing import UnknownModel
 
 if TYPE_CHECKING:
+    from lanes.scheduler.admission import AdmissionDecision
     from lanes.ws_server.edge import Edge
 
 #: The lane a fixed answer reports (it never waits in one).
@@ -48,19 +50,13 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     if (everywhere := edge.admission.refusal_in_every_lane(pool, frame.deadline_ms)) is not None:
         # No lane could take it: refused before the length prediction (~2 ms), so a burst's
         # refusals come back at once.
-        reason = everywhere.reason.value if everywhere.reason else "overloaded"
-        return edge.core.refuse(request_id, ErrorCode.OVERLOADED,
-                                f"no lane can start this request in time ({reason}); retry later",
-                                retry_after_ms=everywhere.retry_after_ms, reason=reason)
+        return _overloaded(edge, request_id, everywhere, "no lane can")
     with edge.admission.predicting(pool):
         predicted = await edge.lengths.predict(frame.messages, frame.max_tokens)
     lane = edge.policy.lane_for(predicted)
     decision = edge.admission.decide(pool, lane, frame.deadline_ms)
     if not decision.admitted:
-        reason = decision.reason.value if decision.reason else "overloaded"
-        return edge.core.refuse(request_id, ErrorCode.OVERLOADED,
-                                f"lane {lane.value} cannot start this request in time ({reason}); retry later",
-                                lane=lane.value, retry_after_ms=decision.retry_after_ms, reason=reason)
+        return _overloaded(edge, request_id, decision, f"lane {lane.value} cannot", lane.value)
     with tracer().start_as_current_span("lanes.enqueue", attributes={
         "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
         "lanes.pool": pool,
@@ -78,6 +74,15 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     edge.admission.enqueued(pool, lane)
     edge._pool_of[request_id] = pool
     return edge.core.accepted(request_id, lane.value, predicted, time.monotonic(), pool)
+
+def _overloaded(edge: Edge, request_id: str, decision: AdmissionDecision, subject: str,
+                lane: str = NO_LANE) -> list[delivery.Action]:
+    """The ``overloaded`` refusal of an admission decision ("<subject> start this request ...")."""
+    reason = decision.reason.value if decision.reason else "overloaded"
+    return edge.core.refuse(request_id, ErrorCode.OVERLOADED,
+                            f"{subject} start this request in time ({reason}); retry later",
+                            lane=lane, retry_after_ms=decision.retry_after_ms, reason=reason)
+
 
 def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer) -> list[delivery.Action]:
     """A fixed answer, streamed by the edge itself like any answer (no Redis, no model)."""

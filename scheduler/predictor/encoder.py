@@ -54,7 +54,7 @@ def file_sha256(path: Path) -> str:
 class Encoder:
     """One loaded encoder (ONNX Runtime session + tokenizer). Thread-safe; scores are cached."""
 
-    def __init__(self, graph: Path, tokenizer: Path | None = None, threads: int = 1) -> None:
+    def __init__(self, graph: Path, tokenizer: Path | None = None, threads: int = 1, sha256: str | None = None) -> None:
         try:
             import onnxruntime as ort
             from tokenizers import Tokenizer
@@ -77,7 +77,7 @@ class Encoder:
         self._tokenizer.enable_truncation(max_length=self.max_tokens)
         self._tokenizer.no_padding()
         self.path = graph
-        self.sha256 = file_sha256(graph)
+        self.sha256 = sha256 or file_sha256(graph)
         self._cache: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -129,5 +129,5 @@ def load_encoder(graph: Path, sha256: str | None = None) -> Encoder:
     key = (str(resolved), actual)
     with _LOADED_LOCK:
         if key not in _LOADED:
-            _LOADED[key] = Encoder(resolved)
+            _LOADED[key] = Encoder(resolved, sha256=actual)
         return _LOADED[key]

@@ -84,6 +84,12 @@ class LowerStates:
         return LowerStates(self.hidden[chosen], self.mask[chosen], self.base, self.recipe)
 
 
+def _mean_pooled_score(hidden: Any, mask: Any, head: Any) -> Any:
+    """The head on the mean of the non-padding positions: what the exported graph outputs."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return head((hidden * m).sum(1) / m.sum(1)).squeeze(-1)
+
+
 def _load(base: str, layers: slice) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
 
@@ -146,9 +152,7 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
     def top(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         extended = upper._create_attention_masks(attention_mask=mask, encoder_attention_mask=None,
                                                  embedding_output=hidden, encoder_hidden_states=None, cache=None)[0]
-        out = upper.encoder(hidden, attention_mask=extended).last_hidden_state
-        m = mask.unsqueeze(-1).to(out.dtype)
-        return head((out * m).sum(1) / m.sum(1)).squeeze(-1)
+        return _mean_pooled_score(upper.encoder(hidden, attention_mask=extended).last_hidden_state, mask, head)
 
     optimiser = torch.optim.AdamW([{"params": upper.encoder.parameters(), "lr": recipe.lr},
                                    {"params": head.parameters(), "lr": recipe.head_lr}],
@@ -184,9 +188,8 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
             self.bert, self.head = lower, head
 
         def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            out = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
-            m = mask.unsqueeze(-1).to(out.dtype)
-            return self.head((out * m).sum(1) / m.sum(1)).squeeze(-1)
+            return _mean_pooled_score(self.bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask,
+                                      self.head)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
