@@ -51,6 +51,9 @@ class EdgeAdmission:
         #: The same per lane (kept with the list: admission reads it on every request).
         self._since_count: dict[str, Counter[Lane]] = {}
         self._predicting: Counter[str] = Counter()
+        #: Per pool: admitted requests whose enqueue Redis has not confirmed yet (counted as pending,
+        #: or concurrent admissions between a decision and its enqueue would all see the same room).
+        self._enqueueing: dict[str, Counter[Lane]] = {}
 
     def observe(self, data: bytes) -> None:
         try:
@@ -123,7 +126,19 @@ class EdgeAdmission:
         finally:
             self._predicting[pool] -= 1
 
+    @contextlib.contextmanager
+    def enqueueing(self, pool: str, lane: Lane) -> Iterator[None]:
+        """Count an admitted request of ``pool`` as pending in ``lane`` until its enqueue returns
+        (then ``enqueued`` counts it, if Redis took it)."""
+        counts = self._enqueueing.setdefault(pool, Counter())
+        counts[lane] += 1
+        try:
+            yield
+        finally:
+            counts[lane] -= 1
+
     def _state(self, pool: str, snap: DepthSnapshot) -> tuple[dict[Lane, int], dict[Lane, float]]:
         since = self._since_count.get(pool, Counter())
-        depth = {ln: snap.pending.get(ln.value, 0) + since[ln] for ln in Lane}
+        enqueueing = self._enqueueing.get(pool, Counter())
+        depth = {ln: snap.pending.get(ln.value, 0) + since[ln] + enqueueing[ln] for ln in Lane}
         return depth, {ln: snap.service_rps.get(ln.value, 0.0) for ln in Lane}

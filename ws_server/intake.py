@@ -66,7 +66,8 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
             top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
             trace=inject_context(),
         )
-        enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
+        with edge.admission.enqueueing(pool, lane):
+            enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
     if not enqueued.created:
         # The id space is global: another key learns only that the id is taken, not its state.
         owned = f" ({enqueued.existing_state}); use resume" if enqueued.existing_state else ""
