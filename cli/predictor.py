@@ -92,6 +92,16 @@ def _require_train_extra() -> None:
                                  "pip install -e '.[train]' (or pass --lexical)")
 
 
+def _require_base(base: str | None) -> None:
+    """A ``--base`` written as a path must be a directory (else transformers reads it as a hub id
+    and fails on its characters, after the data set has been read)."""
+    if base is None or Path(base).expanduser().is_dir():
+        return
+    if base.startswith(("/", ".", "~")) or Path(base).expanduser().exists():
+        raise typer.BadParameter(f"{base}: no such model directory (give a Hugging Face model directory, "
+                                 "or a hub id such as sentence-transformers/all-MiniLM-L6-v2)", param_hint="--base")
+
+
 def _require_source(observations: list[Observation], source: str, data: Path, flag: str = "--source") -> None:
     """``flag`` must name a source of the data set: else a usage error listing them."""
     found = sorted({o.source for o in observations})
@@ -244,6 +254,7 @@ def train_command(
     """Rebuild the shipped weights from every source but the held-out ones (the pool's and IFEval)."""
     if encoder:
         _require_train_extra()
+        _require_base(base)
     observations = read_observations(data)
     for source in leave_out:
         _require_source(observations, source, data, "--leave-out")

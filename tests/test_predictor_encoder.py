@@ -168,4 +168,6 @@ def test_train_command_fine_tunes_the_encoder_and_names_it_in_the_weights(tmp_pa
     assert np.isfinite(model.score_text("Say yes 99"))
     missing = CliRunner().invoke(app, ["predictor", "train", "--data", str(tmp_path / "d.jsonl.gz"), "--out",
                                        str(tmp_path / "w2"), "--base", str(tmp_path / "nope")])
-    assert missing.exit_code == 2 and "--base" in missing.output
+    said = " ".join(missing.output.replace("│", " ").split())  # the error panel wraps its lines
+    assert missing.exit_code == 2 and "--base" in said and "no such model directory" in said
+    assert not (tmp_path / "w2").exists()  # refused before reading the data or writing anything
