@@ -13,10 +13,13 @@ lower layers frozen. CPU only; about 5 minutes on two cores for the shipped weig
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -90,9 +93,26 @@ def _mean_pooled_score(hidden: Any, mask: Any, head: Any) -> Any:
     return head((hidden * m).sum(1) / m.sum(1)).squeeze(-1)
 
 
+@contextlib.contextmanager
+def _without_log_record(text: str) -> Iterator[None]:
+    """Drop the root logger's records containing ``text`` (ONNX Runtime logs advice there)."""
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return text not in record.getMessage()
+
+    drop = Drop()
+    logging.getLogger().addFilter(drop)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeFilter(drop)
+
+
 def _load(base: str, layers: slice) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per fold and per export
     model = AutoModel.from_pretrained(base)
     model.encoder.layer = model.encoder.layer[layers]
     return AutoTokenizer.from_pretrained(base), model
@@ -195,7 +215,11 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = Path(tmp) / "fp32.onnx"
         example = (torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # BERT's own position-id indexing (no index here is negative), and transformers' shape
+            # checks, which the trace records as constants (one prompt per run: no padding).
+            warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             torch.onnx.export(Graph().requires_grad_(False), example, str(fp32), input_names=["ids", "mask"], output_names=["score"],
                               dynamic_axes={"ids": {0: "batch", 1: "tokens"}, "mask": {0: "batch", 1: "tokens"},
                                             "score": {0: "batch"}}, opset_version=17, dynamo=False)
@@ -208,6 +232,7 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
             entry = graph.metadata_props.add()
             entry.key, entry.value = key, value
         onnx.save(graph, str(fp32))
-        quantize_dynamic(str(fp32), str(out_dir / ENCODER_FILE), weight_type=QuantType.QInt8)
+        with _without_log_record("pre-processing before quantization"):  # advice for image models
+            quantize_dynamic(str(fp32), str(out_dir / ENCODER_FILE), weight_type=QuantType.QInt8)
     tokenizer.backend_tokenizer.save(str(out_dir / TOKENIZER_FILE))
     return Encoder(out_dir / ENCODER_FILE)
