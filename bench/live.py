@@ -29,10 +29,11 @@ Method
    ``--slots`` slots and 8,192 prompt tokens per prefill (the simulator's ``EngineConfig``).
    ``lanes`` runs with the simulator's tuning (``sim.policies.LanesTuning``): the routing
    threshold the simulator calibrates on the slice (``LANES_SHORT_MAX_TOKENS`` =
-   ``LANES_MEDIUM_MAX_TOKENS``: two lanes), open caps, 10 % of slots guaranteed to the long
-   lane after 20 s, FCFS across lanes while the short lane waited < 5 s, idle borrowing,
-   demotion at 200 tokens, hand-back after 20 s. The predictor refresh and observation
-   reports are off, so the thresholds cannot move during the run.
+   ``LANES_MEDIUM_MAX_TOKENS``: two lanes) and the shipped defaults for the rest
+   (``live_policy``: long / medium + long slot shares 75 % / 95 %, 10 % of slots guaranteed
+   to the long lane after 20 s, FCFS across lanes while the short lane waited < 8 s, demotion
+   at 200 tokens, hand-back after 20 s; ``live_env`` sets each explicitly). The predictor
+   refresh and observation reports are off, so the thresholds cannot move during the run.
 5. **Clients.** ``--clients`` lean WebSocket connections (``bench.wsclient``) spread over the
    edges send each request at its (scaled) arrival time, open loop. TTFT is measured from that
    scheduled time to the first delta, so a late client counts against the system; the send lag
