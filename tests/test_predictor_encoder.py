@@ -27,7 +27,8 @@ from lanes.scheduler.predictor.encoder import (
     load_encoder,
 )
 from lanes.scheduler.predictor.eval import kendall_tau
-from lanes.scheduler.predictor.train import ENCODER_WEIGHT, Observation, refit
+from lanes.scheduler.predictor.train import (ENCODER_REFIT_HALF_N, ENCODER_WEIGHT, Observation, refit,
+                                             refit_encoder_weight, refit_with_routing)
 
 PROMPTS = [
     "Name one colour.",
@@ -105,7 +106,10 @@ def test_a_refit_moves_the_lexical_part_towards_the_window_and_keeps_the_encoder
     # A deployment whose answers are all short: the refit must bring the blend down to them.
     window = [Observation(p, 12) for p in PROMPTS * 20]
     refitted = refit(model, window)
-    assert refitted.encoder is model.encoder and refitted.encoder_weight == model.encoder_weight
+    # The encoder stays, with the share a refit on this many observations leaves it.
+    assert refitted.encoder is model.encoder
+    assert refitted.encoder_weight == pytest.approx(refit_encoder_weight(model.encoder_weight, len(window)))
+    assert 0.0 < refitted.encoder_weight < model.encoder_weight
     assert refitted.model is not model.model
     before = np.mean([abs(model.score_text(p) - np.log1p(12)) for p in PROMPTS])
     after = np.mean([abs(refitted.score_text(p) - np.log1p(12)) for p in PROMPTS])
@@ -115,6 +119,21 @@ def test_a_refit_moves_the_lexical_part_towards_the_window_and_keeps_the_encoder
     assert (tmp_path / "r.npz").stat().st_size < 3_000_000
     loaded = from_weights(tmp_path / "r.npz")
     assert [loaded.score_text(p) for p in PROMPTS] == [refitted.score_text(p) for p in PROMPTS]
+
+
+def test_the_encoder_counts_for_less_the_more_a_refit_has_seen() -> None:
+    assert refit_encoder_weight(0.5, 0) == 0.5
+    assert refit_encoder_weight(0.5, ENCODER_REFIT_HALF_N) == 0.25
+    shares = [refit_encoder_weight(0.5, n) for n in (100, 1_000, 3_000, 10_000)]
+    assert shares == sorted(shares, reverse=True) and shares[-1] < 0.05
+    assert refit_encoder_weight(0.0, 5_000) == 0.0
+    # The refresh's probe (the older 80 %) blends at the whole window's share, like the model it
+    # stands in for, and the published model carries that share.
+    model = load_default()
+    window = [Observation(p, 12 + 40 * (i % 3)) for i, p in enumerate(PROMPTS * 30)]
+    published = refit_with_routing(model, window)
+    assert published.encoder_weight == pytest.approx(refit_encoder_weight(model.encoder_weight, len(window)))
+    assert refit(model, window, encoder_weight=0.3).encoder_weight == 0.3
 
 
 def _tiny_base(path: Path) -> Path:

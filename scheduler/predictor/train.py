@@ -47,6 +47,13 @@ LEXICAL_ALPHA = 4.0
 #: tau mean over the nine training sources: 0.343 / 0.374 / 0.386 / 0.389 / 0.388 at 0 / 0.3 / 0.5 /
 #: 0.6 / 0.7; 0.5 because the refresh ranks better with smaller shares (benchmarks/RESULTS.md, "Stop 27").
 ENCODER_WEIGHT = 0.5
+#: A refit on n observations gives the encoder ``ENCODER_WEIGHT * N / (N + n)`` of the score, N
+#: this: the encoder is fixed while the lexical part learns the deployment's own traffic, so the
+#: more of it the refit has seen, the less the encoder counts (refit from the shipped weights on
+#: 1,000 / 3,000 / 10,000 requests: 0.25 / 0.125 / 0.045). Refitted on a source neither part saw,
+#: the best fixed share was 0.5 cold, 0.25-0.5 at 1,000, 0.25 at 3,000-10,000 (within 0.003 of 0
+#: there) by tau, while the lanes gained most with 0 at 10,000 (benchmarks/RESULTS.md, "Stop 28").
+ENCODER_REFIT_HALF_N = 1_000
 #: Lexical anchoring strength for ``refit``: larger keeps the model closer to the current one.
 LEXICAL_REFIT_ALPHA = 4.0
 #: Refuse windows larger than this: the cron job must bound its memory (observations).
@@ -225,36 +232,49 @@ def train(
                            encoder_weight if encoder is not None else 0.0)
 
 
-def lexical_target(predictor: LengthPredictor, observations: Sequence[Observation]) -> np.ndarray:
-    """What the lexical part must score so that the blend scores log(1 + tokens): the target
-    itself without an encoder, else ``(y - w * encoder) / (1 - w)``."""
+def refit_encoder_weight(weight: float, num_observations: int) -> float:
+    """The encoder's share after a refit of a model whose share is ``weight`` on
+    ``num_observations`` (``ENCODER_REFIT_HALF_N``). Pure."""
+    return weight * ENCODER_REFIT_HALF_N / (ENCODER_REFIT_HALF_N + num_observations)
+
+
+def lexical_target(predictor: LengthPredictor, observations: Sequence[Observation],
+                   encoder_weight: float | None = None) -> np.ndarray:
+    """What the lexical part must score so that the blend with the encoder's share
+    ``encoder_weight`` (default: the predictor's) scores log(1 + tokens): the target itself
+    without an encoder, else ``(y - w * encoder) / (1 - w)``."""
     target = log_target([o.output_tokens for o in observations])
     encoded = predictor.encoder_scores([o.prompt for o in observations])
     if encoded is None:
         return target
-    weight = predictor.encoder_weight
+    weight = predictor.encoder_weight if encoder_weight is None else encoder_weight
     return (target - weight * encoded) / (1.0 - weight)
 
 
-def refit(predictor: LengthPredictor, observations: Sequence[Observation]) -> LengthPredictor:
+def refit(predictor: LengthPredictor, observations: Sequence[Observation],
+          encoder_weight: float | None = None) -> LengthPredictor:
     """A new predictor moved towards recent observations; ``predictor`` is unchanged.
 
     Ridge anchored at the current weights, every observation weighted alike and not centred
     (IDF fixed; n-grams never seen in training still get weight; the intercept moves to the
     deployment's own length level). With an encoder blended in, only the lexical part moves: it
-    is fitted to what the blend still misses (``lexical_target``). Windows over ``MAX_REFIT_OBSERVATIONS`` raise
+    is fitted to what the blend still misses (``lexical_target``), and the encoder's share falls
+    to ``encoder_weight`` (default ``refit_encoder_weight(predictor.encoder_weight, n)``). Windows over ``MAX_REFIT_OBSERVATIONS`` raise
     ValueError: the caller owns the window (e.g. a capped deque of recent finished requests).
     """
     if len(observations) > MAX_REFIT_OBSERVATIONS:
         raise ValueError(f"refit window of {len(observations)} > {MAX_REFIT_OBSERVATIONS} observations")
     if not observations:
         return predictor
-    target = lexical_target(predictor, observations)
+    weight = 0.0 if predictor.encoder is None else (
+        refit_encoder_weight(predictor.encoder_weight, len(observations)) if encoder_weight is None else encoder_weight)
+    target = lexical_target(predictor, observations, weight)
     # Weighted by (1 - w)^2, the lexical part's share of the blend's squared error.
-    row_weights = np.full(len(observations), (1.0 - predictor.encoder_weight) ** 2)
+    row_weights = np.full(len(observations), (1.0 - weight) ** 2)
     new_model = _anchored_ridge(predictor.model, observations, LEXICAL_REFIT_ALPHA, target, row_weights)
     count = int(str(predictor.info.get("refit_observations", 0))) + len(observations)
-    return replace(predictor, model=new_model, info={**predictor.info, "refit_observations": count})
+    return replace(predictor, model=new_model, encoder_weight=weight,
+                   info={**predictor.info, "refit_observations": count})
 
 
 def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observation],
@@ -275,13 +295,15 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
         raise ValueError(f"held_out_share must be in (0, 1), got {held_out_share}")
     num_held = round(held_out_share * len(observations))
     routing = None
+    # The probe blends as the model it stands in for will (the whole window's share).
+    weight = refit_encoder_weight(predictor.encoder_weight, len(observations))
     if 0 < num_held < len(observations):
-        probe = refit(predictor, observations[:-num_held])
+        probe = refit(predictor, observations[:-num_held], weight)
         held = observations[-num_held:]
         predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
         routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration,
                                             [o.output_tokens for o in observations])
-    return refit(predictor, observations).with_routing(
+    return refit(predictor, observations, weight).with_routing(
         routing, fitted_on=num_held, max_short_to_long=calibration.max_short_to_long,
         max_window_short_to_long=calibration.max_window_short_to_long)
 
