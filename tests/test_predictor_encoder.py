@@ -27,8 +27,14 @@ from lanes.scheduler.predictor.encoder import (
     load_encoder,
 )
 from lanes.scheduler.predictor.eval import kendall_tau
-from lanes.scheduler.predictor.train import (ENCODER_REFIT_HALF_N, ENCODER_WEIGHT, Observation, refit,
-                                             refit_encoder_weight, refit_with_routing)
+from lanes.scheduler.predictor.train import (
+    ENCODER_REFIT_HALF_N,
+    ENCODER_WEIGHT,
+    Observation,
+    refit,
+    refit_encoder_weight,
+    refit_with_routing,
+)
 
 PROMPTS = [
     "Name one colour.",
