@@ -52,7 +52,8 @@ ENCODER_WEIGHT = 0.5
 #: more of it the refit has seen, the less the encoder counts (refit from the shipped weights on
 #: 1,000 / 3,000 / 10,000 requests: 0.25 / 0.125 / 0.045). Refitted on a source neither part saw,
 #: the best fixed share was 0.5 cold, 0.25-0.5 at 1,000, 0.25 at 3,000-10,000 (within 0.003 of 0
-#: there) by tau, while the lanes gained most with 0 at 10,000 (benchmarks/RESULTS.md, "Stop 28").
+#: there) by tau; held at 0.5, the ρ 0.88 lanes lost up to 1.1x on a pairing against the lexical
+#: model alone, and with this schedule they match it (benchmarks/RESULTS.md, "Stop 28").
 ENCODER_REFIT_HALF_N = 1_000
 #: Lexical anchoring strength for ``refit``: larger keeps the model closer to the current one.
 LEXICAL_REFIT_ALPHA = 4.0
