@@ -152,6 +152,7 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
     import onnx
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers.masking_utils import create_bidirectional_mask
 
     if not observations:
         raise ValueError("cannot fine-tune on zero observations")
@@ -170,8 +171,9 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
     head.bias.data.fill_(float(np.average(target, weights=weights)))
 
     def top(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        extended = upper._create_attention_masks(attention_mask=mask, encoder_attention_mask=None,
-                                                 embedding_output=hidden, encoder_hidden_states=None, cache=None)[0]
+        # The mask BertModel.forward builds for its encoder (transformers' public helper; the
+        # model's own ``_create_attention_masks`` changed its signature in 5.25).
+        extended = create_bidirectional_mask(config=upper.config, inputs_embeds=hidden, attention_mask=mask)
         return _mean_pooled_score(upper.encoder(hidden, attention_mask=extended).last_hidden_state, mask, head)
 
     optimiser = torch.optim.AdamW([{"params": upper.encoder.parameters(), "lr": recipe.lr},
