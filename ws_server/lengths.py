@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from lanes.queue.messages import ChatMessage
+from lanes.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -39,5 +40,14 @@ class LengthEstimator:
 
     async def predict(self, messages: Sequence[ChatMessage], max_tokens: int) -> int:
         if self.inline:
+            return self._timed(messages, max_tokens)
+        return await asyncio.to_thread(self._timed, messages, max_tokens)
+
+    def _timed(self, messages: Sequence[ChatMessage], max_tokens: int) -> int:
+        """The prediction, its time observed in ``lanes_edge_predict_seconds`` (the predictor's
+        own time: not the wait for the thread, which the request's queue time already shows)."""
+        started = time.perf_counter()
+        try:
             return self.predictor.predict(messages, max_tokens)
-        return await asyncio.to_thread(self.predictor.predict, messages, max_tokens)
+        finally:
+            metrics.PREDICT.observe(time.perf_counter() - started)
