@@ -123,17 +123,18 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
 
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
                   model: Any, every_s: float, follow_routing: bool, max_short_to_long: float, window: int,
-                  max_window_short_to_long: float) -> Any:
+                  max_window_short_to_long: float, folds: int = 2) -> Any:
     """``predictions`` (their measured latencies kept) with the scheduler's refresh in the loop."""
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
     from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
 
-    config = RefreshConfig(every_s=every_s, follow_routing=follow_routing, window=window,
+    config = RefreshConfig(every_s=every_s, follow_routing=follow_routing, window=window, folds=folds,
                            calibration=RoutingCalibration(max_short_to_long=max_short_to_long,
                                                           max_window_short_to_long=max_window_short_to_long))
     refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, config, SIM_MAX_TOKENS)
     fitted = [r["long_above_tokens"] for r in refreshed.refreshes if r["long_above_tokens"] is not None]
     info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted), "refresh_window": window,
+            "refresh_folds": folds,
             "max_window_short_to_long": max_window_short_to_long,
             "most_observations_per_refit": max((int(r["observations"]) for r in refreshed.refreshes), default=0),
             "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
@@ -209,8 +210,9 @@ def policy(
                                                       "of the trace gets A's prompts, the second B's.")] = None,
     refresh_every_s: Annotated[float, typer.Option(min=0.0, help="--predictor real: run the scheduler's predictor "
                                                    "refresh in the loop every this many trace seconds (refit on "
-                                                   "finished requests, lane thresholds shipped with it); with "
-                                                   "--predictor random the prompts are dealt to the rows at "
+                                                   "finished requests, lane thresholds shipped with it; the live "
+                                                   "scheduler's default, LANES_PREDICTOR_REFRESH_MINUTES=5, is 300); "
+                                                   "with --predictor random the prompts are dealt to the rows at "
                                                    "random, so the refits learn nothing; 0: off.")] = 0.0,
     refresh_window: Annotated[int, typer.Option(min=50, help="--refresh-every-s: each refit reads the newest this "
                                                 "many finished requests (LANES_PREDICTOR_MAX_OBSERVATIONS).")] = REFRESH_WINDOW,
@@ -218,6 +220,10 @@ def policy(
         min=0.0, max=1.0, help="--refresh-every-s: each refit's threshold also sends at most this share of the "
         "answers shorter than its whole window's median long (1: off, the rule before stop 23).")] = (
         RoutingCalibration().max_window_short_to_long),
+    refresh_folds: Annotated[int, typer.Option(min=1, help="--refresh-every-s: cross-fit the refits by prompt in "
+                             "this many folds, so no row is predicted by a model that saw its prompt (a pool smaller "
+                             "than the trace is reused); 1: one refit on the whole window, which recalls reused "
+                             "prompts' lengths (before stop 29).")] = 2,
     refresh_routing: Annotated[str, typer.Option(help="--refresh-every-s: follow (route by the thresholds each "
                                                  "refit ships, the edges' default) or pin (keep the edges' fixed "
                                                  "150 / 750).")] = "follow",
@@ -266,7 +272,7 @@ def policy(
             arrival_s = requests.time_scaled(load * capacity_rps / requests.rate_rps).arrival_s
             predictions = _with_refresh(predictions, row_prompts, arrival_s, true, model, refresh_every_s,
                                         refresh_routing == "follow", tuning.max_short_to_long, refresh_window,
-                                        max_window_short_to_long)
+                                        max_window_short_to_long, refresh_folds)
         elif predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
     if predictor_ms is not None:

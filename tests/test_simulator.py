@@ -312,7 +312,7 @@ def test_the_refresh_in_the_loop_refits_and_routes_by_the_thresholds_it_ships() 
     true = np.where(np.arange(n) % 2 == 0, 900, 3)
     prompts = [f"Write a detailed essay about topic {i}." if i % 2 == 0 else f"Say yes or no, case {i}."
                for i in range(n)]
-    config = RefreshConfig(every_s=100, finish_delay_s=10, calibration=RoutingCalibration(min_shorts=10))
+    config = RefreshConfig(every_s=100, finish_delay_s=10, calibration=RoutingCalibration(min_shorts=10), folds=1)
     out = refreshed_predictions(arrival, true, prompts, load_default(), config, max_tokens=4096)
     assert [r["at_s"] for r in out.refreshes] == [100, 200, 300, 400, 500]
     assert out.refreshes[0]["observations"] == 91 and out.refreshes[0]["long_above_tokens"] is None, \
@@ -327,6 +327,38 @@ def test_the_refresh_in_the_loop_refits_and_routes_by_the_thresholds_it_ships() 
     assert out.seen_share == 0.0 and out.tau == out.tau_unseen and out.tau > 0.5
     with pytest.raises(ValueError, match="one prompt per row"):
         refreshed_predictions(arrival, true, prompts[:-1], load_default(), config, max_tokens=4096)
+
+
+def test_the_refresh_in_the_loop_predicts_no_row_by_a_model_that_saw_its_prompt() -> None:
+    """A pool smaller than the trace is reused: 60 prompts (nonsense words, so nothing in them
+    tells a length) over 1,200 rows, each prompt always paired with the same length. One refit
+    on the whole window recalls those lengths; cross-fitted by prompt, no row's model has seen
+    its prompt, and the ranking is what the prompts' words carry: nothing."""
+    from lanes.scheduler.policy import RoutingCalibration
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
+
+    rng = np.random.default_rng(5)
+    words = ["".join(rng.choice(list("bcdfghjklmnpqrstvwxz"), 7)) for _ in range(60 * 4)]
+    pool = [" ".join(words[4 * j:4 * j + 4]) for j in range(60)]
+    length = rng.permutation(np.geomspace(5, 1500, 60).astype(int))
+    which = rng.integers(0, 60, 1200)
+    arrival, true, prompts = np.arange(1200, dtype=float), length[which], [pool[j] for j in which]
+    calibration = RoutingCalibration(min_shorts=10)
+    recalled = refreshed_predictions(arrival, true, prompts, load_default(),
+                                     RefreshConfig(every_s=100, finish_delay_s=10, calibration=calibration, folds=1),
+                                     max_tokens=4096)
+    crossed = refreshed_predictions(arrival, true, prompts, load_default(),
+                                    RefreshConfig(every_s=100, finish_delay_s=10, calibration=calibration),
+                                    max_tokens=4096)
+    assert recalled.seen_share > 0.85 and recalled.tau > 0.6, "one refit recalls the reused prompts' lengths"
+    assert crossed.seen_share == 0.0 and abs(crossed.tau) < 0.15, "cross-fitted: no recall, no skill to find"
+    # Each model reads the other fold's half of the window: at 100 s (91 rows) neither half has
+    # the 50 observations a refit needs; from 200 s on both refit.
+    assert [r["at_s"] for r in crossed.refreshes] == list(range(200, 1200, 100))
+    assert all(r["models"] == 2 for r in crossed.refreshes)
+    with pytest.raises(ValueError, match="folds"):
+        RefreshConfig(folds=0)
 
 
 def test_lanes_step_aside_on_prompt_heavy_traffic() -> None:

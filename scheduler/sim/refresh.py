@@ -9,9 +9,16 @@ newest ``window`` of them, minus the ones cut by ``max_tokens``), each with its 
 its true length. Rows arriving after a refresh are predicted by that model and routed by its
 thresholds; before the first refresh, the base model and the edges' fixed thresholds.
 
-A prompt pool smaller than the trace is reused, and a refit memorises prompts it has seen:
+A prompt pool smaller than the trace is reused, and a refit memorises prompts it has seen: a
+row whose prompt was in the window gets its earlier rows' length back, which is recall of the
+pairing, not prediction (with 500 prompts over 19,000 rows nearly every row would be "seen").
+So the refresh is cross-fitted by prompt (``RefreshConfig.folds``, 2): the distinct prompts are
+dealt to folds, each refresh refits one model per fold on the window's rows of the *other*
+folds, and a row is predicted and routed by its own fold's model, which never saw its prompt.
+Each model reads about half the window (a little weaker than the live refit: conservative).
+``folds=1`` is the single refit of the live scheduler, memorisation included (before stop 29);
 ``RefreshedPredictions.seen_share`` reports how many rows were predicted by a model that had
-already observed their prompt, and ``tau_unseen`` the ranking on the others.
+already observed their prompt (0 when cross-fitted), and ``tau_unseen`` the ranking on the others.
 """
 
 from __future__ import annotations
@@ -45,6 +52,13 @@ class RefreshConfig:
     initial_routing: LaneThresholds = DEFAULT_ROUTING
     #: False: the edges keep ``initial_routing`` (``LANES_FOLLOW_REFRESHED_ROUTING=false``).
     follow_routing: bool = True
+    #: Cross-fitting by prompt: a row is predicted by a model refitted without its prompt's rows
+    #: (1: one model refitted on the whole window, which recalls reused prompts).
+    folds: int = 2
+
+    def __post_init__(self) -> None:
+        if self.folds < 1:
+            raise ValueError(f"folds must be at least 1, got {self.folds}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,8 @@ class RefreshedPredictions:
     tau: float
     tau_unseen: float
     seen_share: float
-    #: One entry per refresh: time, observations, thresholds (None: kept the previous ones).
+    #: One entry per refresh that refitted: time, most observations a model read, models refitted,
+    #: their median long threshold (None: they kept the previous ones).
     refreshes: list[dict[str, float | int | None]]
 
 
@@ -72,28 +87,42 @@ def refreshed_predictions(arrival_s: np.ndarray, true_tokens: np.ndarray, prompt
     routing: list[LaneThresholds] = [config.initial_routing] * n
     seen = np.zeros(n, dtype=bool)
     refreshes: list[dict[str, float | int | None]] = []
-    model, thresholds, known = base, config.initial_routing, frozenset[int]()
     prompt_id = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
     ids = np.array([prompt_id[p] for p in prompts])
+    fold = ids % config.folds  # distinct prompts dealt to folds in order of first appearance
+    models: list[LengthPredictor] = [base] * config.folds
+    thresholds = [config.initial_routing] * config.folds
+    known = [frozenset[int]()] * config.folds
     start = 0
     at = config.every_s
     while start < n:
         end = int(np.searchsorted(arrival_s, at, side="left")) if at <= arrival_s[-1] else n
         for i in range(start, end):
-            tokens[i] = model.predict((ChatMessage("user", prompts[i]),), max_tokens)
-            routing[i] = thresholds
-            seen[i] = ids[i] in known
+            k = fold[i]
+            tokens[i] = models[k].predict((ChatMessage("user", prompts[i]),), max_tokens)
+            routing[i] = thresholds[k]
+            seen[i] = ids[i] in known[k]
         start = end
         if start >= n:
             break
         finished = int(np.searchsorted(arrival_s, at - config.finish_delay_s, side="right"))
         rows = np.flatnonzero(true_tokens[:finished] < max_tokens)[-config.window:]
-        if len(rows) >= config.min_observations:
-            model = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in rows], config.calibration)
-            thresholds = (model.routing or thresholds) if config.follow_routing else thresholds
-            known = frozenset(int(ids[i]) for i in rows)
-            refreshes.append({"at_s": at, "observations": len(rows),
-                              "long_above_tokens": model.routing.medium_max_tokens if model.routing else None})
+        fitted: list[int | None] = []
+        most = 0
+        for k in range(config.folds):
+            train = rows if config.folds == 1 else rows[fold[rows] != k]
+            if len(train) < config.min_observations:
+                continue
+            models[k] = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in train], config.calibration)
+            routed = models[k].routing
+            thresholds[k] = (routed or thresholds[k]) if config.follow_routing else thresholds[k]
+            known[k] = frozenset(int(ids[i]) for i in train)
+            most = max(most, len(train))
+            fitted.append(routed.medium_max_tokens if routed else None)
+        if fitted:
+            long_above = [t for t in fitted if t is not None]
+            refreshes.append({"at_s": at, "observations": most, "models": len(fitted),
+                              "long_above_tokens": int(np.median(long_above)) if long_above else None})
         at += config.every_s
     unseen = ~seen
     tau_unseen = kendall_tau(true_tokens[unseen], tokens[unseen]) if unseen.sum() > 1 else float("nan")
