@@ -13,9 +13,9 @@ A prompt pool smaller than the trace is reused, and a refit memorises prompts it
 row whose prompt was in the window gets its earlier rows' length back, which is recall of the
 pairing, not prediction (with 500 prompts over 19,000 rows nearly every row would be "seen").
 So the refresh is cross-fitted by prompt (``RefreshConfig.folds``, 2): the distinct prompts are
-dealt to folds, each refresh refits one model per fold on the window's rows of the *other*
-folds, and a row is predicted and routed by its own fold's model, which never saw its prompt.
-Each model reads about half the window (a little weaker than the live refit: conservative).
+dealt to folds, each refresh refits one model per fold on the newest ``window`` finished rows
+of the *other* folds, and a row is predicted and routed by its own fold's model, which never
+saw its prompt. Each model reads as many rows as a live refit, from a span about twice as long.
 ``folds=1`` is the single refit of the live scheduler, memorisation included (before stop 29);
 ``RefreshedPredictions.seen_share`` reports how many rows were predicted by a model that had
 already observed their prompt (0 when cross-fitted), and ``tau_unseen`` the ranking on the others.
@@ -106,11 +106,13 @@ def refreshed_predictions(arrival_s: np.ndarray, true_tokens: np.ndarray, prompt
         if start >= n:
             break
         finished = int(np.searchsorted(arrival_s, at - config.finish_delay_s, side="right"))
-        rows = np.flatnonzero(true_tokens[:finished] < max_tokens)[-config.window:]
+        usable = true_tokens[:finished] < max_tokens
         fitted: list[int | None] = []
         most = 0
         for k in range(config.folds):
-            train = rows if config.folds == 1 else rows[fold[rows] != k]
+            # The newest ``window`` finished rows the model may read: as many as a live refit
+            # reads, from a span about folds / (folds - 1) times as long.
+            train = np.flatnonzero(usable if config.folds == 1 else usable & (fold[:finished] != k))[-config.window:]
             if len(train) < config.min_observations:
                 continue
             models[k] = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in train], config.calibration)
