@@ -353,8 +353,8 @@ def test_the_refresh_in_the_loop_predicts_no_row_by_a_model_that_saw_its_prompt(
                                     max_tokens=4096)
     assert recalled.seen_share > 0.85 and recalled.tau > 0.6, "one refit recalls the reused prompts' lengths"
     assert crossed.seen_share == 0.0 and abs(crossed.tau) < 0.15, "cross-fitted: no recall, no skill to find"
-    # Each model reads the other fold's half of the window: at 100 s (91 rows) neither half has
-    # the 50 observations a refit needs; from 200 s on both refit.
+    # Each model reads only the other fold's rows: at 100 s (91 finished) neither fold has the
+    # 50 observations a refit needs; from 200 s on both refit.
     assert [r["at_s"] for r in crossed.refreshes] == list(range(200, 1200, 100))
     assert all(r["models"] == 2 for r in crossed.refreshes)
     with pytest.raises(ValueError, match="folds"):
