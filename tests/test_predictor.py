@@ -460,6 +460,28 @@ def test_refit_thresholds_also_hold_answers_short_by_the_whole_window() -> None:
     assert short_share[0.025] >= 0.8 and short_share[1.0] <= 0.2, short_share
 
 
+def test_refit_thresholds_hold_the_budget_for_new_prompts_when_prompts_repeat() -> None:
+    """60 nonsense prompts (nothing in their words tells a length), each always with one length,
+    repeated over a 600-row window. A probe that had read the held-out rows' prompts would recall
+    their lengths, put the long threshold just above the recalled short ones, and send new
+    prompts (predicted without recall) long far beyond the budget. The probe reads no prompt it
+    predicts, so the threshold is one for prompts the model has not seen."""
+    from lanes.scheduler.policy import RoutingCalibration, choose_lane
+
+    rng = np.random.default_rng(2)
+
+    def words() -> str:
+        return " ".join("".join(rng.choice(list("bcdfghjklmnpqrstvwxz"), 7)) for _ in range(4))
+
+    pool = [(words(), int(t)) for t in rng.permutation(np.geomspace(3, 1500, 60).astype(int))]
+    window = [Observation(*pool[j]) for j in rng.integers(0, 60, 600)]
+    model = refit_with_routing(load_default(), window, RoutingCalibration(min_shorts=20))
+    assert model.routing is not None
+    new_prompts = [words() for _ in range(200)]
+    went_long = [choose_lane(model.predict(user(p), 4096), model.routing) is Lane.LONG for p in new_prompts]
+    assert sum(went_long) <= 10, f"{sum(went_long)} of 200 new prompts routed long"
+
+
 def test_train_command_leaves_named_sources_out(tmp_path: Path) -> None:
     """`lanes predictor train --leave-out S`: a base that never saw S (for the refresh in the
     simulator's loop); an unknown source is a usage error naming the flag."""

@@ -299,11 +299,17 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
     # The probe blends as the model it stands in for will (the whole window's share).
     weight = refit_encoder_weight(predictor.encoder_weight, len(observations))
     if 0 < num_held < len(observations):
-        probe = refit(predictor, observations[:-num_held], weight)
         held = observations[-num_held:]
-        predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
-        routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration,
-                                            [o.output_tokens for o in observations])
+        # The probe never reads a prompt it then predicts: a repeated prompt would be recalled,
+        # its short answers predicted shorter than a new prompt's, and the threshold set too low
+        # for the prompts the edges have not seen.
+        held_prompts = {o.prompt for o in held}
+        older = [o for o in observations[:-num_held] if o.prompt not in held_prompts]
+        if older:
+            probe = refit(predictor, older, weight)
+            predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
+            routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration,
+                                                [o.output_tokens for o in observations])
     return refit(predictor, observations, weight).with_routing(
         routing, fitted_on=num_held, max_short_to_long=calibration.max_short_to_long,
         max_window_short_to_long=calibration.max_window_short_to_long)
