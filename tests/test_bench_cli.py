@@ -95,22 +95,27 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     rows += [{"prompt": f"Say yes or no, case {i}.", "output_tokens": 3, "source": "chat"} for i in range(40)]
     rows += [{"prompt": "Say hi.", "output_tokens": 3, "source": "other"}]
     prompts.write_text(json.dumps(rows))
-    out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
-                "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5")
+    base = ("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--json", "--policy", "fcfs,lanes",
+            "--refresh-every-s", "10", "--predictor-ms", "0.5")
+    crossed = lanes(*base, "--prompt-source", "chat")
+    assert crossed.returncode == 0, crossed.stderr
+    crossed_info = json.loads(crossed.stdout)["lanes"]["predictor"]
+    assert crossed_info["refresh_folds"] == 2 and crossed_info["refreshes"] >= 2, crossed_info
+    assert crossed_info["seen_prompt_share"] == 0.0, "cross-fitted: no row is predicted by a model that saw its prompt"
+    # One refit on the whole window (the live scheduler's), which recalls the reused prompts.
+    out = lanes(*base, "--prompt-source", "chat", "--refresh-folds", "1")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)["lanes"]["predictor"]
     assert info["source"] == "shipped+refresh" and info["refreshes"] >= 4, info
     assert 0.0 < info["seen_prompt_share"] <= 1.0, "80 prompts over 300 rows: a refit has seen most of them"
     assert info["refresh_window"] == 10_000 and info["most_observations_per_refit"] > 60, info
     assert info["max_window_short_to_long"] == 0.025, info
-    small = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
-                  "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5",
-                  "--refresh-window", "60", "--max-window-short-to-long", "1")
+    small = lanes(*base, "--prompt-source", "chat", "--refresh-folds", "1", "--refresh-window", "60",
+                  "--max-window-short-to-long", "1")
     assert small.returncode == 0, small.stderr
     small_info = json.loads(small.stdout)["lanes"]["predictor"]
     assert small_info["most_observations_per_refit"] == 60 and small_info["max_window_short_to_long"] == 1.0
-    two = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "other,chat",
-                "--json", "--policy", "fcfs,lanes", "--refresh-every-s", "10", "--predictor-ms", "0.5")
+    two = lanes(*base, "--prompt-source", "other,chat", "--refresh-folds", "1")
     assert two.returncode == 0, two.stderr  # the first half of the rows gets "other"'s one prompt, the rest "chat"'s
     assert json.loads(two.stdout)["lanes"]["predictor"]["refreshes"] == info["refreshes"], "the same trace"
     blind = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--prompt-source", "chat",
@@ -119,7 +124,8 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     assert json.loads(blind.stdout)["lanes"]["predictor"]["source"] == "random+refresh"
     for bad_args, hint in ((("--predictor", "noise", "--refresh-every-s", "10"), "--refresh-every-s"),
                            (("--prompt-source", "nope"), "--prompt-source"),
-                           (("--weights", str(prompts)), "--weights")):
+                           (("--weights", str(prompts)), "--weights"),
+                           (("--refresh-every-s", "10", "--refresh-folds", "0"), "--refresh-folds")):
         bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), *bad_args)
         assert bad.returncode == 2 and hint in bad.stderr, (bad_args, bad.stderr)
 
