@@ -286,8 +286,9 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
 
     A refit moves the predictions to the deployment's own length level, so thresholds fixed in
     advance stop routing as measured (benchmarks/RESULTS.md, "Stop 20: the scheduler's refresh in
-    the loop"). A probe ``refit`` on the older ``1 - held_out_share`` of the window predicts the
-    newest observations, as the edges will predict prompts the model never saw, and
+    the loop"). A probe ``refit`` on the older ``1 - held_out_share`` of the window (without the rows
+    whose prompt is among the newest) predicts the newest observations, as the edges will predict
+    prompts the model never saw, and
     ``policy.routing_from_observations`` fits the thresholds on those predictions and their true
     lengths (the whole window's lengths set the second, longer-horizon budget). The model returned is refitted on the whole window; with too few short
     observations in the held-out part it carries no thresholds (the edges keep theirs).
