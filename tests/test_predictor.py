@@ -482,6 +482,41 @@ def test_refit_thresholds_hold_the_budget_for_new_prompts_when_prompts_repeat() 
     assert sum(went_long) <= 10, f"{sum(went_long)} of 200 new prompts routed long"
 
 
+def test_each_routing_probe_reads_every_row_but_those_of_the_prompts_it_predicts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held-out prompts are dealt to the probes; a probe reads no row of its own prompts and
+    every other row (the older ones and the other probes' held-out rows), so leaving out a
+    repeated prompt costs it only that prompt's rows. One probe is the older window without the
+    held-out prompts."""
+    from lanes.scheduler.predictor import train as train_module
+
+    rng = np.random.default_rng(3)
+    pool = [(f"prompt {j} about {rng.integers(10**6)}", int(t)) for j, t in enumerate(rng.integers(3, 900, 40))]
+    window = [Observation(*pool[j]) for j in rng.integers(0, 40, 400)]
+    held_prompts = {o.prompt for o in window[-80:]}
+    reads: list[list[Observation]] = []
+
+    def recording_refit(predictor: LengthPredictor, observations: list[Observation], *args: object,
+                        **kwargs: object) -> LengthPredictor:
+        reads.append(list(observations))
+        return refit(predictor, observations, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_module, "refit", recording_refit)
+    for folds in (1, 2, 3):
+        reads.clear()
+        refit_with_routing(load_default(), window, probe_folds=folds)
+        *probes, whole = reads
+        assert whole == window and len(probes) == folds
+        left_out = [held_prompts - {o.prompt for o in probe} for probe in probes]
+        assert set().union(*left_out) == held_prompts and sum(map(len, left_out)) == len(held_prompts)
+        for probe, own in zip(probes, left_out, strict=True):
+            assert probe == [o for o in window if o.prompt not in own]
+        if folds == 1:
+            assert probes[0] == [o for o in window[:-80] if o.prompt not in held_prompts]
+    with pytest.raises(ValueError, match="probe_folds"):
+        refit_with_routing(load_default(), window, probe_folds=0)
+
+
 def test_train_command_leaves_named_sources_out(tmp_path: Path) -> None:
     """`lanes predictor train --leave-out S`: a base that never saw S (for the refresh in the
     simulator's loop); an unknown source is a usage error naming the flag."""

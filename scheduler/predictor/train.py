@@ -62,6 +62,9 @@ MAX_REFIT_OBSERVATIONS = 50_000
 #: Share of a refresh window, its newest observations, that a probe refit leaves out so that the
 #: lane thresholds are fitted on predictions of prompts the model was not fitted on.
 ROUTING_HELD_OUT_SHARE = 0.2
+#: Probes per refit, each predicting the held-out rows of its share of the held-out prompts and
+#: reading every other row (``refit_with_routing``).
+ROUTING_PROBE_FOLDS = 2
 
 
 @dataclass(frozen=True)
@@ -280,35 +283,49 @@ def refit(predictor: LengthPredictor, observations: Sequence[Observation],
 
 def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observation],
                        calibration: RoutingCalibration = RoutingCalibration(),
-                       held_out_share: float = ROUTING_HELD_OUT_SHARE) -> LengthPredictor:
+                       held_out_share: float = ROUTING_HELD_OUT_SHARE,
+                       probe_folds: int = ROUTING_PROBE_FOLDS) -> LengthPredictor:
     """``refit`` on every observation (oldest first), with lane thresholds for the new model's
     prediction level saved in its info (``LengthPredictor.routing``).
 
     A refit moves the predictions to the deployment's own length level, so thresholds fixed in
     advance stop routing as measured (benchmarks/RESULTS.md, "Stop 20: the scheduler's refresh in
-    the loop"). A probe ``refit`` on the older ``1 - held_out_share`` of the window (without the rows
-    whose prompt is among the newest) predicts the newest observations, as the edges will predict
-    prompts the model never saw, and
-    ``policy.routing_from_observations`` fits the thresholds on those predictions and their true
-    lengths (the whole window's lengths set the second, longer-horizon budget). The model returned is refitted on the whole window; with too few short
-    observations in the held-out part it carries no thresholds (the edges keep theirs).
+    the loop"). The newest ``held_out_share`` of the window is predicted as the edges will predict
+    prompts the model never saw: its distinct prompts are dealt to ``probe_folds`` probes, and each
+    probe ``refit`` reads every row whose prompt is not among its own (``probe_folds`` 1: the older
+    rows without the held-out prompts). ``policy.routing_from_observations`` fits the thresholds
+    on those predictions and their true lengths (the whole window's lengths set the second,
+    longer-horizon budget). The model returned is refitted on the whole window; with too few
+    short observations in the held-out part it carries no thresholds (the edges keep theirs).
     """
     if not 0.0 < held_out_share < 1.0:
         raise ValueError(f"held_out_share must be in (0, 1), got {held_out_share}")
+    if probe_folds < 1:
+        raise ValueError(f"probe_folds must be at least 1, got {probe_folds}")
     num_held = round(held_out_share * len(observations))
     routing = None
     # The probe blends as the model it stands in for will (the whole window's share).
     weight = refit_encoder_weight(predictor.encoder_weight, len(observations))
     if 0 < num_held < len(observations):
         held = observations[-num_held:]
-        # The probe never reads a prompt it then predicts: a repeated prompt would be recalled,
-        # its short answers predicted shorter than a new prompt's, and the threshold set too low
-        # for the prompts the edges have not seen.
-        held_prompts = {o.prompt for o in held}
-        older = [o for o in observations[:-num_held] if o.prompt not in held_prompts]
-        if older:
-            probe = refit(predictor, older, weight)
-            predicted = [max(1, round(probe.predict_text(o.prompt))) for o in held]
+        # A probe never reads a prompt it then predicts: a repeated prompt would be recalled, its
+        # short answers predicted shorter than a new prompt's, and the threshold set too low for
+        # the prompts the edges have not seen. The held-out prompts are dealt to ``probe_folds``
+        # probes; each reads every row whose prompt is not among its own (older rows and the
+        # other probes' held-out rows), so leaving out repeated prompts costs it little data.
+        prompt_fold = {p: i % probe_folds for i, p in enumerate(dict.fromkeys(o.prompt for o in held))}
+        predicted = [0] * num_held
+        for k in range(probe_folds):
+            rows = [i for i, o in enumerate(held) if prompt_fold[o.prompt] == k]
+            fit_on = [o for o in observations if prompt_fold.get(o.prompt) != k]
+            if not rows:
+                continue
+            if not fit_on:
+                break
+            probe = refit(predictor, fit_on, weight)
+            for i in rows:
+                predicted[i] = max(1, round(probe.predict_text(held[i].prompt)))
+        else:
             routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration,
                                                 [o.output_tokens for o in observations])
     return refit(predictor, observations, weight).with_routing(
