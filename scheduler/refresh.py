@@ -4,7 +4,7 @@ pick the new version up (``Edge.reload_predictor``).
 
 A refit moves the predictions to the deployment's own length level, so the job also fits the
 lane thresholds for the new model (``train.refit_with_routing``: on the window's newest fifth,
-predicted by two probe refits, each reading every row but those of the prompts it predicts) and ships them in the weights' info; edges
+predicted by a probe refit that did not see them) and ships them in the weights' info; edges
 route by them instead of their fixed ``LANES_SHORT_MAX_TOKENS`` / ``LANES_MEDIUM_MAX_TOKENS``
 unless those were set explicitly (``LANES_FOLLOW_REFRESHED_ROUTING`` decides).
 

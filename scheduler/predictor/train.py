@@ -62,9 +62,11 @@ MAX_REFIT_OBSERVATIONS = 50_000
 #: Share of a refresh window, its newest observations, that a probe refit leaves out so that the
 #: lane thresholds are fitted on predictions of prompts the model was not fitted on.
 ROUTING_HELD_OUT_SHARE = 0.2
-#: Probes per refit, each predicting the held-out rows of its share of the held-out prompts and
-#: reading every other row (``refit_with_routing``).
-ROUTING_PROBE_FOLDS = 2
+#: Probes per refit (``refit_with_routing``). 1: one probe reads the older rows without the
+#: held-out prompts. 2 (each probe reads every row but those of its share of the held-out prompts)
+#: set lower thresholds: +0.2x / +0.6x on two pairings, -0.3x / -2.3x on two others, one of them
+#: near the cliff where misrouted short answers set the short P99 (benchmarks/RESULTS.md, "Stop 30").
+ROUTING_PROBE_FOLDS = 1
 
 
 @dataclass(frozen=True)
@@ -310,9 +312,9 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
         held = observations[-num_held:]
         # A probe never reads a prompt it then predicts: a repeated prompt would be recalled, its
         # short answers predicted shorter than a new prompt's, and the threshold set too low for
-        # the prompts the edges have not seen. The held-out prompts are dealt to ``probe_folds``
-        # probes; each reads every row whose prompt is not among its own (older rows and the
-        # other probes' held-out rows), so leaving out repeated prompts costs it little data.
+        # the prompts the edges have not seen. With ``probe_folds`` > 1 the held-out prompts are
+        # dealt to that many probes; each reads every row whose prompt is not among its own
+        # (older rows and the other probes' held-out rows).
         prompt_fold = {p: i % probe_folds for i, p in enumerate(dict.fromkeys(o.prompt for o in held))}
         predicted = [0] * num_held
         for k in range(probe_folds):
