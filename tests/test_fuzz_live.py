@@ -114,11 +114,7 @@ class FuzzConnection:
                 if answer["type"] == "accepted":
                     self.accepted[answer["id"]] = [answer]
                 continue
-            # anything else can only be an accepted request's later frame
-            fid = frame.get("id")
-            assert fid in self.accepted and (frame["type"] in ("delta", "done") or self.is_terminal_of_ours(frame)), (
-                payload[:200], window)
-            self.accepted[fid].append(frame)
+            assert self.file_if_ours(frame), (payload[:200], window)  # else only an accepted request's frame
         if answer is None:
             return
         if answer["type"] != "accepted":
@@ -145,6 +141,15 @@ class FuzzConnection:
         if expected.id in self.accepted:  # cancel or resume of a request of ours: may end it, no reply
             return error({"unknown_id", "duplicate_id"}, expected.id), False
         return error({"unknown_id"}, expected.id), True
+
+    def file_if_ours(self, frame: dict[str, Any]) -> bool:
+        """File ``frame`` with its request when it is an accepted request's later frame (a delta,
+        done or its terminal error); False when it is not, i.e. an answer."""
+        rid = frame.get("id")
+        if rid in self.accepted and (frame["type"] in ("delta", "done") or self.is_terminal_of_ours(frame)):
+            self.accepted[rid].append(frame)
+            return True
+        return False
 
     def is_terminal_of_ours(self, frame: dict[str, Any]) -> bool:
         rid = frame.get("id")
@@ -263,8 +268,7 @@ def test_each_limit_is_enforced_at_its_boundary(system: tuple[System, str]) -> N
             # its own exchange window, so its delta, done or the worker's own terminal error (e.g.
             # prompt_too_long for "chars-ok") follow its "accepted" there and are not answers.
             for a in conn.exchange(frame):
-                if a.get("id") in conn.accepted and (a["type"] in ("delta", "done") or conn.is_terminal_of_ours(a)):
-                    conn.accepted[a["id"]].append(a)
+                if conn.file_if_ours(a):
                     continue
                 answers.append(a)
                 if code is None and a["type"] == "accepted" and a.get("id") == rid:

@@ -319,9 +319,9 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
         predicted = [0] * num_held
         for k in range(probe_folds):
             rows = [i for i, o in enumerate(held) if prompt_fold[o.prompt] == k]
-            fit_on = [o for o in observations if prompt_fold.get(o.prompt) != k]
             if not rows:
                 continue
+            fit_on = [o for o in observations if prompt_fold.get(o.prompt) != k]
             if not fit_on:
                 break
             probe = refit(predictor, fit_on, weight)
