@@ -10,7 +10,8 @@ prompt (benchmarks/RESULTS.md, "Stop 27"). Importing this module needs neither: 
 and ``tokenizers`` are imported when an ``Encoder`` is built.
 
 Files (``WEIGHTS_DIR``): ``length_encoder.onnx`` (the graph: inputs ``ids`` / ``mask``, int64
-[batch, tokens]; output ``score``, float32 [batch]; its metadata carries ``max_tokens`` and the
+[batch, tokens]; output ``score``, float32 [batch], and, exported since stop 32, ``embedding``, the
+mean-pooled float32 [batch, 384] the score's head reads (``embed_text``, for ``memory``); its metadata carries ``max_tokens`` and the
 training provenance) and ``length_encoder_tokenizer.json`` (the base model's word-piece
 tokenizer). A lexical weights file names the graph by file name and SHA-256, so a refreshed
 model published by a scheduler with another encoder fails to load instead of mixing scores.
@@ -34,6 +35,9 @@ TOKENIZER_FILE = "length_encoder_tokenizer.json"
 #: whole window again on every refit, and most of a window's prompts were scored at the previous
 #: one. About 100 bytes an entry.
 CACHE_ENTRIES = 65_536
+#: Embeddings kept per encoder (graphs with an ``embedding`` output): a refresh window's worth
+#: (``queue.messages.REFRESH_WINDOW``) and some, 1.5 KB an entry.
+EMBEDDING_CACHE_ENTRIES = 12_288
 #: Characters of a prompt tokenised: enough for ``max_tokens`` word pieces of any ordinary text
 #: (a word piece is 1-20 characters), so a megabyte prompt is not tokenised whole to read 48.
 CHARS_PER_TOKEN = 32
@@ -78,31 +82,65 @@ class Encoder:
         self._tokenizer.no_padding()
         self.path = graph
         self.sha256 = sha256 or file_sha256(graph)
+        outputs = [o.name for o in self._session.get_outputs()]
+        #: Whether the graph also outputs its mean-pooled sentence embedding (``embed_text``;
+        #: graphs exported before stop 32 output the score alone).
+        self.has_embedding = "embedding" in outputs
+        self._outputs = ["score", "embedding"] if self.has_embedding else ["score"]
         self._cache: OrderedDict[bytes, float] = OrderedDict()
+        self._embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
-    def score_text(self, prompt: str) -> float:
-        """Predicted log(1 + output tokens) for one prompt."""
+    def _encode(self, prompt: str, embed: bool) -> tuple[float, np.ndarray | None]:
+        """(score, embedding or None), from the caches when there; one run fills both."""
         ids = np.asarray([self._tokenizer.encode(prompt[:self.max_tokens * CHARS_PER_TOKEN]).ids], np.int64)
         key = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+        embed = embed and self.has_embedding
         with self._lock:
-            cached = self._cache.get(key)
-            if cached is not None:
+            score, embedding = self._cache.get(key), self._embeddings.get(key) if embed else None
+            if score is not None and (embedding is not None or not embed):
                 self._cache.move_to_end(key)
-                return cached
+                if embedding is not None:
+                    self._embeddings.move_to_end(key)
+                return score, embedding
         # One prompt per run, never a padded batch: int8 activations are quantised per run, so a
         # prompt scored beside others would score slightly differently from the same prompt alone,
         # and the edge (one at a time) and a refit (a whole window) must agree.
-        value = float(self._session.run(None, {"ids": ids, "mask": np.ones_like(ids)})[0][0])
+        found = self._session.run(self._outputs, {"ids": ids, "mask": np.ones_like(ids)})
+        score = float(found[0][0])
+        embedding = np.asarray(found[1][0], np.float32) if self.has_embedding else None
         with self._lock:
-            self._cache[key] = value
+            self._cache[key] = score
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-        return value
+            if embed and embedding is not None:
+                self._embeddings[key] = embedding
+                if len(self._embeddings) > EMBEDDING_CACHE_ENTRIES:
+                    self._embeddings.popitem(last=False)
+        return score, embedding
+
+    def score_text(self, prompt: str) -> float:
+        """Predicted log(1 + output tokens) for one prompt."""
+        return self._encode(prompt, embed=False)[0]
 
     def score_texts(self, prompts: Sequence[str]) -> np.ndarray:
         """``score_text`` of each prompt."""
         return np.array([self.score_text(p) for p in prompts], np.float64)
+
+    def embed_text(self, prompt: str) -> np.ndarray:
+        """The prompt's mean-pooled sentence embedding (float32, not normalised), the input of the
+        score's linear head. Raises ``EncoderError`` when the graph has no ``embedding`` output."""
+        return self.score_and_embed(prompt)[1]
+
+    def score_and_embed(self, prompt: str) -> tuple[float, np.ndarray]:
+        """``score_text`` and ``embed_text`` of one prompt, from one run of the graph."""
+        if not self.has_embedding:
+            raise EncoderError(f"the length encoder {self.path} has no embedding output (exported before stop 32): "
+                               "retrain it with lanes predictor train, or turn the neighbour memory off "
+                               "(LANES_PREDICTOR_MEMORY_WEIGHT=0)")
+        score, embedding = self._encode(prompt, embed=True)
+        assert embedding is not None
+        return score, embedding
 
     def describe(self) -> dict[str, Any]:
         """What a weights file records about this encoder."""

@@ -87,10 +87,15 @@ class LowerStates:
         return LowerStates(self.hidden[chosen], self.mask[chosen], self.base, self.recipe)
 
 
-def _mean_pooled_score(hidden: Any, mask: Any, head: Any) -> Any:
-    """The head on the mean of the non-padding positions: what the exported graph outputs."""
+def _mean_pooled(hidden: Any, mask: Any) -> Any:
+    """The mean of the non-padding positions: the exported graph's ``embedding``."""
     m = mask.unsqueeze(-1).to(hidden.dtype)
-    return head((hidden * m).sum(1) / m.sum(1)).squeeze(-1)
+    return (hidden * m).sum(1) / m.sum(1)
+
+
+def _mean_pooled_score(hidden: Any, mask: Any, head: Any) -> Any:
+    """The head on the mean of the non-padding positions: the exported graph's ``score``."""
+    return head(_mean_pooled(hidden, mask)).squeeze(-1)
 
 
 @contextlib.contextmanager
@@ -209,9 +214,9 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
             super().__init__()
             self.bert, self.head = lower, head
 
-        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return _mean_pooled_score(self.bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask,
-                                      self.head)
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pooled = _mean_pooled(self.bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+            return self.head(pooled).squeeze(-1), pooled
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,9 +227,10 @@ def fine_tune(observations: Sequence[Observation], out_dir: Path, level: float |
             # checks, which the trace records as constants (one prompt per run: no padding).
             warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-            torch.onnx.export(Graph().requires_grad_(False), example, str(fp32), input_names=["ids", "mask"], output_names=["score"],
+            torch.onnx.export(Graph().requires_grad_(False), example, str(fp32), input_names=["ids", "mask"],
+                              output_names=["score", "embedding"],
                               dynamic_axes={"ids": {0: "batch", 1: "tokens"}, "mask": {0: "batch", 1: "tokens"},
-                                            "score": {0: "batch"}}, opset_version=17, dynamo=False)
+                                            "score": {0: "batch"}, "embedding": {0: "batch"}}, opset_version=17, dynamo=False)
         graph = onnx.load(str(fp32))
         provenance = {"base": "/".join(Path(base).parts[-2:]) if Path(base).exists() else base, "recipe": asdict(recipe),
                       "num_examples": len(observations), "steps": steps, "level": level,
