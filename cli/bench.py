@@ -11,6 +11,7 @@ import numpy as np
 import typer
 from lanes.queue.messages import REFRESH_WINDOW
 from lanes.scheduler.policy import RoutingCalibration
+from lanes.scheduler.predictor.train import MEMORY_WEIGHT
 
 app = typer.Typer(help="bench commands", no_args_is_help=True)
 
@@ -123,18 +124,19 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
 
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
                   model: Any, every_s: float, follow_routing: bool, max_short_to_long: float, window: int,
-                  max_window_short_to_long: float, folds: int = 2) -> Any:
+                  max_window_short_to_long: float, folds: int = 2, memory_weight: float = 0.0) -> Any:
     """``predictions`` (their measured latencies kept) with the scheduler's refresh in the loop."""
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
     from lanes.scheduler.sim.refresh import RefreshConfig, refreshed_predictions
 
     config = RefreshConfig(every_s=every_s, follow_routing=follow_routing, window=window, folds=folds,
+                           memory_weight=memory_weight,
                            calibration=RoutingCalibration(max_short_to_long=max_short_to_long,
                                                           max_window_short_to_long=max_window_short_to_long))
     refreshed = refreshed_predictions(arrival_s, true_tokens, row_prompts, model, config, SIM_MAX_TOKENS)
     fitted = [r["long_above_tokens"] for r in refreshed.refreshes if r["long_above_tokens"] is not None]
     info = {"refreshes": len(refreshed.refreshes), "refreshes_with_routing": len(fitted), "refresh_window": window,
-            "refresh_folds": folds,
+            "refresh_folds": folds, "refresh_memory_weight": memory_weight,
             "max_window_short_to_long": max_window_short_to_long,
             "most_observations_per_refit": max((int(r["observations"]) for r in refreshed.refreshes), default=0),
             "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
@@ -224,6 +226,10 @@ def policy(
                              "this many folds, so no row is predicted by a model that saw its prompt (a pool smaller "
                              "than the trace is reused); 1: one refit on the whole window, which recalls reused "
                              "prompts' lengths (before stop 29).")] = 2,
+    refresh_memory_weight: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="--refresh-every-s: each refit keeps a nearest-neighbour memory of its window and "
+        "blends it in with this share (LANES_PREDICTOR_MEMORY_WEIGHT; needs weights whose encoder outputs its "
+        "embedding); 0: no memory.")] = MEMORY_WEIGHT,
     refresh_routing: Annotated[str, typer.Option(help="--refresh-every-s: follow (route by the thresholds each "
                                                  "refit ships, the edges' default) or pin (keep the edges' fixed "
                                                  "150 / 750).")] = "follow",
@@ -272,7 +278,7 @@ def policy(
             arrival_s = requests.time_scaled(load * capacity_rps / requests.rate_rps).arrival_s
             predictions = _with_refresh(predictions, row_prompts, arrival_s, true, model, refresh_every_s,
                                         refresh_routing == "follow", tuning.max_short_to_long, refresh_window,
-                                        max_window_short_to_long, refresh_folds)
+                                        max_window_short_to_long, refresh_folds, refresh_memory_weight)
         elif predictor == "random":
             predictions = preds.shuffled(predictions, true, seed)
     if predictor_ms is not None:

@@ -148,11 +148,28 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     _serve(plane, body)
 
 
+def _check_memory_encoder(weight: float) -> None:
+    """``ConfigFailure`` when the refresh is asked for a neighbour memory the shipped encoder
+    cannot give (a graph without its ``embedding`` output), instead of a failed refit every tick."""
+    from lanes.scheduler.predictor import WeightsError, load_default
+
+    try:
+        encoder = load_default().encoder
+    except WeightsError as exc:
+        raise ConfigFailure(f"the shipped length predictor does not load ({exc}): reinstall lanes") from None
+    if not getattr(encoder, "has_embedding", False):
+        raise ConfigFailure(f"LANES_PREDICTOR_MEMORY_WEIGHT={weight:g} needs a length encoder with an embedding "
+                            "output, and the shipped one has none: set LANES_PREDICTOR_MEMORY_WEIGHT=0, or retrain "
+                            "the weights with lanes predictor train")
+
+
 def run_scheduler(overrides: dict[str, Any]) -> None:
     from lanes.scheduler.service import Scheduler
     from lanes.scheduler.settings import SchedulerSettings
 
     settings = SchedulerSettings(**overrides)
+    if settings.predictor_refresh_minutes > 0 and settings.predictor_memory_weight > 0:
+        _check_memory_encoder(settings.predictor_memory_weight)
     plane = _setup(settings, "scheduler")
     if settings.metrics_port:
         _serve_metrics(metrics.SCHEDULER, settings.metrics_port, "LANES_METRICS_PORT")

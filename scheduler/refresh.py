@@ -58,14 +58,16 @@ def refresh_window(newest_first: Sequence[Observation], size: int, max_key_share
     return [newest_first[i] for i in sorted(chosen, reverse=True)]
 
 
-def refit_bytes(observations: list[Observation]) -> bytes:
+def refit_bytes(observations: list[Observation], memory_weight: float | None = None) -> bytes:
     """Pure apart from a temp file: shipped model + observations (oldest first) -> new weights
-    with their lane thresholds (npz bytes)."""
+    with their lane thresholds (npz bytes); ``memory_weight`` (default ``train.MEMORY_WEIGHT``):
+    the neighbour memory's share."""
     from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.predictor.train import MEMORY_WEIGHT, refit_with_routing
     from lanes.scheduler.predictor.train import Observation as TrainObservation
-    from lanes.scheduler.predictor.train import refit_with_routing
 
-    model = refit_with_routing(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations])
+    model = refit_with_routing(load_default(), [TrainObservation(o.prompt, o.output_tokens) for o in observations],
+                               memory_weight=MEMORY_WEIGHT if memory_weight is None else memory_weight)
     routing = model.routing
     log.info("refitted on %d observations; lanes: %s", len(observations),
              f"short <= {routing.short_max_tokens} < long predicted tokens" if routing is not None
@@ -97,7 +99,7 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
                  len(observations), len(held), max(held.values()), max_key_share)
     if len(observations) < min_observations:
         return {"observations": len(observations), "version": 0}
-    weights = await asyncio.to_thread(refit_bytes, observations)
+    weights = await asyncio.to_thread(refit_bytes, observations, ctx.get("memory_weight"))
     version = await plane.fleet.publish_predictor(weights, len(observations), added)
     log.info("predictor refreshed from %d observations: version %d", len(observations), version)
     return {"observations": len(observations), "version": version}

@@ -69,7 +69,8 @@ class Scheduler:
         """What ``refresh_predictor`` reads, from the settings (arq's cron and the loop alike)."""
         return {"plane": self.plane, "min_observations": self.settings.predictor_min_observations,
                 "max_observations": self.settings.predictor_max_observations,
-                "max_key_share": self.settings.predictor_max_key_share}
+                "max_key_share": self.settings.predictor_max_key_share,
+                "memory_weight": self.settings.predictor_memory_weight}
 
     async def _arq_cron(self) -> None:
         """arq runs the periodic jobs (off the request path): unique per tick across schedulers."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lanes.queue.fleet import MAX_OBSERVATIONS
 from lanes.queue.messages import REFRESH_WINDOW
 from lanes.queue.settings import RedisSettings
+from lanes.scheduler.predictor.train import MEMORY_WEIGHT
 from pydantic import Field
 
 
@@ -22,6 +23,9 @@ class SchedulerSettings(RedisSettings):
     #: (1 = no limit): one key's traffic cannot push the others out of the refit. Its surplus
     #: fills the places no other key has entries for.
     predictor_max_key_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    #: Each refit keeps a nearest-neighbour memory of its window and blends it in with this share
+    #: (0 = none; ``train.MEMORY_WEIGHT``). Needs an encoder graph with an ``embedding`` output.
+    predictor_memory_weight: float = Field(default=MEMORY_WEIGHT, ge=0.0, le=1.0)
     #: Pools to watch even before a worker of theirs is up (comma list); pools of live workers
     #: are added by themselves.
     pools: str = "default"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 
+import pytest
 from lanes.queue.messages import ChatMessage, Observation, encode
 from lanes.queue.plane import QueuePlane
 from lanes.scheduler.predictor import load_default
@@ -28,6 +30,21 @@ async def test_refresh_publishes_a_refit_model(plane: QueuePlane) -> None:
     before, after = load_default().predict(msgs, 4096), predictor.predict(msgs, 4096)
     assert version == 1 and after < before, "the refit moved toward the observed 2-token answers"
     assert await load_published(plane, 1) is None, "no newer version"
+
+
+async def test_a_refresh_with_a_memory_publishes_it_and_edges_load_it(plane: QueuePlane) -> None:
+    ctx = {"plane": plane, "min_observations": 10, "memory_weight": 0.5}
+    for i in range(30):
+        await plane.redis.lpush(plane.keys.observations, encode(Observation(f"{PROMPT} Case {i}.", 2)))
+    assert (await refresh_predictor(ctx))["version"] == 1
+    published = await load_published(plane, 0)
+    assert published is not None
+    predictor = published[1]
+    assert predictor.kind == "lexical+encoder+memory" and predictor.memory_weight == 0.5
+    assert len(predictor.memory.targets) == 30  # one entry per distinct prompt
+    # A prompt like those the window holds is pulled towards their 2-token answers by the memory.
+    asked = f"{PROMPT} Case 99."
+    assert predictor.memory.score(predictor.encoder.embed_text(asked)) == pytest.approx(math.log1p(2), abs=0.01)
 
 
 def test_service_rates_smooth_claim_counts() -> None:

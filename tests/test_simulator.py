@@ -353,6 +353,13 @@ def test_the_refresh_in_the_loop_predicts_no_row_by_a_model_that_saw_its_prompt(
                                     max_tokens=4096)
     assert recalled.seen_share > 0.85 and recalled.tau > 0.6, "one refit recalls the reused prompts' lengths"
     assert crossed.seen_share == 0.0 and abs(crossed.tau) < 0.15, "cross-fitted: no recall, no skill to find"
+    # A neighbour memory in each refit (one entry per prompt of the window) recalls nothing
+    # either: a row's own prompt is never in its model's memory.
+    remembered = refreshed_predictions(arrival, true, prompts, load_default(),
+                                       RefreshConfig(every_s=100, finish_delay_s=10, calibration=calibration,
+                                                     memory_weight=0.5), max_tokens=4096)
+    assert remembered.seen_share == 0.0 and abs(remembered.tau) < 0.15
+    assert not np.array_equal(remembered.tokens, crossed.tokens), "the memory took part"
     # Each model reads only the other fold's rows: at 100 s (91 finished) neither fold has the
     # 50 observations a refit needs; from 200 s on both refit.
     assert [r["at_s"] for r in crossed.refreshes] == list(range(200, 1200, 100))

@@ -9,6 +9,8 @@ prompts of sources they never saw; the score is ``(1 - w) * lexical + w * encode
 Leave-one-source-out Kendall tau, in-source CV tau and latency: benchmarks/RESULTS.md, "Length
 predictor (issue 9)" and "Stop 27". Predictions are in Llama-3 tokens at the level of current
 chat models. The refresh (``train.refit``) moves the lexical part only; the encoder is fixed.
+A refit may also keep a nearest-neighbour memory of its window (``memory.py``, off by default),
+blended in with its own share: ``(1 - m) * blend + m * memory``.
 
 Public interface: ``load_default()`` / ``from_weights(path)`` -> ``LengthPredictor`` with
 ``predict(messages, max_tokens) -> int``, ``predict_text``, ``score_text`` and ``routing`` (lane
@@ -43,6 +45,7 @@ import numpy as np
 from lanes.queue.messages import ChatMessage
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor.lexical import LexicalModel
+from lanes.scheduler.predictor.memory import NeighbourMemory
 
 #: Bumped whenever a feature function changes meaning; weights carry it and are checked on load.
 FEATURE_VERSION = 1
@@ -86,22 +89,36 @@ class LengthPredictor:
     encoder: Any = None
     #: Its share of the score, in [0, 1).
     encoder_weight: float = 0.0
+    #: Lengths of a refresh window's prompts, found by the encoder's embedding (``memory``), or None.
+    memory: NeighbourMemory | None = None
+    #: The memory's share of the score, in [0, 1].
+    memory_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.encoder_weight < 1.0 or (self.encoder is None and self.encoder_weight):
             raise ValueError(f"encoder_weight must be in [0, 1) and 0 without an encoder, got {self.encoder_weight}")
+        if not 0.0 <= self.memory_weight <= 1.0 or (self.memory is None and self.memory_weight):
+            raise ValueError(f"memory_weight must be in [0, 1] and 0 without a memory, got {self.memory_weight}")
+        if self.memory is not None and not getattr(self.encoder, "has_embedding", False):
+            raise ValueError("a neighbour memory needs an encoder that outputs its embedding")
 
     @property
     def kind(self) -> str:
-        """The model family: ``"lexical"``, or ``"lexical+encoder"`` when an encoder is blended in."""
-        return self.model.kind if self.encoder is None else f"{self.model.kind}+encoder"
+        """The model family: ``"lexical"``, ``"lexical+encoder"`` when an encoder is blended in, and
+        ``+memory`` after them when a neighbour memory is."""
+        kind = self.model.kind if self.encoder is None else f"{self.model.kind}+encoder"
+        return kind if self.memory is None else f"{kind}+memory"
 
     def score_text(self, prompt: str) -> float:
         """Predicted log(1 + output tokens) for a prompt (the ranking score)."""
         lexical = self.model.score_text(prompt)
         if self.encoder is None:
             return lexical
-        return (1.0 - self.encoder_weight) * lexical + self.encoder_weight * self.encoder.score_text(prompt)
+        if self.memory is None:
+            return (1.0 - self.encoder_weight) * lexical + self.encoder_weight * self.encoder.score_text(prompt)
+        encoded, embedding = self.encoder.score_and_embed(prompt)
+        score = (1.0 - self.encoder_weight) * lexical + self.encoder_weight * encoded
+        return (1.0 - self.memory_weight) * score + self.memory_weight * self.memory.score(embedding)
 
     def encoder_scores(self, prompts: Sequence[str]) -> np.ndarray | None:
         """The encoder's scores of ``prompts`` (batched), or None without an encoder."""
@@ -151,6 +168,10 @@ class LengthPredictor:
         if self.encoder is not None:
             meta["encoder"] = {"file": self.encoder.path.name, "sha256": self.encoder.sha256,
                                "weight": self.encoder_weight}
+        if self.memory is not None:
+            memory_header, memory_arrays = self.memory.to_arrays()
+            meta["memory"] = {**memory_header, "weight": self.memory_weight}
+            arrays = {**arrays, **memory_arrays}
         members = {"header_json": np.array(json.dumps(meta, sort_keys=True)), **arrays}
         with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
             for key, value in members.items():
@@ -178,8 +199,10 @@ def from_weights(path: Path) -> LengthPredictor:
         if "encoder" not in meta:
             return LengthPredictor(model, info)
         named = meta["encoder"]
-        return LengthPredictor(model, info, _load_encoder(path, str(named["file"]), str(named["sha256"])),
-                               float(named["weight"]))
+        encoder = _load_encoder(path, str(named["file"]), str(named["sha256"]))
+        memory = NeighbourMemory.from_arrays(meta["memory"], arrays) if "memory" in meta else None
+        return LengthPredictor(model, info, encoder, float(named["weight"]), memory,
+                               float(meta["memory"]["weight"]) if memory is not None else 0.0)
     except (KeyError, TypeError, ValueError, OSError) as exc:
         if isinstance(exc, WeightsError):
             raise

@@ -38,6 +38,7 @@ from lanes.scheduler.predictor.lexical import (
     cue_features,
     raw_counts,
 )
+from lanes.scheduler.predictor.memory import NeighbourMemory
 
 #: Lexical ridge strength when training from scratch: chosen by leave-one-source-out tau over the
 #: nine training sources (the held-out pool's source excluded) among 0.5 / 1 / 2 / 4 / 8 / 16
@@ -67,6 +68,9 @@ ROUTING_HELD_OUT_SHARE = 0.2
 #: set lower thresholds: +0.2x / +0.6x on two pairings, -0.3x / -2.3x on two others, one of them
 #: near the cliff where misrouted short answers set the short P99 (benchmarks/RESULTS.md, "Stop 30").
 ROUTING_PROBE_FOLDS = 1
+#: The neighbour memory's share of a refitted score (``memory.NeighbourMemory``; 0: no memory).
+#: Needs an encoder graph with an ``embedding`` output. Measured: benchmarks/RESULTS.md, "Stop 32".
+MEMORY_WEIGHT = 0.0
 
 
 @dataclass(frozen=True)
@@ -258,20 +262,39 @@ def lexical_target(predictor: LengthPredictor, observations: Sequence[Observatio
 
 
 def refit(predictor: LengthPredictor, observations: Sequence[Observation],
-          encoder_weight: float | None = None) -> LengthPredictor:
+          encoder_weight: float | None = None, memory_weight: float = MEMORY_WEIGHT) -> LengthPredictor:
     """A new predictor moved towards recent observations; ``predictor`` is unchanged.
 
     Ridge anchored at the current weights, every observation weighted alike and not centred
     (IDF fixed; n-grams never seen in training still get weight; the intercept moves to the
     deployment's own length level). With an encoder blended in, only the lexical part moves: it
     is fitted to what the blend still misses (``lexical_target``), and the encoder's share falls
-    to ``encoder_weight`` (default ``refit_encoder_weight(predictor.encoder_weight, n)``). Windows over ``MAX_REFIT_OBSERVATIONS`` raise
-    ValueError: the caller owns the window (e.g. a capped deque of recent finished requests).
+    to ``encoder_weight`` (default ``refit_encoder_weight(predictor.encoder_weight, n)``). With
+    ``memory_weight`` > 0 the new model also keeps a neighbour memory of the window (the
+    predictor's own memory, if any, is replaced; one entry per distinct prompt), blended in with
+    that share; that needs an
+    encoder with an ``embedding`` output (``encoder.EncoderError`` otherwise). Windows over
+    ``MAX_REFIT_OBSERVATIONS`` raise ValueError: the caller owns the window (e.g. a capped deque
+    of recent finished requests).
     """
     if len(observations) > MAX_REFIT_OBSERVATIONS:
         raise ValueError(f"refit window of {len(observations)} > {MAX_REFIT_OBSERVATIONS} observations")
+    if not 0.0 <= memory_weight <= 1.0:
+        raise ValueError(f"memory_weight must be in [0, 1], got {memory_weight}")
     if not observations:
         return predictor
+    memory = None
+    if memory_weight > 0.0:
+        if predictor.encoder is None:
+            raise ValueError("a neighbour memory (memory_weight > 0) needs the encoder's embeddings; this predictor "
+                             "has no encoder")
+        # One entry per distinct prompt, at its rows' mean log length: a prompt asked again and
+        # again would otherwise fill all k places and turn the mean of k into one row's length.
+        lengths: dict[str, list[int]] = {}
+        for o in observations:
+            lengths.setdefault(o.prompt, []).append(o.output_tokens)
+        memory = NeighbourMemory.build([predictor.encoder.embed_text(p) for p in lengths],
+                                       [float(log_target(t).mean()) for t in lengths.values()])
     weight = 0.0 if predictor.encoder is None else (
         refit_encoder_weight(predictor.encoder_weight, len(observations)) if encoder_weight is None else encoder_weight)
     target = lexical_target(predictor, observations, weight)
@@ -279,14 +302,16 @@ def refit(predictor: LengthPredictor, observations: Sequence[Observation],
     row_weights = np.full(len(observations), (1.0 - weight) ** 2)
     new_model = _anchored_ridge(predictor.model, observations, LEXICAL_REFIT_ALPHA, target, row_weights)
     count = int(str(predictor.info.get("refit_observations", 0))) + len(observations)
-    return replace(predictor, model=new_model, encoder_weight=weight,
+    return replace(predictor, model=new_model, encoder_weight=weight, memory=memory,
+                   memory_weight=memory_weight if memory is not None else 0.0,
                    info={**predictor.info, "refit_observations": count})
 
 
 def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observation],
                        calibration: RoutingCalibration = RoutingCalibration(),
                        held_out_share: float = ROUTING_HELD_OUT_SHARE,
-                       probe_folds: int = ROUTING_PROBE_FOLDS) -> LengthPredictor:
+                       probe_folds: int = ROUTING_PROBE_FOLDS,
+                       memory_weight: float = MEMORY_WEIGHT) -> LengthPredictor:
     """``refit`` on every observation (oldest first), with lane thresholds for the new model's
     prediction level saved in its info (``LengthPredictor.routing``).
 
@@ -297,7 +322,8 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
     probe ``refit`` reads every row whose prompt is not among its own (``probe_folds`` 1: the older
     rows without the held-out prompts). ``policy.routing_from_observations`` fits the thresholds
     on those predictions and their true lengths (the whole window's lengths set the second,
-    longer-horizon budget). The model returned is refitted on the whole window; with too few
+    longer-horizon budget). Probes keep a neighbour memory of what they read when the model does
+    (``memory_weight``). The model returned is refitted on the whole window; with too few
     short observations in the held-out part it carries no thresholds (the edges keep theirs).
     """
     if not 0.0 < held_out_share < 1.0:
@@ -324,13 +350,13 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
             fit_on = [o for o in observations if prompt_fold.get(o.prompt) != k]
             if not fit_on:
                 break
-            probe = refit(predictor, fit_on, weight)
+            probe = refit(predictor, fit_on, weight, memory_weight)
             for i in rows:
                 predicted[i] = max(1, round(probe.predict_text(held[i].prompt)))
         else:
             routing = routing_from_observations(predicted, [o.output_tokens for o in held], calibration,
                                                 [o.output_tokens for o in observations])
-    return refit(predictor, observations, weight).with_routing(
+    return refit(predictor, observations, weight, memory_weight).with_routing(
         routing, fitted_on=num_held, max_short_to_long=calibration.max_short_to_long,
         max_window_short_to_long=calibration.max_window_short_to_long)
 

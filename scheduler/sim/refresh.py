@@ -32,7 +32,7 @@ from lanes.queue.messages import REFRESH_WINDOW, ChatMessage
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds, RoutingCalibration
 from lanes.scheduler.predictor import LengthPredictor
-from lanes.scheduler.predictor.train import Observation, refit_with_routing
+from lanes.scheduler.predictor.train import MEMORY_WEIGHT, Observation, refit_with_routing
 from lanes.scheduler.sim.noise import kendall_tau
 
 
@@ -55,6 +55,8 @@ class RefreshConfig:
     #: Cross-fitting by prompt: a row is predicted by a model refitted without its prompt's rows
     #: (1: one model refitted on the whole window, which recalls reused prompts).
     folds: int = 2
+    #: The refits' neighbour-memory share (``LANES_PREDICTOR_MEMORY_WEIGHT``; 0: none).
+    memory_weight: float = MEMORY_WEIGHT
 
     def __post_init__(self) -> None:
         if self.folds < 1:
@@ -115,7 +117,8 @@ def refreshed_predictions(arrival_s: np.ndarray, true_tokens: np.ndarray, prompt
             train = np.flatnonzero(usable if config.folds == 1 else usable & (fold[:finished] != k))[-config.window:]
             if len(train) < config.min_observations:
                 continue
-            models[k] = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in train], config.calibration)
+            models[k] = refit(base, [Observation(prompts[i], int(true_tokens[i])) for i in train], config.calibration,
+                              memory_weight=config.memory_weight)
             routed = models[k].routing
             thresholds[k] = (routed or thresholds[k]) if config.follow_routing else thresholds[k]
             known[k] = frozenset(int(ids[i]) for i in train)
