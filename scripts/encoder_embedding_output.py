@@ -12,15 +12,13 @@ Needs ``onnx`` (the ``[train]`` extra).
 
 from __future__ import annotations
 
-import json
 import sys
-import zipfile
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import onnx
 from lanes.scheduler.predictor import from_weights
-from lanes.scheduler.predictor.encoder import ENCODER_FILE, file_sha256
+from lanes.scheduler.predictor.encoder import ENCODER_FILE, load_encoder
 from onnx import TensorProto, helper
 
 POOLED = "/Div_output_0"
@@ -29,7 +27,8 @@ POOLED = "/Div_output_0"
 def main(folder: Path) -> None:
     graph_path, weights_path = folder / ENCODER_FILE, folder / "length_predictor_lexical.npz"
     probe = "Write a story about a dragon who learns to code."
-    before = from_weights(weights_path).score_text(probe)
+    predictor = from_weights(weights_path)
+    before = predictor.score_text(probe)
     graph = onnx.load(str(graph_path))
     if any(o.name == "embedding" for o in graph.graph.output):
         print(f"{graph_path} already outputs its embedding")
@@ -39,21 +38,12 @@ def main(folder: Path) -> None:
     graph.graph.node.append(helper.make_node("Identity", [POOLED], ["embedding"], name="embedding_identity"))
     graph.graph.output.append(helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", "hidden"]))
     onnx.save(graph, str(graph_path))
-    with np.load(weights_path, allow_pickle=False) as data:
-        members = {key: data[key] for key in data.files}
-    meta = json.loads(str(members["header_json"]))
-    meta["encoder"]["sha256"] = file_sha256(graph_path)
-    members["header_json"] = np.array(json.dumps(meta, sort_keys=True))
-    with zipfile.ZipFile(weights_path, "w", zipfile.ZIP_DEFLATED) as archive:  # as LengthPredictor.save writes
-        for key, value in members.items():
-            entry = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-            entry.compress_type = zipfile.ZIP_DEFLATED
-            with archive.open(entry, "w", force_zip64=True) as out:
-                np.lib.format.write_array(out, np.asanyarray(value), allow_pickle=False)
+    # The same lexical part, naming the new graph (its SHA-256).
+    replace(predictor, encoder=load_encoder(graph_path)).save(weights_path)
     after = from_weights(weights_path)
     assert after.encoder.has_embedding and after.score_text(probe) == before, "the score changed"
     print(f"{graph_path}: embedding output added ({after.encoder.embed_text(probe).shape[0]} dimensions), "
-          f"score unchanged; {weights_path.name} re-pointed at SHA-256 {meta['encoder']['sha256'][:12]}")
+          f"score unchanged; {weights_path.name} re-pointed at SHA-256 {after.encoder.sha256[:12]}")
 
 
 if __name__ == "__main__":
