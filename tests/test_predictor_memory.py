@@ -136,3 +136,16 @@ def test_a_memory_needs_an_encoder_that_outputs_its_embedding(encoded: Path, tmp
     remembering = refit(_base(encoded), window, memory_weight=0.5)
     with pytest.raises(ValueError, match="needs an encoder that outputs its embedding"):
         replace(remembering, encoder=base.encoder)
+
+
+def test_the_scheduler_refuses_a_memory_its_encoder_cannot_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lanes.scheduler.predictor as predictor_module
+    from lanes.cli.entrypoints import _check_memory_encoder
+    from lanes.cli.failures import ConfigFailure
+
+    _check_memory_encoder(0.5)  # the shipped graph outputs its embedding
+    window = [Observation(p, 50, "d") for p in SHORT]
+    monkeypatch.setattr(predictor_module, "load_default", lambda: train(window))  # a lexical model: no encoder
+    with pytest.raises(ConfigFailure, match="LANES_PREDICTOR_MEMORY_WEIGHT=0.5 needs a length encoder") as failure:
+        _check_memory_encoder(0.5)
+    assert failure.value.exit_code == 2 and "LANES_PREDICTOR_MEMORY_WEIGHT=0" in str(failure.value)
