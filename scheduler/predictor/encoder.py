@@ -86,16 +86,15 @@ class Encoder:
         #: Whether the graph also outputs its mean-pooled sentence embedding (``embed_text``;
         #: graphs exported before stop 32 output the score alone).
         self.has_embedding = "embedding" in outputs
-        self._outputs = ["score", "embedding"] if self.has_embedding else ["score"]
         self._cache: OrderedDict[bytes, float] = OrderedDict()
         self._embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
     def _encode(self, prompt: str, embed: bool) -> tuple[float, np.ndarray | None]:
-        """(score, embedding or None), from the caches when there; one run fills both."""
+        """(score, embedding if ``embed`` else None), from the caches when there; a run fetches the
+        embedding only when asked for it (``embed`` needs ``has_embedding``)."""
         ids = np.asarray([self._tokenizer.encode(prompt[:self.max_tokens * CHARS_PER_TOKEN]).ids], np.int64)
         key = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
-        embed = embed and self.has_embedding
         with self._lock:
             score, embedding = self._cache.get(key), self._embeddings.get(key) if embed else None
             if score is not None and (embedding is not None or not embed):
@@ -106,14 +105,14 @@ class Encoder:
         # One prompt per run, never a padded batch: int8 activations are quantised per run, so a
         # prompt scored beside others would score slightly differently from the same prompt alone,
         # and the edge (one at a time) and a refit (a whole window) must agree.
-        found = self._session.run(self._outputs, {"ids": ids, "mask": np.ones_like(ids)})
+        found = self._session.run(["score", "embedding"] if embed else ["score"], {"ids": ids, "mask": np.ones_like(ids)})
         score = float(found[0][0])
-        embedding = np.asarray(found[1][0], np.float32) if self.has_embedding else None
+        embedding = np.asarray(found[1][0], np.float32) if embed else None
         with self._lock:
             self._cache[key] = score
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-            if embed and embedding is not None:
+            if embedding is not None:
                 self._embeddings[key] = embedding
                 if len(self._embeddings) > EMBEDDING_CACHE_ENTRIES:
                     self._embeddings.popitem(last=False)
