@@ -17,6 +17,9 @@ app = typer.Typer(help="bench commands", no_args_is_help=True)
 
 DEFAULT_PLOT_LOADS = "0.5,0.73,0.88,0.95,1.1"
 DEFAULT_POLICIES = "fcfs,lanes,priority,mlfq"
+#: The simulated engine's token budget per iteration (``--chunked-prefill-tokens``): vLLM V1's
+#: chunked prefill at the ``max_num_batched_tokens`` the deployment guide recommends.
+CHUNKED_PREFILL_TOKENS = 2048
 #: Prompts with known answer lengths that the shipped predictor was not trained on.
 DEFAULT_PROMPT_POOL = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompt_pool.json"
 #: The public data beside a checkout (``../shared/data``; its READMEs name the public sources).
@@ -181,9 +184,12 @@ def policy(
     tau: Annotated[float, typer.Option(min=-1.0, max=1.0, help="--predictor noise: its Kendall tau.")] = 0.52,
     prefix_cache_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of a resumed request's prompt the "
                                                       "engine's prefix cache still holds.")] = 0.0,
-    chunked_prefill_tokens: Annotated[int, typer.Option(min=0, help="Model chunked prefill (vLLM V1) with this token "
-                                                        "budget per iteration (max_num_batched_tokens, e.g. 2048); "
-                                                        "0: prefill and decode iterations alternate (vLLM v0).")] = 0,
+    chunked_prefill_tokens: Annotated[int, typer.Option(min=0, help="Token budget per engine iteration "
+                                                        "(max_num_batched_tokens): every iteration decodes all running "
+                                                        "requests and fills the rest with prompt chunks, as vLLM V1 and "
+                                                        "TensorRT-LLM's in-flight batching do; 0: prefill and decode "
+                                                        "iterations alternate (vLLM v0, gone upstream; the model of "
+                                                        "RESULTS.md before stop 33).")] = CHUNKED_PREFILL_TOKENS,
     max_short_to_long: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="lanes: short requests allowed in the "
                                                            "long lane (routing calibration).")] = None,
     fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "

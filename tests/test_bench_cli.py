@@ -96,7 +96,7 @@ def test_bench_policy_with_the_refresh_in_the_loop(files: tuple[Path, Path], tmp
     rows += [{"prompt": "Say hi.", "output_tokens": 3, "source": "other"}]
     prompts.write_text(json.dumps(rows))
     base = ("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--json", "--policy", "fcfs,lanes",
-            "--refresh-every-s", "10", "--predictor-ms", "0.5")
+            "--refresh-every-s", "5", "--predictor-ms", "0.5")
     crossed = lanes(*base, "--prompt-source", "chat")
     assert crossed.returncode == 0, crossed.stderr
     crossed_info = json.loads(crossed.stdout)["lanes"]["predictor"]
