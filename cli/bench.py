@@ -193,7 +193,9 @@ def policy(
     max_short_to_long: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="lanes: short requests allowed in the "
                                                            "long lane (routing calibration).")] = None,
     fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "
-                                                       "lane has waited less than this.")] = None,
+                                                       "lane has waited less than this (default: the workers' "
+                                                       "default for the engine modelled: 4 with chunked prefill, "
+                                                       "8 without).")] = None,
     fcfs_above_prefill_share: Annotated[float | None, typer.Option(min=0.0, help="lanes: step aside (FCFS, open "
                                                                    "slots) while the finished requests' estimated "
                                                                    "prefill share of the work is at least this "
@@ -260,7 +262,7 @@ def policy(
     if refresh_routing not in ("follow", "pin"):
         raise typer.BadParameter(f"must be follow or pin, not {refresh_routing!r}", param_hint="--refresh-routing")
     tuning = _tuning(max_short_to_long, fcfs_below_s, preempt_wait_s, hand_back_demoted, min_long_share, max_wait_s,
-                     fcfs_above_prefill_share, max_medium_long_share)
+                     fcfs_above_prefill_share, max_medium_long_share, chunked_prefill=chunked_prefill_tokens > 0)
     try:
         engine = EngineConfig(get_profile(profile), prompt_cached_share=prefix_cache_share,
                               chunked_prefill_tokens=chunked_prefill_tokens)
@@ -312,11 +314,13 @@ def policy(
 def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt_wait_s: float | None,
             hand_back_demoted: bool | None, min_long_share: float | None = None,
             max_wait_s: float | None = None, fcfs_above_prefill_share: float | None = None,
-            max_medium_long_share: float | None = None) -> Any:
-    from lanes.scheduler.live_policy import wait_bound_ms
+            max_medium_long_share: float | None = None, *, chunked_prefill: bool = False) -> Any:
+    """The lanes knobs as given, the rest the workers' defaults (``fcfs_below_ms`` the one for
+    an engine that does or does not chunk prefill, as a worker of that engine takes it)."""
+    from lanes.scheduler.live_policy import fcfs_below_ms_for, wait_bound_ms
     from lanes.scheduler.sim.policies import LanesTuning
 
-    tuning = LanesTuning()
+    tuning = LanesTuning(fcfs_below_ms=fcfs_below_ms_for(chunked_prefill))
     if min_long_share is not None:
         if not 0.0 <= min_long_share <= 1.0:
             raise typer.BadParameter(f"must be in [0, 1], got {min_long_share}", param_hint="--min-long-share")

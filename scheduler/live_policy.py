@@ -50,6 +50,12 @@ MAX_MEDIUM_LONG_SHARE = 0.95
 MIN_LONG_SHARE = 0.1
 STARVE_AFTER_MS = 20_000.0
 FCFS_BELOW_MS = 8_000.0
+#: The same bound for engines that chunk prefill (vLLM V1, TensorRT-LLM with
+#: ``enable_chunked_prefill``, as the ``vllm`` and ``trtllm`` workers run them): there FCFS itself
+#: is better at the peaks and 4 s held rho 0.73 (worst 1.027 over six runs) while raising the rho
+#: 0.88 short gain by a median 1.26x (RESULTS.md, "Stop 33"). 8 s stays for engines that alternate
+#: prefill and decode iterations (``hf``, ``sim``), where 3-5 s broke rho 0.73 (RESULTS.md, "Stop 25").
+FCFS_BELOW_MS_CHUNKED = 4_000.0
 MAX_WAIT_MS = 600_000.0
 #: Lanes pop oldest-first while the engine's prefill share of its work is at least this
 #: (``SlotConfig.fcfs_above_prefill_share``, ``workmix``): over every 1,000 consecutive requests
@@ -110,6 +116,11 @@ def make_live_policy(
     if preemption is not None and demotion is not None:
         preemption = replace(preemption, demotion=demotion)
     return LivePolicy(policy, routing, slots, demotion, preemption)
+
+
+def fcfs_below_ms_for(chunked_prefill: bool) -> float:
+    """The default ``fcfs_below_ms`` for an engine that chunks prefill or one that does not."""
+    return FCFS_BELOW_MS_CHUNKED if chunked_prefill else FCFS_BELOW_MS
 
 
 def share_of_slots(share: float, max_slots: int) -> int:

@@ -71,6 +71,10 @@ def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tu
     assert _tuning(None, None, None, None, max_wait_s=0).max_wait_ms == float("inf")
     assert _tuning(None, None, None, None, fcfs_above_prefill_share=1.0).fcfs_above_prefill_share == 1.0
     assert _tuning(None, None, None, None).fcfs_above_prefill_share == 0.6
+    # The FCFS-below bound is the workers' default for the engine modelled, unless given.
+    assert _tuning(None, None, None, None).fcfs_below_ms == 8000.0
+    assert _tuning(None, None, None, None, chunked_prefill=True).fcfs_below_ms == 4000.0
+    assert _tuning(None, 6.0, None, None, chunked_prefill=True).fcfs_below_ms == 6000.0
     assert _tuning(None, None, None, None, max_medium_long_share=1.0).max_medium_long_share == 1.0
     trace, prompts = files
     bad = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--min-long-share", "2")

@@ -9,14 +9,16 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, FCFS_BELOW_MS, MAX_WAIT_MS,
-                                         PREFILL_HEAVY_SHARE, STARVE_AFTER_MS, lanes_slot_config, wait_bound_ms)
+from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, MAX_WAIT_MS, PREFILL_HEAVY_SHARE,
+                                         STARVE_AFTER_MS, fcfs_below_ms_for, lanes_slot_config, wait_bound_ms)
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from lanes.scheduler.workmix import MAX_KEY_SHARE as PREFILL_SHARE_MAX_KEY_SHARE
 from pydantic import Field, field_validator, model_validator
 
 EngineName = Literal["hf", "vllm", "trtllm", "sim"]
+#: The engines whose adapters turn chunked prefill on (``engines/engine_config.py``).
+CHUNKED_PREFILL_ENGINES = ("vllm", "trtllm")
 SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
 
 
@@ -58,7 +60,9 @@ class WorkerSettings(RedisSettings):
     borrow_when_idle: bool = False
     #: Priority only under load: while the short lane's oldest request has waited less than
     #: this, lanes are popped oldest-first (``SlotConfig.fcfs_below_ms``; 0 = always by priority).
-    fcfs_below_ms: float = Field(default=FCFS_BELOW_MS, ge=0.0)
+    #: Unset: 4 s on the engines that chunk prefill (``vllm``, ``trtllm``), 8 s on the others
+    #: (``live_policy.fcfs_below_ms_for``).
+    fcfs_below_ms: float | None = Field(default=None, ge=0.0)
     #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
     #: priorities notwithstanding (``SlotConfig.max_wait_ms``; 0 = no bound).
     max_wait_ms: float = Field(default=MAX_WAIT_MS, ge=0.0)
@@ -128,6 +132,13 @@ class WorkerSettings(RedisSettings):
             self.gpu_index = int(found.group(1)) - 1
         return self
 
+    @property
+    def effective_fcfs_below_ms(self) -> float:
+        """``fcfs_below_ms`` as set, else the default for this worker's engine."""
+        if self.fcfs_below_ms is not None:
+            return self.fcfs_below_ms
+        return fcfs_below_ms_for(self.engine in CHUNKED_PREFILL_ENGINES)
+
     def slots(self, engine_max_concurrency: int) -> SlotConfig:
         """How this worker's slots are shared among lanes: ``live_policy.lanes_slot_config`` (the
         simulator's config) for the slots the engine runs, with any count set here instead of a
@@ -136,7 +147,7 @@ class WorkerSettings(RedisSettings):
         max_slots = min(self.max_slots, engine_max_concurrency)
         config = lanes_slot_config(
             max_slots, starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
-            borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.fcfs_below_ms,
+            borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.effective_fcfs_below_ms,
             max_wait_ms=wait_bound_ms(self.max_wait_ms), fcfs_above_prefill_share=self.fcfs_above_prefill_share)
         min_long = config.min_long if self.min_long_slots is None else min(self.min_long_slots, max_slots)
         return replace(

@@ -63,7 +63,8 @@ class LanesTuning:
     min_long_share: float = MIN_LONG_SHARE
     starve_after_ms: float = STARVE_AFTER_MS
     protect_after_ms: float = math.inf
-    #: ``SlotConfig.fcfs_below_ms``: lanes are popped oldest-first while the short lane waits less.
+    #: ``SlotConfig.fcfs_below_ms``: lanes are popped oldest-first while the short lane waits less
+    #: (the v0 engine's default; ``lanes bench policy`` takes ``live_policy.fcfs_below_ms_for`` its engine).
     fcfs_below_ms: float = FCFS_BELOW_MS
     #: ``SlotConfig.max_wait_ms``: a lane whose oldest request has waited this long goes first.
     max_wait_ms: float = MAX_WAIT_MS
