@@ -17,8 +17,9 @@ app = typer.Typer(help="bench commands", no_args_is_help=True)
 
 DEFAULT_PLOT_LOADS = "0.5,0.73,0.88,0.95,1.1"
 DEFAULT_POLICIES = "fcfs,lanes,priority,mlfq"
-#: The simulated engine's token budget per iteration (``--chunked-prefill-tokens``): vLLM V1's
-#: chunked prefill at the ``max_num_batched_tokens`` the deployment guide recommends.
+#: The simulated engine's token budget per iteration (``--chunked-prefill-tokens``): chunked
+#: prefill at the step budget the ``vllm`` and ``trtllm`` workers pass by default
+#: (``WorkerSettings.max_num_batched_tokens``, ``LANES_MAX_NUM_BATCHED_TOKENS``).
 CHUNKED_PREFILL_TOKENS = 2048
 #: Prompts with known answer lengths that the shipped predictor was not trained on.
 DEFAULT_PROMPT_POOL = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompt_pool.json"

@@ -53,7 +53,7 @@ FCFS_BELOW_MS = 8_000.0
 #: The same bound for engines that chunk prefill (vLLM V1, TensorRT-LLM with
 #: ``enable_chunked_prefill``, as the ``vllm`` and ``trtllm`` workers run them): there FCFS itself
 #: is better at the peaks and 4 s held rho 0.73 (worst 1.027 over six runs) while raising the rho
-#: 0.88 short gain by a median 1.26x (RESULTS.md, "Stop 33"). 8 s stays for engines that alternate
+#: 0.88 short gain by 1.2-1.3x at the median (RESULTS.md, "Stop 33"). 8 s stays for engines that alternate
 #: prefill and decode iterations (``hf``, ``sim``), where 3-5 s broke rho 0.73 (RESULTS.md, "Stop 25").
 FCFS_BELOW_MS_CHUNKED = 4_000.0
 MAX_WAIT_MS = 600_000.0
