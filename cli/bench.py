@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 from lanes.queue.messages import REFRESH_WINDOW
+from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
 from lanes.scheduler.policy import RoutingCalibration
 from lanes.scheduler.predictor.train import MEMORY_WEIGHT
 
@@ -17,10 +18,6 @@ app = typer.Typer(help="bench commands", no_args_is_help=True)
 
 DEFAULT_PLOT_LOADS = "0.5,0.73,0.88,0.95,1.1"
 DEFAULT_POLICIES = "fcfs,lanes,priority,mlfq"
-#: The simulated engine's token budget per iteration (``--chunked-prefill-tokens``): chunked
-#: prefill at the step budget the ``vllm`` and ``trtllm`` workers pass by default
-#: (``WorkerSettings.max_num_batched_tokens``, ``LANES_MAX_NUM_BATCHED_TOKENS``).
-CHUNKED_PREFILL_TOKENS = 2048
 #: Prompts with known answer lengths that the shipped predictor was not trained on.
 DEFAULT_PROMPT_POOL = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompt_pool.json"
 #: The public data beside a checkout (``../shared/data``; its READMEs name the public sources).
@@ -190,7 +187,7 @@ def policy(
                                                         "requests and fills the rest with prompt chunks, as vLLM V1 and "
                                                         "TensorRT-LLM's in-flight batching do; 0: prefill and decode "
                                                         "iterations alternate (vLLM v0, gone upstream; the model of "
-                                                        "RESULTS.md before stop 33).")] = CHUNKED_PREFILL_TOKENS,
+                                                        "RESULTS.md before stop 33).")] = MAX_NUM_BATCHED_TOKENS,
     max_short_to_long: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="lanes: short requests allowed in the "
                                                            "long lane (routing calibration).")] = None,
     fcfs_below_s: Annotated[float | None, typer.Option(min=0.0, help="lanes: FCFS across lanes while the short "

@@ -65,6 +65,10 @@ PREFILL_HEAVY_SHARE = 0.6
 #: deployment does not say (``LANES_DECODE_TOKEN_COST``): Llama-70B on H100s at 64 requests
 #: (``costmodel.get_profile("l70-h100").decode_token_cost(64)`` = 11.7).
 DECODE_TOKEN_COST = 12.0
+#: Tokens per engine step (``max_num_batched_tokens``): what the ``vllm`` and ``trtllm`` workers
+#: pass with chunked prefill on (``LANES_MAX_NUM_BATCHED_TOKENS``), and the step budget the
+#: simulator models by default (``lanes bench policy --chunked-prefill-tokens``).
+MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class PolicyName(str, enum.Enum):

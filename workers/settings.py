@@ -9,8 +9,9 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, MAX_WAIT_MS, PREFILL_HEAVY_SHARE,
-                                         STARVE_AFTER_MS, fcfs_below_ms_for, lanes_slot_config, wait_bound_ms)
+from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, MAX_NUM_BATCHED_TOKENS, MAX_WAIT_MS,
+                                         PREFILL_HEAVY_SHARE, STARVE_AFTER_MS, fcfs_below_ms_for, lanes_slot_config,
+                                         wait_bound_ms)
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from lanes.scheduler.workmix import MAX_KEY_SHARE as PREFILL_SHARE_MAX_KEY_SHARE
@@ -40,7 +41,7 @@ class WorkerSettings(RedisSettings):
     quantization: Literal["none", "awq", "fp8"] = "none"
     #: Quantize the KV cache too; off by default (it raised memory use in the seeds' run).
     kv_cache_quantization: bool = False
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_batched_tokens: int = Field(default=MAX_NUM_BATCHED_TOKENS, ge=1)
     #: Total concurrent requests (the engine's ``max_num_seqs``).
     max_slots: int = Field(default=8, ge=1)
     #: Slot reservation: long-lane requests may hold at most this many slots, medium + long
@@ -132,22 +133,18 @@ class WorkerSettings(RedisSettings):
             self.gpu_index = int(found.group(1)) - 1
         return self
 
-    @property
-    def effective_fcfs_below_ms(self) -> float:
-        """``fcfs_below_ms`` as set, else the default for this worker's engine."""
-        if self.fcfs_below_ms is not None:
-            return self.fcfs_below_ms
-        return fcfs_below_ms_for(self.engine in CHUNKED_PREFILL_ENGINES)
-
     def slots(self, engine_max_concurrency: int) -> SlotConfig:
         """How this worker's slots are shared among lanes: ``live_policy.lanes_slot_config`` (the
         simulator's config) for the slots the engine runs, with any count set here instead of a
         share (the guaranteed shares shrink with the slots, e.g. to the one slot of the
         speculative engine)."""
         max_slots = min(self.max_slots, engine_max_concurrency)
+        fcfs_below_ms = self.fcfs_below_ms
+        if fcfs_below_ms is None:  # unset: the default for this worker's engine
+            fcfs_below_ms = fcfs_below_ms_for(self.engine in CHUNKED_PREFILL_ENGINES)
         config = lanes_slot_config(
             max_slots, starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
-            borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=self.effective_fcfs_below_ms,
+            borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=fcfs_below_ms,
             max_wait_ms=wait_bound_ms(self.max_wait_ms), fcfs_above_prefill_share=self.fcfs_above_prefill_share)
         min_long = config.min_long if self.min_long_slots is None else min(self.min_long_slots, max_slots)
         return replace(
