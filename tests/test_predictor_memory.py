@@ -44,6 +44,36 @@ def test_the_memory_averages_its_nearest_neighbours_weighted_by_similarity() -> 
     assert again.k == 2 and again.score(np.array([2.0, 0, 0, 0])) == pytest.approx(expected, rel=1e-3)
 
 
+
+def test_the_memory_searches_the_windows_principal_subspace() -> None:
+    # Embeddings on an 8-dimensional affine subspace of 64 dimensions: projected onto their top 8
+    # principal axes, the search finds the same neighbours, at the same (centred) cosines, as a
+    # search in the subspace's own coordinates, and stores 8 columns instead of 64.
+    rng = np.random.default_rng(0)
+    axes = np.linalg.qr(rng.normal(size=(64, 8)))[0].T  # 8 orthonormal rows
+    offset = rng.normal(size=64) * 5.0
+    coords = rng.normal(size=(200, 8))
+    targets = rng.uniform(1.0, 7.0, size=200)
+    memory = NeighbourMemory.build(offset + coords @ axes, targets, dims=8)
+    assert memory.embeddings.shape == (200, 8) and memory.dimensions == 64
+    centred = coords - coords.mean(axis=0)
+    plain = NeighbourMemory.build(centred, targets, dims=None)
+    for query in rng.normal(size=(5, 8)):
+        assert memory.score(offset + query @ axes) == pytest.approx(plain.score(query - coords.mean(axis=0)), rel=1e-4)
+    with pytest.raises(ValueError, match="63 dimensions, the memory holds 64"):
+        memory.score(np.ones(63))
+    # Saved and loaded with its projection; fewer rows or dimensions than ``dims``: no projection.
+    header, arrays = memory.to_arrays()
+    assert header["projected_dims"] == 8 and arrays["memory_basis"].shape == (64, 8)
+    again = NeighbourMemory.from_arrays(header, arrays)
+    query = offset + rng.normal(size=8) @ axes
+    assert again.score(query) == pytest.approx(memory.score(query), rel=1e-3)
+    assert NeighbourMemory.build(coords[:5], targets[:5], dims=6).basis is None
+    assert NeighbourMemory.build(coords, targets, dims=8).basis is None
+    with pytest.raises(ValueError, match="need a mean and a basis"):
+        NeighbourMemory(memory.embeddings, targets, mean=memory.mean)
+
+
 SHORT = [f"Give me one word for {w}." for w in ("red", "big", "fast", "cold", "old", "new", "sad", "wet", "dry",
                                                   "hot", "soft", "loud")]
 LONG = [f"Write a detailed multi-page report on {w}, with sections and examples." for w in
