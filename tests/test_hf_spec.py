@@ -32,7 +32,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelPaths:
 
 @pytest.fixture(scope="module")
 def greedy_ref(tiny: TinyModelPaths) -> tuple[list[int], list[int], str]:
-    """(prompt ids, greedy output ids of 48 tokens, its text) from plain ``generate``."""
+    """(prompt ids, greedy output ids of up to 48 tokens, its text) from plain ``generate``.
+
+    It stops at the first end-of-sequence token, as the engine does: the tiny model's random
+    weights depend on the machine's torch build (the H200 host's torch 2.11 drew weights whose
+    greedy answer ends after 39 tokens), so no test may assume the full 48.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny.target)
@@ -41,7 +46,7 @@ def greedy_ref(tiny: TinyModelPaths) -> tuple[list[int], list[int], str]:
                                    tokenize=False, add_generation_prompt=True)
     prompt = tok.encode(text, add_special_tokens=False)
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
-                         min_new_tokens=48, pad_token_id=tok.pad_token_id)
+                         pad_token_id=tok.pad_token_id)
     ids = out[0, len(prompt):].tolist()
     return prompt, ids, tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
@@ -75,7 +80,7 @@ async def test_greedy_matches_generate_token_for_token(tiny, greedy_ref, method)
     eos = engine._eos_ids
     cut = next((i + 1 for i, t in enumerate(ref_ids) if t in eos), len(ref_ids))
     assert ids == ref_ids[:cut]
-    assert deltas[-1].finish_reason == (FinishReason.STOP if cut < 48 else FinishReason.LENGTH)
+    assert deltas[-1].finish_reason == (FinishReason.STOP if ref_ids[cut - 1] in eos else FinishReason.LENGTH)
     assert all(d.finish_reason is None for d in deltas[:-1])
     assert all(d.prompt_tokens == len(greedy_ref[0]) for d in deltas)
     assert text == ref_text if cut == 48 else ref_text.startswith(text)
@@ -95,10 +100,18 @@ async def test_draft_equal_to_target_accepts_everything(tiny, greedy_ref) -> Non
     assert ids == greedy_ref[1][:len(ids)]
     assert stats["spec_acceptance_rate"] == 1.0
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
-    # 1 prefill forward makes the first token; every verify forward yields accepted + 1.
+    # 1 prefill forward makes the first token; every verify forward yields accepted + 1, except
+    # one whose accepted draft ends at an eos (drafts stop there; no bonus token follows).
     assert stats["target_forwards"] == 1 + stats["spec_num_drafts"]
-    assert stats["spec_num_accepted_tokens"] == len(ids) - 1 - stats["spec_num_drafts"]
-    assert stats["spec_mean_acceptance_length"] == pytest.approx(4.7)  # 9 steps of k=4, 1 of k=1
+    bonus_tokens = len(ids) - 1 - stats["spec_num_accepted_tokens"]
+    assert bonus_tokens == stats["spec_num_drafts"] - (1 if ids[-1] in engine._eos_ids and
+                                                       bonus_tokens < stats["spec_num_drafts"] else 0)
+    # Tokens per verify step (vLLM's mean acceptance length); 48 tokens without an eos: 9 steps
+    # of k=4 and 1 of k=1 give 4.7.
+    assert stats["spec_mean_acceptance_length"] == pytest.approx(
+        1 + stats["spec_num_accepted_tokens"] / stats["spec_num_drafts"])
+    if len(ids) == 48 and ids[-1] not in engine._eos_ids:
+        assert stats["spec_mean_acceptance_length"] == pytest.approx(4.7)
     await engine.close()
 
 

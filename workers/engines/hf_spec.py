@@ -272,13 +272,14 @@ class HFSpeculativeEngine:
             n = 0
             while n < k and draft[n] == verified[n]:
                 n += 1
-            eos_at = [i for i, t in enumerate(draft[:n]) if t in self._eos_ids]
-            n = eos_at[0] if eos_at else n  # the bonus token is then that eos itself
+            # A draft ends at its first eos (``_draft_tokens``); accepted, that eos ends the answer
+            # and no bonus token follows it.
+            ended = n > 0 and draft[n - 1] in self._eos_ids
             if k > n:
                 target_cache.crop(-(k - n))
             if draft_cache is not None and draft_cache.get_seq_length() > len(seq) + n:
                 draft_cache.crop(-(draft_cache.get_seq_length() - len(seq) - n))
-            new = draft[:n] + [verified[n]]
+            new = draft[:n] if ended else draft[:n] + [verified[n]]
             if k:
                 with self._lock:
                     self._spec.observe(1, k, n)
@@ -287,8 +288,11 @@ class HFSpeculativeEngine:
             yield new
 
     def _draft_tokens(self, seq: list[int], k: int, draft_cache: Any) -> list[int]:
+        """Up to ``k`` proposed tokens, ending at the first eos: nothing after it can be used."""
         if self.method == "prompt_lookup":
-            return prompt_lookup(seq, k, self.prompt_lookup_max)
+            proposed = prompt_lookup(seq, k, self.prompt_lookup_max)
+            ends = [i for i, t in enumerate(proposed) if t in self._eos_ids]
+            return proposed[:ends[0] + 1] if ends else proposed
         if draft_cache is None:
             return []
         drafted: list[int] = []
@@ -297,6 +301,8 @@ class HFSpeculativeEngine:
             token = int(self._forward(self._draft, feed, draft_cache, "draft_forwards")[-1]
                         .argmax())
             drafted.append(token)
+            if token in self._eos_ids:
+                break
             feed = [token]
         return drafted
 
