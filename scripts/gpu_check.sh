@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# GPU check for one NVIDIA GPU, under 10 minutes. For vLLM and for TensorRT-LLM (each where it
+# GPU check for one NVIDIA GPU, 12 minutes at most. First the hf engine (transformers, what
+# `lanes up` runs by default) on CUDA: the gpu-marked test (greedy speculative decoding on CUDA
+# gives the CPU's tokens, acceptance 1.0 with draft = target) and its tokens/s table
+# (workers/engines/gpu_check.py). Then, for vLLM and for TensorRT-LLM (each where it
 # is installed, each in its own process with its own time limit) it builds a random-weight model
 # on the spot (Llama, head dim 64, bf16) and proves, through the lanes adapter:
 #   1. the engine starts with the adapter's arguments (only known-optional ones may be missing)
@@ -31,6 +34,9 @@ PY
 
 status=0
 ran=0
+timeout --kill-after=10 90 "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/test_hf_spec.py || status=1
+timeout --kill-after=10 90 "$PY" -m lanes.workers.engines.gpu_check --device cuda --runs 3 \
+    --out-dir "$OUT/hf" || status=1
 for engine in vllm trtllm; do
   module=$([ "$engine" = vllm ] && echo vllm || echo tensorrt_llm)
   if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
@@ -46,5 +52,5 @@ for engine in vllm trtllm; do
   echo "$engine: exit $rc after $(( $(date +%s) - started )) s"
   [ "$rc" -ne 0 ] && status=1
 done
-[ "$ran" -eq 0 ] && echo "neither vllm nor tensorrt_llm is installed: nothing was checked" && status=1
+[ "$ran" -eq 0 ] && echo "neither vllm nor tensorrt_llm is installed: only the hf engine was checked"
 exit "$status"
