@@ -45,6 +45,7 @@ import websockets
 from lanes.bench.common import console, machine_load, progress
 from lanes.cli.cluster import Cluster
 from lanes.queue.messages import ChatMessage
+from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
 from lanes.workers.engines.base import Engine, EngineRequest
 from websockets.asyncio.client import ClientConnection
 
@@ -58,7 +59,6 @@ PROMPTS = (
 SIM_TIME_SCALE = 1000.0
 #: Same defaults as ``WorkerSettings`` so the in-process engine matches the worker's.
 MAX_SLOTS = 8
-MAX_NUM_BATCHED_TOKENS = 2048
 SIM_PROFILE = "l70-h100"
 
 
