@@ -76,10 +76,11 @@ class NeighbourMemory:
         mean = basis = None
         if dims is not None and matrix.ndim == 2 and dims < matrix.shape[1] and dims < len(matrix):
             mean = matrix.mean(axis=0)
-            centred = (matrix - mean).astype(np.float64)
-            _, axes = np.linalg.eigh(centred.T @ centred)  # ascending eigenvalues
+            centred = matrix - mean
+            wide = centred.astype(np.float64)
+            _, axes = np.linalg.eigh(wide.T @ wide)  # ascending eigenvalues
             basis = np.ascontiguousarray(axes[:, ::-1][:, :dims], np.float32)
-            matrix = (matrix - mean) @ basis
+            matrix = centred @ basis
         norms = np.linalg.norm(matrix, axis=1, keepdims=True)
         return cls(matrix / np.maximum(norms, 1e-12), np.asarray(targets, np.float64), k, power, mean, basis)
 

@@ -291,8 +291,7 @@ class HFSpeculativeEngine:
         """Up to ``k`` proposed tokens, ending at the first eos: nothing after it can be used."""
         if self.method == "prompt_lookup":
             proposed = prompt_lookup(seq, k, self.prompt_lookup_max)
-            ends = [i for i, t in enumerate(proposed) if t in self._eos_ids]
-            return proposed[:ends[0] + 1] if ends else proposed
+            return proposed[:next((i + 1 for i, t in enumerate(proposed) if t in self._eos_ids), len(proposed))]
         if draft_cache is None:
             return []
         drafted: list[int] = []
