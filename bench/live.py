@@ -26,12 +26,15 @@ Method
    All times reported are in trace time (wall seconds x time scale).
 4. **The live system.** Per policy a fresh cluster (``cli.cluster.Cluster``): an embedded
    redis-server, a scheduler, ``--edges`` edges and ``--workers`` sim workers with
-   ``--slots`` slots and 8,192 prompt tokens per prefill (the simulator's ``EngineConfig``).
+   ``--slots`` slots running chunked prefill at 2,048 tokens a step (what the ``vllm`` and
+   ``trtllm`` workers configure; the simulator's ``EngineConfig(chunked_prefill_tokens=2048)``,
+   the default of ``lanes bench policy``).
    ``lanes`` runs with the simulator's tuning (``sim.policies.LanesTuning``): the routing
    threshold the simulator calibrates on the slice (``LANES_SHORT_MAX_TOKENS`` =
    ``LANES_MEDIUM_MAX_TOKENS``: two lanes) and the shipped defaults for the rest
    (``live_policy``: long / medium + long slot shares 75 % / 95 %, 10 % of slots guaranteed
-   to the long lane after 20 s, FCFS across lanes while the short lane waited < 8 s, demotion
+   to the long lane after 20 s, FCFS across lanes while the short lane waited < 4 s (the bound
+   for engines that chunk prefill), demotion
    at 200 tokens, hand-back after 20 s; ``live_env`` sets each explicitly). The predictor
    refresh and observation reports are off, so the thresholds cannot move during the run.
 5. **Clients.** ``--clients`` lean WebSocket connections (``bench.wsclient``) spread over the
@@ -68,7 +71,11 @@ from lanes.bench.common import CpuMeter, machine_load, progress
 from lanes.bench.wsclient import LeanClient, Stream
 from lanes.cli.cluster import Cluster
 from lanes.scheduler.costmodel import get_profile
-from lanes.scheduler.live_policy import share_of_slots
+from lanes.scheduler.live_policy import (
+    MAX_NUM_BATCHED_TOKENS,
+    fcfs_below_ms_for,
+    share_of_slots,
+)
 from lanes.scheduler.sim.engine import EngineConfig
 from lanes.scheduler.sim.noise import kendall_tau
 from lanes.scheduler.sim.policies import SIM_MAX_TOKENS, LanesTuning, make_policy
@@ -80,8 +87,8 @@ POLICIES = ("fcfs", "lanes")
 CLASSES = ("short", "long", "all")
 #: Characters per prompt token in the sim engine (``workers.engines.sim.prompt_token_count``).
 CHARS_PER_TOKEN = 4
-#: Prompt tokens per prefill iteration: the simulator's ``EngineConfig`` default.
-MAX_PREFILL_TOKENS = 8192
+#: Tokens per engine iteration (chunked prefill), here and in the simulator.
+CHUNKED_PREFILL_TOKENS = MAX_NUM_BATCHED_TOKENS
 SIM_GAP_GOAL = 0.2
 
 
@@ -110,7 +117,7 @@ def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict
     """Pair, predict, size prompts and scale arrivals (see the module doc, steps 1-3)."""
     from lanes.scheduler.sim.predictions import predict_prompts
 
-    tuning = tuning or LanesTuning()
+    tuning = tuning or LanesTuning(fcfs_below_ms=fcfs_below_ms_for(chunked_prefill=True))
     paired = pair_prompts(trace.output_tokens, pool_tokens)
     used = sorted(set(paired.tolist()))
     tokens, latency = predict_prompts(predict, [pool_prompts[i] for i in used], SIM_MAX_TOKENS)
@@ -122,7 +129,7 @@ def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict
     # What the sim engine will count: all message characters / 4.
     prompt_tokens = np.array([max(1, (n + len(p)) // CHARS_PER_TOKEN) for n, p in zip(pad, prompts, strict=True)])
     sliced = Trace(trace.arrival_s - trace.arrival_s[0], prompt_tokens, trace.output_tokens)
-    engine = EngineConfig(get_profile(profile), max_num_seqs=slots, max_prefill_tokens=MAX_PREFILL_TOKENS)
+    engine = EngineConfig(get_profile(profile), max_num_seqs=slots, chunked_prefill_tokens=CHUNKED_PREFILL_TOKENS)
     capacity = fcfs_capacity_rps(sliced, engine, workers)
     scaled = sliced.time_scaled(load * capacity / sliced.rate_rps)
     lanes = make_policy("lanes", scaled, predicted, slots, predictor_ms=predictor_ms, tuning=tuning)
@@ -186,7 +193,7 @@ def live_env(p: Plan, policy: str, time_scale: float) -> tuple[dict[str, str], d
             "LANES_KEY_RATE_PER_S": "0", "LANES_KEY_MAX_IN_FLIGHT": "0"}
     slots = p.engine.max_num_seqs
     pre = t.preemption
-    worker = {"LANES_MAX_NUM_BATCHED_TOKENS": str(p.engine.max_prefill_tokens),
+    worker = {"LANES_MAX_NUM_BATCHED_TOKENS": str(p.engine.chunked_prefill_tokens), "LANES_SIM_CHUNKED_PREFILL": "true",
               "LANES_MAX_LONG_SLOTS": str(share_of_slots(t.max_long_share, slots)),
               "LANES_MAX_MEDIUM_LONG_SLOTS": str(share_of_slots(t.max_medium_long_share, slots)),
               "LANES_MIN_LONG_SLOTS": str(share_of_slots(t.min_long_share, slots)), "LANES_MIN_MEDIUM_SLOTS": "0",
@@ -356,7 +363,7 @@ def run(p: Plan, *, time_scale: float, num_edges: int = 2, num_clients: int = 32
     return {**live, "sim": sim, "sim_gap": sim_gap, "sim_gap_by_class": by_class, "short_p99_gain": {"live": gain_live, "sim": gain_sim},
             "sim_gap_goal": SIM_GAP_GOAL, "machine": {"before": load_before, "after": machine_load()},
             "config": {"requests": len(p.trace), "workers": p.workers, "slots": p.engine.max_num_seqs,
-                       "max_prefill_tokens": p.engine.max_prefill_tokens, "profile": p.engine.profile.name,
+                       "chunked_prefill_tokens": p.engine.chunked_prefill_tokens, "profile": p.engine.profile.name,
                        "load": p.load, "fcfs_capacity_rps": p.capacity_rps, "offered_rps": p.trace.rate_rps,
                        "time_scale": time_scale, "edges": num_edges, "clients": num_clients,
                        "trace_span_s": span_s, "predictor_tau": p.tau, "routing_long_above_tokens":

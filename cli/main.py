@@ -90,6 +90,9 @@ def worker(
     gpu_index: Annotated[Optional[int], typer.Option()] = None,
     sim_time_scale: Annotated[Optional[float], typer.Option(help="sim engine speed-up")] = None,
     sim_profile: Annotated[Optional[str], typer.Option(help="l70-h100 | l70-a100 | l7-a100")] = None,
+    sim_chunked_prefill: Annotated[Optional[bool], typer.Option(
+        "--sim-chunked-prefill/--no-sim-chunked-prefill",
+        help="sim engine: chunked prefill (vLLM V1, TensorRT-LLM; default) or v0's prefill-or-decode steps")] = None,
     burst: Annotated[bool, typer.Option(help="exit when the lanes are empty")] = False,
     metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off)")] = 0,
 ) -> None:
@@ -100,7 +103,8 @@ def worker(
         engine=engine, model=model, draft_model=draft_model, spec_method=spec_method,
         num_speculative_tokens=num_speculative_tokens, quantization=quantization, max_slots=max_slots,
         max_num_batched_tokens=max_num_batched_tokens, device=device, gpu_index=gpu_index,
-        sim_time_scale=sim_time_scale, sim_profile=sim_profile, enforce_eager=enforce_eager,
+        sim_time_scale=sim_time_scale, sim_profile=sim_profile, sim_chunked_prefill=sim_chunked_prefill,
+        enforce_eager=enforce_eager,
     ), burst=burst, metrics_port=metrics_port)
 
 

@@ -46,6 +46,7 @@ def request(**kw: Any) -> EngineRequest:
     ({"engine": "hf", "quantization": "awq"}, "does not load awq"),
     ({"engine": "vllm", "spec_method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
     ({"engine": "vllm", "max_num_batched_tokens": 4, "max_slots": 8}, ">= max_slots"),
+    ({"engine": "sim", "max_num_batched_tokens": 4, "max_slots": 8}, ">= max_slots"),
 ])
 def test_validate_rejects_bad_combinations(kw: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

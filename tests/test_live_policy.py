@@ -181,9 +181,10 @@ def test_worker_slot_defaults_are_the_simulators_and_scale_with_the_slots() -> N
         assert WorkerSettings(max_slots=n).slots(n) == lanes_slot_config(n)
     eight = WorkerSettings().slots(8)
     assert (eight.max_long, eight.max_medium_long, eight.min_long, eight.fcfs_below_ms) == (6, 7, 1, 8000.0)
-    # The FCFS-below bound follows the engine: 4 s where the adapter chunks prefill, unless set.
+    # The FCFS-below bound follows the engine: 4 s where the engine chunks prefill, unless set.
     assert [WorkerSettings(engine=e).slots(8).fcfs_below_ms for e in ("hf", "sim", "vllm", "trtllm")] == [
-        8000.0, 8000.0, 4000.0, 4000.0]
+        8000.0, 4000.0, 4000.0, 4000.0]
+    assert WorkerSettings(engine="sim", sim_chunked_prefill=False).slots(8).fcfs_below_ms == 8000.0
     assert WorkerSettings(engine="vllm", fcfs_below_ms=8000).slots(8).fcfs_below_ms == 8000.0
     assert WorkerSettings(engine="hf", fcfs_below_ms=0).slots(8).fcfs_below_ms == 0.0
     wide = WorkerSettings(max_slots=64).slots(64)

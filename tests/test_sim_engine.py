@@ -105,3 +105,83 @@ async def test_stop_string_ends_the_answer_before_it() -> None:
     assert stopped[-1].finish_reason is FinishReason.STOP and sum(len(d.token_ids) for d in stopped) == 12
     assert stop_s == pytest.approx(length_s, rel=0.2)
     assert "".join(d.text for d in one).split() == ["tok0"] and one[-1].finish_reason is FinishReason.STOP
+
+
+def long_prompt(rid: str, num_tokens: int, max_tokens: int) -> EngineRequest:
+    return EngineRequest(id=rid, messages=(ChatMessage("user", "x" * (4 * num_tokens)),), max_tokens=max_tokens)
+
+
+async def test_chunked_prefill_splits_a_long_prompt_at_the_token_budget() -> None:
+    """A 5,000-token prompt alone, 2,048 tokens a step: three prefill iterations (2,048 +
+    2,048 + 904) costing prefill(5000) plus the fixed cost prefill(0) of the two later ones,
+    as the trace simulator's ``_chunked_iteration`` charges them; then it decodes."""
+    engine = SimEngine(PROFILE, time_scale=2.0, max_num_batched_tokens=2048)
+    await engine.start()
+    try:
+        deltas, elapsed_s = await collect(engine, long_prompt("p", 5000, 11))
+    finally:
+        await engine.close()
+    stats = engine.stats()
+    assert stats["prefills"] == 3 and stats["mixed"] == 0 and stats["steps"] == 10
+    expected_ms = PROFILE.prefill_step_ms(5000) + 2 * PROFILE.prefill_step_ms(0) + 10 * PROFILE.decode_step_ms(1)
+    assert elapsed_s == pytest.approx(expected_ms / 1000.0 / 2.0, rel=0.15)
+    assert "".join(d.text for d in deltas).split() == [f"tok{i}" for i in range(11)]
+
+
+async def test_chunked_prefill_keeps_decoding_while_a_prompt_is_prefilled() -> None:
+    """With chunked prefill a running answer decodes in every iteration that prefills a new
+    prompt (mixed iterations), and the new request gets no token before its whole prompt is in;
+    v0 (``chunked_prefill=False``) stops decoding for the prefill instead."""
+    for chunked in (True, False):
+        engine = SimEngine(PROFILE, time_scale=20.0, max_num_batched_tokens=2048 if chunked else 8192,
+                           chunked_prefill=chunked)
+        await engine.start()
+        try:
+            running = engine.generate(request("a", 200))
+            first = await anext(running)  # "a" is decoding now
+            late = asyncio.create_task(collect(engine, long_prompt("b", 6000, 5)))
+            rest = [d async for d in running]
+            deltas, _ = await late
+        finally:
+            await engine.close()
+        assert len([first, *rest]) == 200 and sum(len(d.token_ids) for d in deltas) == 5
+        stats = engine.stats()
+        # "b": 6,000 tokens in chunks of at most 2,047 (one token goes to "a"'s decode): 3 mixed steps.
+        assert stats["mixed"] == (3 if chunked else 0)
+        assert stats["prefills"] == (3 if chunked else 1) + 1  # + "a"'s own prefill
+        assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0
+
+
+async def test_chunked_prefill_holds_slots_while_prefilling() -> None:
+    """A request prefilling in chunks holds its slot: with 2 slots and 3 long prompts the third
+    waits, and the batch never holds more than 2."""
+    engine = SimEngine(PROFILE, time_scale=20.0, max_num_seqs=2, max_num_batched_tokens=2048)
+    await engine.start()
+    try:
+        results = await asyncio.gather(*(collect(engine, long_prompt(str(i), 3000, 20)) for i in range(3)))
+    finally:
+        await engine.close()
+    assert all(sum(len(d.token_ids) for d in deltas) == 20 for deltas, _ in results)
+    assert max(engine.stats()["batch_size_hist"]) == 2
+
+
+async def test_abort_while_prefilling_in_chunks() -> None:
+    engine = SimEngine(PROFILE, time_scale=20.0, max_num_batched_tokens=2048)
+    await engine.start()
+    try:
+        stream = engine.generate(long_prompt("x", 8000, 10))
+        waiter = asyncio.create_task(anext(stream))
+        while not engine.stats()["prefilling"]:
+            await asyncio.sleep(0.001)
+        await engine.abort("x")
+        delta = await waiter
+        assert delta.finish_reason is FinishReason.CANCELLED and delta.token_ids == ()
+        assert engine.stats()["prefilling"] == engine.stats()["running"] == 0
+    finally:
+        await engine.close()
+
+
+def test_chunked_prefill_needs_a_token_per_slot() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SimEngine(PROFILE, max_num_seqs=64, max_num_batched_tokens=32)
+    SimEngine(PROFILE, max_num_seqs=64, max_num_batched_tokens=32, chunked_prefill=False)

@@ -30,7 +30,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
         from lanes.workers.engines.sim import SimEngine
 
         return SimEngine(get_profile(settings.sim_profile), max_num_seqs=settings.max_slots,
-                         max_num_batched_tokens=settings.max_num_batched_tokens, time_scale=settings.sim_time_scale)
+                         max_num_batched_tokens=settings.max_num_batched_tokens,
+                         chunked_prefill=settings.sim_chunked_prefill, time_scale=settings.sim_time_scale)
     settings = resolve_models(settings)
     if settings.engine == "vllm":
         from lanes.workers.engines.vllm import VllmEngine

@@ -18,7 +18,8 @@ from lanes.scheduler.workmix import MAX_KEY_SHARE as PREFILL_SHARE_MAX_KEY_SHARE
 from pydantic import Field, field_validator, model_validator
 
 EngineName = Literal["hf", "vllm", "trtllm", "sim"]
-#: The engines whose adapters turn chunked prefill on (``engines/engine_config.py``).
+#: The engines whose adapters always turn chunked prefill on (``engines/engine_config.py``);
+#: the ``sim`` engine models it unless ``sim_chunked_prefill`` is off.
 CHUNKED_PREFILL_ENGINES = ("vllm", "trtllm")
 SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
 
@@ -61,7 +62,7 @@ class WorkerSettings(RedisSettings):
     borrow_when_idle: bool = False
     #: Priority only under load: while the short lane's oldest request has waited less than
     #: this, lanes are popped oldest-first (``SlotConfig.fcfs_below_ms``; 0 = always by priority).
-    #: Unset: 4 s on the engines that chunk prefill (``vllm``, ``trtllm``), 8 s on the others
+    #: Unset: 4 s on the engines that chunk prefill (``vllm``, ``trtllm``, ``sim``), 8 s on ``hf``
     #: (``live_policy.fcfs_below_ms_for``).
     fcfs_below_ms: float | None = Field(default=None, ge=0.0)
     #: Wait bound: a lane whose oldest request has waited this long is popped first, caps and
@@ -111,6 +112,9 @@ class WorkerSettings(RedisSettings):
     #: Time scale for the ``sim`` engine (10 = ten times faster than real time).
     sim_time_scale: float = 1.0
     sim_profile: str = "l70-h100"
+    #: The ``sim`` engine models chunked prefill (vLLM V1, TensorRT-LLM, as the ``vllm`` and
+    #: ``trtllm`` workers run them); off: vLLM v0's alternating prefill and decode iterations.
+    sim_chunked_prefill: bool = True
     worker_id: str = ""
 
     @field_validator("sim_profile")
@@ -133,6 +137,11 @@ class WorkerSettings(RedisSettings):
             self.gpu_index = int(found.group(1)) - 1
         return self
 
+    @property
+    def chunks_prefill(self) -> bool:
+        """Whether this worker's engine runs chunked prefill (the ``hf`` engines do not)."""
+        return self.engine in CHUNKED_PREFILL_ENGINES or (self.engine == "sim" and self.sim_chunked_prefill)
+
     def slots(self, engine_max_concurrency: int) -> SlotConfig:
         """How this worker's slots are shared among lanes: ``live_policy.lanes_slot_config`` (the
         simulator's config) for the slots the engine runs, with any count set here instead of a
@@ -141,7 +150,7 @@ class WorkerSettings(RedisSettings):
         max_slots = min(self.max_slots, engine_max_concurrency)
         fcfs_below_ms = self.fcfs_below_ms
         if fcfs_below_ms is None:  # unset: the default for this worker's engine
-            fcfs_below_ms = fcfs_below_ms_for(self.engine in CHUNKED_PREFILL_ENGINES)
+            fcfs_below_ms = fcfs_below_ms_for(self.chunks_prefill)
         config = lanes_slot_config(
             max_slots, starve_after_ms=self.starve_after_ms, protect_after_ms=self.protect_after_ms,
             borrow_when_idle=self.borrow_when_idle, fcfs_below_ms=fcfs_below_ms,

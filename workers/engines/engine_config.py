@@ -106,7 +106,7 @@ def validate(
             f"the hf engine does not load {settings.quantization} checkpoints here; "
             "use engine=vllm or engine=trtllm"
         )
-    if engine in ("vllm", "trtllm") and settings.max_num_batched_tokens < settings.max_slots:
+    if settings.chunks_prefill and settings.max_num_batched_tokens < settings.max_slots:
         raise ConfigError("max_num_batched_tokens must be >= max_slots (one token per sequence)")
 
 

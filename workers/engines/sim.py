@@ -1,10 +1,23 @@
 """The ``sim`` engine: a cost model of a real GPU that emits filler tokens at its pace.
 
-Continuous batching as in the trace simulator: each iteration is either a prefill of newly
-admitted requests (up to ``max_num_seqs`` running and ``max_num_batched_tokens`` prompt
-tokens) or one decode step for every running request, timed by the cost profile and divided
-by ``time_scale``. With speculative decoding each step yields 1 + (accepted drafts) tokens.
-No torch: it exists for capacity planning and fleet-scale queueing benchmarks.
+Continuous batching as in the trace simulator, timed by the cost profile and divided by
+``time_scale``:
+
+- **Chunked prefill** (the default; what vLLM V1 and TensorRT-LLM with
+  ``enable_chunked_prefill`` run, and what the ``vllm`` and ``trtllm`` workers configure):
+  every iteration decodes every running request and spends the rest of its
+  ``max_num_batched_tokens`` budget on prompt chunks, first of requests already prefilling
+  (in admission order), then of newly admitted ones (up to ``max_num_seqs`` holding a slot).
+  It costs the decode step plus each chunk's share of the prefill curve
+  (``prefill(done + chunk) - prefill(done)``); an iteration with no decode pays
+  ``prefill(0)`` once (``scheduler.sim.simulator._chunked_iteration``, the same arithmetic).
+  A request's first token comes at the end of the iteration that finishes its prompt.
+- ``chunked_prefill=False``: vLLM v0's model, where an iteration either prefills newly
+  admitted requests (up to ``max_num_batched_tokens`` prompt tokens; a longer prompt runs
+  alone) or decodes every running request, never both (``_v0_iteration`` there).
+
+With speculative decoding each decode yields 1 + (accepted drafts) tokens. No torch: it
+exists for capacity planning and fleet-scale queueing benchmarks.
 
 The filler text is `` tok0 tok1 ...`` (numbered from the first token of the answer, resumed
 attempts included). Stop strings end the answer as on a real engine, before the token whose
@@ -25,6 +38,7 @@ from typing import Any
 
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.costmodel import CostProfile, SpecDecoding
+from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
 from lanes.workers.engines.base import (
     EngineDelta,
     EngineRequest,
@@ -43,6 +57,8 @@ class _Seq:
     num_output_tokens: int
     queue: asyncio.Queue[EngineDelta] = field(default_factory=asyncio.Queue)
     num_done: int = 0
+    #: Prompt tokens not yet prefilled (chunked prefill).
+    prefill_left: int = 0
     #: The end of the text so far (as long as the longest stop string), for stop matching.
     tail: str = ""
 
@@ -56,25 +72,33 @@ def prompt_token_count(request: EngineRequest) -> int:
 class SimEngine:
     name = "sim"
 
-    def __init__(self, profile: CostProfile, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
+    def __init__(self, profile: CostProfile, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
                  time_scale: float = 1.0, spec: SpecDecoding | None = None, seed: int = 0) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if chunked_prefill and max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"with chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({max_num_seqs}): one token per decoding request")
         self.profile, self.max_concurrency = profile, max_num_seqs
         self.max_num_batched_tokens, self.time_scale, self.spec = max_num_batched_tokens, time_scale, spec
+        self.chunked_prefill = chunked_prefill
         self._rng = random.Random(seed)
         self._waiting: deque[_Seq] = deque()
+        #: Decoding; with chunked prefill, requests whose prompt is still being prefilled hold a
+        #: slot in ``_prefilling`` (admission order) until their first token.
         self._running: dict[str, _Seq] = {}
+        self._prefilling: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._num_steps = self._num_prefills = self._num_drafted = self._num_accepted = 0
+        self._num_steps = self._num_prefills = self._num_mixed = self._num_drafted = self._num_accepted = 0
         self._batch_sizes: Counter[int] = Counter()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="sim-engine")
         # Exercises the same path as the real engines' warm-up; the counters then start at 0.
         await warm_up(self, max_tokens=1)
-        self._num_steps = self._num_prefills = self._num_drafted = self._num_accepted = 0
+        self._num_steps = self._num_prefills = self._num_mixed = self._num_drafted = self._num_accepted = 0
         self._batch_sizes.clear()
 
     async def close(self) -> None:
@@ -100,22 +124,27 @@ class SimEngine:
             self._drop(seq, notify=False)
 
     async def abort(self, request_id: str) -> None:
-        seq = self._running.get(request_id) or next((s for s in self._waiting if s.request.id == request_id), None)
+        seq = (self._running.get(request_id) or self._prefilling.get(request_id)
+               or next((s for s in self._waiting if s.request.id == request_id), None))
         if seq is not None:
             self._drop(seq, notify=True)
 
     def stats(self) -> dict[str, Any]:
         return {
             "running": len(self._running),
+            "prefilling": len(self._prefilling),
             "waiting": len(self._waiting),
+            #: Iterations that decoded; that prefilled (prompts or chunks of them); that did both.
             "steps": self._num_steps,
             "prefills": self._num_prefills,
+            "mixed": self._num_mixed,
             "batch_size_hist": dict(sorted(self._batch_sizes.items())),
             "acceptance": self._num_accepted / self._num_drafted if self._num_drafted else None,
         }
 
     def _drop(self, seq: _Seq, *, notify: bool) -> None:
         was_live = self._running.pop(seq.request.id, None) is not None
+        was_live = self._prefilling.pop(seq.request.id, None) is not None or was_live
         if seq in self._waiting:
             self._waiting.remove(seq)
             was_live = True
@@ -125,26 +154,35 @@ class SimEngine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
+        iteration = self._chunked_iteration if self.chunked_prefill else self._v0_iteration
         while True:
-            if not self._waiting and not self._running:
+            if not self._waiting and not self._running and not self._prefilling:
                 self._wake.clear()
                 await self._wake.wait()
                 next_at = loop.time()
-            batch = self._admit()
-            if batch:
-                step_ms = self.profile.prefill_step_ms(sum(s.prompt_tokens for s in batch))
-                self._num_prefills += 1
-            else:
-                step_ms = self.profile.decode_step_ms(len(self._running), self._num_context_tokens())
-                step_ms = self.spec.step_ms(step_ms) if self.spec else step_ms
-                self._num_steps += 1
-                self._batch_sizes[len(self._running)] += 1
+            step_ms, decoding, prefilled = iteration()
             # An absolute schedule: sleep overheads do not add up over many steps.
             next_at = max(next_at, loop.time() - 0.05) + step_ms / 1000.0 / self.time_scale
             await asyncio.sleep(max(0.0, next_at - loop.time()))
-            for seq in batch or list(self._running.values()):
+            for seq in decoding:  # (a request aborted during the sleep has left the table)
                 if seq.request.id in self._running:
-                    self._emit(seq, 1 if batch else self._tokens_this_step())
+                    self._emit(seq, self._tokens_this_step())
+            for seq in prefilled:
+                if self.chunked_prefill:
+                    if self._prefilling.pop(seq.request.id, None) is None:
+                        continue
+                    self._running[seq.request.id] = seq
+                if seq.request.id in self._running:
+                    self._emit(seq, 1)
+
+    def _v0_iteration(self) -> tuple[float, list[_Seq], list[_Seq]]:
+        """A prefill of newly admitted requests, or else a decode step of every running one:
+        (its ms, the requests decoding, the requests whose prompt it prefills)."""
+        batch = self._admit()
+        if batch:
+            self._num_prefills += 1
+            return self.profile.prefill_step_ms(sum(s.prompt_tokens for s in batch)), [], batch
+        return self._decode_step_ms(), list(self._running.values()), []
 
     def _admit(self) -> list[_Seq]:
         batch: list[_Seq] = []
@@ -158,6 +196,45 @@ class SimEngine:
             batch.append(seq)
             num_tokens += seq.prompt_tokens
         return batch
+
+    def _chunked_iteration(self) -> tuple[float, list[_Seq], list[_Seq]]:
+        """Every running request decodes; the rest of the token budget goes to prompt chunks.
+        Returns (its ms, the requests decoding, the requests whose prompt it finishes)."""
+        decoding = list(self._running.values())
+        budget = self.max_num_batched_tokens - len(decoding)
+        chunks: list[tuple[int, int]] = []  # (tokens already prefilled, tokens in this chunk)
+        finished: list[_Seq] = []
+        for seq in self._prefilling.values():
+            if budget <= 0:
+                break
+            budget -= self._take_chunk(seq, budget, chunks, finished)
+        while budget > 0 and self._waiting and len(self._running) + len(self._prefilling) < self.max_concurrency:
+            seq = self._waiting.popleft()
+            seq.prefill_left = seq.prompt_tokens
+            self._prefilling[seq.request.id] = seq
+            budget -= self._take_chunk(seq, budget, chunks, finished)
+        prefill_ms = sum(self.profile.prefill_step_ms(done + take) - self.profile.prefill_step_ms(done)
+                         for done, take in chunks)
+        self._num_prefills += bool(chunks)
+        if decoding:
+            self._num_mixed += bool(chunks)
+            return self._decode_step_ms() + prefill_ms, decoding, finished
+        return self.profile.prefill_step_ms(0) + prefill_ms, [], finished
+
+    @staticmethod
+    def _take_chunk(seq: _Seq, budget: int, chunks: list[tuple[int, int]], finished: list[_Seq]) -> int:
+        take = min(seq.prefill_left, budget)
+        chunks.append((seq.prompt_tokens - seq.prefill_left, take))
+        seq.prefill_left -= take
+        if seq.prefill_left == 0:
+            finished.append(seq)
+        return take
+
+    def _decode_step_ms(self) -> float:
+        step_ms = self.profile.decode_step_ms(len(self._running), self._num_context_tokens())
+        self._num_steps += 1
+        self._batch_sizes[len(self._running)] += 1
+        return self.spec.step_ms(step_ms) if self.spec else step_ms
 
     def _num_context_tokens(self) -> int:
         return sum(s.prompt_tokens + s.num_done for s in self._running.values())
