@@ -8,7 +8,7 @@ trace simulator and the ``sim`` engine, so both run at the same pace. Pure: no I
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 Points = tuple[tuple[float, float], ...]
@@ -37,6 +37,14 @@ class CostProfile:
     def prefill_step_ms(self, num_prompt_tokens: int) -> float:
         """Duration of a prefill iteration over ``num_prompt_tokens`` tokens in total."""
         return interpolate(self.prefill_ms, num_prompt_tokens)
+
+    def chunked_step_ms(self, chunks: Iterable[tuple[int, int]], decode_ms: float | None) -> float:
+        """One chunked-prefill iteration (vLLM V1, TensorRT-LLM): the decode step of the running
+        requests (``decode_ms``; None when nothing decodes, and then the fixed cost
+        ``prefill(0)`` is paid once) plus each prompt chunk's share of the prefill curve,
+        ``prefill(done + chunk) - prefill(done)`` for ``chunks`` of (tokens done, chunk tokens)."""
+        prefill_ms = sum(self.prefill_step_ms(done + take) - self.prefill_step_ms(done) for done, take in chunks)
+        return decode_ms + prefill_ms if decode_ms is not None else self.prefill_step_ms(0) + prefill_ms
 
     def decode_step_ms(self, batch_size: int, num_context_tokens: int = 0) -> float:
         """Duration of one decode step for ``batch_size`` requests holding ``num_context_tokens``."""

@@ -56,3 +56,18 @@ def test_speculative_tokens_per_step() -> None:
     assert spec.step_ms(40.0) == pytest.approx(48.0)
     with pytest.raises(ValueError):
         SpecDecoding(1.0, 4)
+
+
+def test_chunked_step_costs_the_decode_plus_each_chunks_share_of_the_prefill_curve() -> None:
+    """A prompt split into chunks costs what it costs in one piece, plus the fixed cost of the
+    extra iterations that decode nothing; beside a decode step the chunk adds only its share."""
+    profile = get_profile("l70-h100")
+    whole = profile.chunked_step_ms([(0, 5000)], None)
+    assert whole == pytest.approx(profile.prefill_step_ms(5000))
+    pieces = [profile.chunked_step_ms([chunk], None) for chunk in ((0, 2048), (2048, 2048), (4096, 904))]
+    assert sum(pieces) == pytest.approx(profile.prefill_step_ms(5000) + 2 * profile.prefill_step_ms(0))
+    decode_ms = profile.decode_step_ms(8)
+    mixed = profile.chunked_step_ms([(1000, 500), (0, 300)], decode_ms)
+    assert mixed == pytest.approx(decode_ms + profile.prefill_step_ms(1500) - profile.prefill_step_ms(1000)
+                                  + profile.prefill_step_ms(300) - profile.prefill_step_ms(0))
+    assert profile.chunked_step_ms([], decode_ms) == decode_ms

@@ -203,11 +203,10 @@ def _chunked_iteration(worker: Worker, backlog: Backlog, discipline: LanesDiscip
             done.append(idx)
     if not chunks and not done and not worker.num_running:
         return None
-    prefill_ms = sum(engine.profile.prefill_step_ms(s + k) - engine.profile.prefill_step_ms(s) for s, k in chunks)
     if worker.num_running:
-        step_ms = worker.decode_step() + prefill_ms
+        step_ms = engine.profile.chunked_step_ms(chunks, worker.decode_step())
     else:  # a prefill-only iteration pays the fixed per-iteration cost once
-        step_ms = engine.profile.prefill_step_ms(0) + prefill_ms + worker.take_pending_ms()
+        step_ms = engine.profile.chunked_step_ms(chunks, None) + worker.take_pending_ms()
     end = now + step_ms / 1000.0
     for idx in done:
         pf = worker.finish_prefill(idx)

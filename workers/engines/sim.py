@@ -10,7 +10,8 @@ Continuous batching as in the trace simulator, timed by the cost profile and div
   (in admission order), then of newly admitted ones (up to ``max_num_seqs`` holding a slot).
   It costs the decode step plus each chunk's share of the prefill curve
   (``prefill(done + chunk) - prefill(done)``); an iteration with no decode pays
-  ``prefill(0)`` once (``scheduler.sim.simulator._chunked_iteration``, the same arithmetic).
+  ``prefill(0)`` once (``CostProfile.chunked_step_ms``, which the trace simulator's
+  ``_chunked_iteration`` calls too).
   A request's first token comes at the end of the iteration that finishes its prompt.
 - ``chunked_prefill=False``: vLLM v0's model, where an iteration either prefills newly
   admitted requests (up to ``max_num_batched_tokens`` prompt tokens; a longer prompt runs
@@ -213,13 +214,10 @@ class SimEngine:
             seq.prefill_left = seq.prompt_tokens
             self._prefilling[seq.request.id] = seq
             budget -= self._take_chunk(seq, budget, chunks, finished)
-        prefill_ms = sum(self.profile.prefill_step_ms(done + take) - self.profile.prefill_step_ms(done)
-                         for done, take in chunks)
         self._num_prefills += bool(chunks)
-        if decoding:
-            self._num_mixed += bool(chunks)
-            return self._decode_step_ms() + prefill_ms, decoding, finished
-        return self.profile.prefill_step_ms(0) + prefill_ms, [], finished
+        self._num_mixed += bool(chunks and decoding)
+        step_ms = self.profile.chunked_step_ms(chunks, self._decode_step_ms() if decoding else None)
+        return step_ms, decoding, finished
 
     @staticmethod
     def _take_chunk(seq: _Seq, budget: int, chunks: list[tuple[int, int]], finished: list[_Seq]) -> int:
