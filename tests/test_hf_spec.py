@@ -120,14 +120,21 @@ def test_draft_equal_to_target_counts_by_hand() -> None:
         "tokens": 13, "target_forwards": 4, "spec_num_drafts": 3, "spec_num_accepted_tokens": 10}
 
 
-async def test_draft_equal_to_target_accepts_everything(tiny, greedy_ref) -> None:
+@pytest.mark.parametrize("eos_at", [None, 5, 18], ids=["model_eos", "eos_at_5", "eos_at_18"])
+async def test_draft_equal_to_target_accepts_everything(tiny, greedy_ref, eos_at: int | None) -> None:
+    """``eos_at``: the greedy answer's token there counts as an eos too, so the answer ends early
+    on every machine (on some hosts the tiny model's own eos ends it; on this one it runs to 48)."""
     engine = await started(tiny.target, draft_dir=tiny.target, method="draft_model",
                            num_speculative_tokens=4)
+    answer = greedy_ref[1]
+    if eos_at is not None:
+        engine._eos_ids = engine._eos_ids | {answer[eos_at]}
+        answer = answer[:answer.index(answer[eos_at]) + 1]  # greedy until its first eos
     ids, _ = joined(await collect(engine, request()))
     stats = engine.stats()
-    assert ids == greedy_ref[1][:len(ids)]
+    assert ids == answer[:len(ids)]
     assert stats["spec_acceptance_rate"] == 1.0
-    expected = draft_equal_to_target_counts(greedy_ref[1], engine._eos_ids, 4, 48)
+    expected = draft_equal_to_target_counts(answer, engine._eos_ids, 4, 48)
     assert len(ids) == expected.pop("tokens")
     assert {name: stats[name] for name in expected} == expected
     # Tokens per verify step (vLLM's mean acceptance length).
