@@ -185,3 +185,31 @@ def test_chunked_prefill_needs_a_token_per_slot() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SimEngine(PROFILE, max_num_seqs=64, max_num_batched_tokens=32)
     SimEngine(PROFILE, max_num_seqs=64, max_num_batched_tokens=32, chunked_prefill=False)
+
+
+async def test_a_dead_engine_loop_fails_every_stream() -> None:
+    """A fault in the engine loop must not leave streams waiting forever: each raises
+    ``EngineDead`` (the worker then stops and its requests go back to their lanes)."""
+    from lanes.workers.engines.base import EngineDead
+
+    engine = SimEngine(PROFILE, time_scale=20.0)
+    await engine.start()
+    try:
+        stream = engine.generate(request("a", 1000))
+        await anext(stream)
+
+        class Faulty:  # the cost model fails on the next decode step
+            def __getattr__(self, name: str) -> object:
+                return getattr(PROFILE, name)
+
+            def decode_step_ms(self, *_: object) -> float:
+                raise RuntimeError("model fault")
+
+        engine.profile = Faulty()
+        with pytest.raises(EngineDead, match="model fault"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDead):
+            await anext(engine.generate(request("b", 10)))
+    finally:
+        await engine.close()

@@ -145,3 +145,35 @@ async def test_a_busy_engine_hands_the_request_back_to_its_lane(plane: QueuePlan
     assert [e.seq for e in events] == list(range(len(events)))
     assert events[-1].finish is not None and events[-1].finish.reason.value == "length"
     assert all(e.finish is None or e.finish.error_code is None for e in events)
+
+
+async def test_a_fault_in_the_sim_engine_stops_the_worker_and_hands_the_request_back(plane: QueuePlane) -> None:
+    """The sim engine's loop fails (a bug in the cost model): the running stream raises
+    ``EngineDead`` instead of waiting forever, the worker stops, and the request goes back to
+    its lane to continue after its streamed tokens on another worker."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.workers.engines.sim import SimEngine
+
+    profile = get_profile("l70-h100")
+
+    class Faulty:
+        def __getattr__(self, name: str) -> object:
+            return getattr(profile, name)
+
+        def decode_step_ms(self, *_: object) -> float:
+            raise RuntimeError("cost model fault")
+
+    await enqueue(plane, "faulted", 2000)
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", heartbeat_s=0.2)
+    engine = SimEngine(profile, max_num_seqs=4)
+    worker = Worker(settings, plane, engine)
+    serving = asyncio.create_task(worker.serve())
+    while not await plane.read_stream("faulted"):
+        await asyncio.sleep(0.02)
+    engine.profile = Faulty()
+    with pytest.raises(EngineDead, match="cost model fault"):
+        await asyncio.wait_for(serving, 30)
+    assert await plane.redis.hget(plane.keys.request("faulted"), "state") == b"queued"
+    events = await plane.read_stream("faulted")
+    assert events and all(e.finish is None for e in events), "streamed tokens kept, no final frame"

@@ -41,6 +41,7 @@ from lanes.queue.messages import FinishReason
 from lanes.scheduler.costmodel import CostProfile, SpecDecoding
 from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
 from lanes.workers.engines.base import (
+    EngineDead,
     EngineDelta,
     EngineRequest,
     RequestRejected,
@@ -49,6 +50,8 @@ from lanes.workers.engines.base import (
 
 #: Filler tokens get ids from here up (a made-up vocabulary).
 TOKEN_ID_BASE = 1000
+#: Put in every waiting stream when the engine loop has died: ``generate`` raises ``EngineDead``.
+_DEAD = EngineDelta((), "", None, 0)
 
 
 @dataclass
@@ -92,6 +95,8 @@ class SimEngine:
         self._prefilling: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: Why the engine loop stopped, once it has (a bug: the worker then stops, as for a real engine).
+        self._failure: BaseException | None = None
         self._num_steps = self._num_prefills = self._num_mixed = self._num_drafted = self._num_accepted = 0
         self._batch_sizes: Counter[int] = Counter()
 
@@ -109,6 +114,8 @@ class SimEngine:
             self._task = None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if self._failure is not None:
+            raise EngineDead(f"sim engine loop stopped: {self._failure!r}")
         remaining = request.max_tokens - len(request.resume_token_ids)
         if remaining <= 0:
             raise RequestRejected("bad_max_tokens", "max_tokens must exceed the tokens already streamed")
@@ -118,6 +125,8 @@ class SimEngine:
         try:
             while True:
                 delta = await seq.queue.get()
+                if delta is _DEAD:
+                    raise EngineDead(f"sim engine loop stopped: {self._failure!r}")
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -153,6 +162,15 @@ class SimEngine:
             seq.queue.put_nowait(EngineDelta((), "", FinishReason.CANCELLED, seq.prompt_tokens))
 
     async def _loop(self) -> None:
+        try:
+            await self._iterate()
+        except Exception as exc:  # a bug in the model: fail every stream rather than hang them
+            self._failure = exc
+            for seq in [*self._waiting, *self._prefilling.values(), *self._running.values()]:
+                seq.queue.put_nowait(_DEAD)
+            raise
+
+    async def _iterate(self) -> None:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         iteration = self._chunked_iteration if self.chunked_prefill else self._v0_iteration
