@@ -535,3 +535,33 @@ def test_train_command_leaves_named_sources_out(tmp_path: Path) -> None:
     bad = CliRunner().invoke(app, ["predictor", "train", "--data", str(tmp_path / "d.jsonl.gz"), "--out",
                                    str(tmp_path / "w"), "--leave-out", "delta", "--lexical"])
     assert bad.exit_code == 2 and "--leave-out" in bad.output
+
+
+@pytest.mark.parametrize("text", [
+    "Write a haiku about autumn, then explain it.",
+    "Übersetze: «naïve café» — 日本語で説明して",
+    "x" * 5000 + " tail words here",
+    "",
+])
+def test_gram_slots_are_crc32_of_the_prefixed_grams(text: str) -> None:
+    """The shipped weights index slots by ``crc32(prefix + gram) & mask``; the fast path
+    (running CRC from the prefix, ASCII words sliced as bytes) must give exactly those slots."""
+    import zlib
+
+    from lanes.scheduler.predictor import load_default
+    from lanes.scheduler.predictor.lexical import _WORD_RE, _clip, raw_counts
+
+    config = load_default().model.config
+    mask = config.num_buckets - 1
+    words = ["<s>", *_clip(_WORD_RE.findall(text.lower()), config.max_head_words, config.max_tail_words)]
+    word_grams = [f"w:{w}" for w in words[1:]]
+    for n in range(2, config.word_ngram_max + 1):
+        word_grams += ["w:" + " ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+    char_grams = []
+    for word in str(_clip(text.lower(), config.max_head_chars, config.max_tail_chars)).split():
+        padded = f" {word} "
+        for n in range(config.char_ngram_min, config.char_ngram_max + 1):
+            char_grams += ["c:" + padded[i:i + n] for i in range(len(padded) - n + 1)]
+    for (slots, counts), grams in zip(raw_counts(text, config), (word_grams, char_grams), strict=True):
+        expected = np.unique(np.array([zlib.crc32(g.encode()) & mask for g in grams], np.int64), return_counts=True)
+        assert np.array_equal(slots, expected[0]) and np.array_equal(counts, expected[1])

@@ -160,23 +160,39 @@ def _clip(items: Sequence[str] | str, head: int, tail: int) -> Sequence[str] | s
     return items[:head] + items[len(items) - tail :]
 
 
-def _word_grams(text: str, config: FeatureConfig) -> list[str]:
-    words = _WORD_RE.findall(text.lower())
-    words = ["<s>", *_clip(words, config.max_head_words, config.max_tail_words)]
-    grams = [f"w:{w}" for w in words[1:]]
+#: A gram's slot is ``crc32(prefix + gram) & mask``, computed as ``crc32(gram, crc32(prefix))``
+#: (zlib continues a running CRC), so no prefixed string is built per gram.
+_WORD_SEED = zlib.crc32(b"w:")
+_CHAR_SEED = zlib.crc32(b"c:")
+
+
+def _word_slots(text: str, config: FeatureConfig, mask: int) -> list[int]:
+    """Slots of the word 1..``word_ngram_max``-grams (``"w:" + words joined by a space``)."""
+    crc = zlib.crc32
+    words = _clip(_WORD_RE.findall(text.lower()), config.max_head_words, config.max_tail_words)
+    slots = [crc(w.encode(), _WORD_SEED) & mask for w in words]
+    words = ["<s>", *words]
     for n in range(2, config.word_ngram_max + 1):
-        grams += ["w:" + " ".join(words[i : i + n]) for i in range(len(words) - n + 1)]
-    return grams
+        slots += [crc(" ".join(words[i : i + n]).encode(), _WORD_SEED) & mask for i in range(len(words) - n + 1)]
+    return slots
 
 
-def _char_grams(text: str, config: FeatureConfig) -> list[str]:
+def _char_slots(text: str, config: FeatureConfig, mask: int) -> list[int]:
+    """Slots of each word's character ``char_ngram_min..max``-grams, the word padded with a
+    space on each side (``"c:" + gram``). An ASCII word is sliced as bytes, the same grams."""
+    crc = zlib.crc32
     clipped = str(_clip(text.lower(), config.max_head_chars, config.max_tail_chars))
-    grams: list[str] = []
+    slots: list[int] = []
     for word in clipped.split():
         padded = f" {word} "
-        for n in range(config.char_ngram_min, config.char_ngram_max + 1):
-            grams += ["c:" + padded[i : i + n] for i in range(len(padded) - n + 1)]
-    return grams
+        if padded.isascii():
+            data = padded.encode()
+            for n in range(config.char_ngram_min, config.char_ngram_max + 1):
+                slots += [crc(data[i : i + n], _CHAR_SEED) & mask for i in range(len(data) - n + 1)]
+        else:
+            for n in range(config.char_ngram_min, config.char_ngram_max + 1):
+                slots += [crc(padded[i : i + n].encode(), _CHAR_SEED) & mask for i in range(len(padded) - n + 1)]
+    return slots
 
 
 def cue_features(text: str, length_request: bool = False) -> np.ndarray:
@@ -200,21 +216,17 @@ def cue_features(text: str, length_request: bool = False) -> np.ndarray:
     return np.array(values)
 
 
-def _hash_counts(grams: list[str], mask: int) -> tuple[np.ndarray, np.ndarray]:
+def _counts(slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Slot ids (sorted, unique) and raw counts. crc32 is stable across processes, unlike hash()."""
-    if not grams:
+    if not slots:
         return np.zeros(0, np.int64), np.zeros(0, np.float64)
-    slots = np.fromiter((zlib.crc32(g.encode()) & mask for g in grams), np.int64, len(grams))
-    return np.unique(slots, return_counts=True)
+    return np.unique(np.array(slots, np.int64), return_counts=True)
 
 
 def raw_counts(text: str, config: FeatureConfig) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per block (word, char): unique slot ids and their counts in ``text``. IDF-free."""
     mask = config.num_buckets - 1
-    return [
-        _hash_counts(_word_grams(text, config), mask),
-        _hash_counts(_char_grams(text, config), mask),
-    ]
+    return [_counts(_word_slots(text, config, mask)), _counts(_char_slots(text, config, mask))]
 
 
 def sparse_features(
