@@ -107,7 +107,11 @@ def validate(
             "use engine=vllm or engine=trtllm"
         )
     if settings.chunks_prefill and settings.max_num_batched_tokens < settings.max_slots:
-        raise ConfigError("max_num_batched_tokens must be >= max_slots (one token per sequence)")
+        raise ConfigError(
+            f"max_num_batched_tokens ({settings.max_num_batched_tokens}) must be >= max_slots ({settings.max_slots}): "
+            "with chunked prefill every running request decodes a token in each step; raise "
+            "LANES_MAX_NUM_BATCHED_TOKENS (default 2048) or lower LANES_MAX_SLOTS"
+        )
 
 
 def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
