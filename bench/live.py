@@ -28,7 +28,9 @@ Method
    redis-server, a scheduler, ``--edges`` edges and ``--workers`` sim workers with
    ``--slots`` slots running chunked prefill at 2,048 tokens a step (what the ``vllm`` and
    ``trtllm`` workers configure; the simulator's ``EngineConfig(chunked_prefill_tokens=2048)``,
-   the default of ``lanes bench policy``).
+   the default of ``lanes bench policy``). ``--chunked-prefill-tokens 0`` runs vLLM v0's
+   iterations on both sides instead (8,192 prompt tokens a prefill, the 8 s FCFS-below bound),
+   as every table before stop 35 did.
    ``lanes`` runs with the simulator's tuning (``sim.policies.LanesTuning``): the routing
    threshold the simulator calibrates on the slice (``LANES_SHORT_MAX_TOKENS`` =
    ``LANES_MEDIUM_MAX_TOKENS``: two lanes) and the shipped defaults for the rest
@@ -113,11 +115,12 @@ class Plan:
 
 
 def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict: Any, *, workers: int, slots: int,
-         profile: str, load: float, tuning: LanesTuning | None = None) -> Plan:
+         profile: str, load: float, tuning: LanesTuning | None = None,
+         chunked_prefill_tokens: int = CHUNKED_PREFILL_TOKENS) -> Plan:
     """Pair, predict, size prompts and scale arrivals (see the module doc, steps 1-3)."""
     from lanes.scheduler.sim.predictions import predict_prompts
 
-    tuning = tuning or LanesTuning(fcfs_below_ms=fcfs_below_ms_for(chunked_prefill=True))
+    tuning = tuning or LanesTuning(fcfs_below_ms=fcfs_below_ms_for(chunked_prefill=chunked_prefill_tokens > 0))
     paired = pair_prompts(trace.output_tokens, pool_tokens)
     used = sorted(set(paired.tolist()))
     tokens, latency = predict_prompts(predict, [pool_prompts[i] for i in used], SIM_MAX_TOKENS)
@@ -129,7 +132,8 @@ def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict
     # What the sim engine will count: all message characters / 4.
     prompt_tokens = np.array([max(1, (n + len(p)) // CHARS_PER_TOKEN) for n, p in zip(pad, prompts, strict=True)])
     sliced = Trace(trace.arrival_s - trace.arrival_s[0], prompt_tokens, trace.output_tokens)
-    engine = EngineConfig(get_profile(profile), max_num_seqs=slots, chunked_prefill_tokens=CHUNKED_PREFILL_TOKENS)
+    # 0: vLLM v0's prefill-or-decode iterations, 8,192 prompt tokens a prefill (tables before stop 35).
+    engine = EngineConfig(get_profile(profile), max_num_seqs=slots, chunked_prefill_tokens=chunked_prefill_tokens)
     capacity = fcfs_capacity_rps(sliced, engine, workers)
     scaled = sliced.time_scaled(load * capacity / sliced.rate_rps)
     lanes = make_policy("lanes", scaled, predicted, slots, predictor_ms=predictor_ms, tuning=tuning)
@@ -193,7 +197,9 @@ def live_env(p: Plan, policy: str, time_scale: float) -> tuple[dict[str, str], d
             "LANES_KEY_RATE_PER_S": "0", "LANES_KEY_MAX_IN_FLIGHT": "0"}
     slots = p.engine.max_num_seqs
     pre = t.preemption
-    worker = {"LANES_MAX_NUM_BATCHED_TOKENS": str(p.engine.chunked_prefill_tokens), "LANES_SIM_CHUNKED_PREFILL": "true",
+    chunked = p.engine.chunked_prefill_tokens > 0
+    worker = {"LANES_SIM_CHUNKED_PREFILL": str(chunked).lower(),
+              "LANES_MAX_NUM_BATCHED_TOKENS": str(p.engine.chunked_prefill_tokens if chunked else p.engine.max_prefill_tokens),
               "LANES_MAX_LONG_SLOTS": str(share_of_slots(t.max_long_share, slots)),
               "LANES_MAX_MEDIUM_LONG_SLOTS": str(share_of_slots(t.max_medium_long_share, slots)),
               "LANES_MIN_LONG_SLOTS": str(share_of_slots(t.min_long_share, slots)), "LANES_MIN_MEDIUM_SLOTS": "0",
@@ -363,7 +369,9 @@ def run(p: Plan, *, time_scale: float, num_edges: int = 2, num_clients: int = 32
     return {**live, "sim": sim, "sim_gap": sim_gap, "sim_gap_by_class": by_class, "short_p99_gain": {"live": gain_live, "sim": gain_sim},
             "sim_gap_goal": SIM_GAP_GOAL, "machine": {"before": load_before, "after": machine_load()},
             "config": {"requests": len(p.trace), "workers": p.workers, "slots": p.engine.max_num_seqs,
-                       "chunked_prefill_tokens": p.engine.chunked_prefill_tokens, "profile": p.engine.profile.name,
+                       "chunked_prefill_tokens": p.engine.chunked_prefill_tokens,
+                       "max_prefill_tokens": None if p.engine.chunked_prefill_tokens else p.engine.max_prefill_tokens,
+                       "profile": p.engine.profile.name,
                        "load": p.load, "fcfs_capacity_rps": p.capacity_rps, "offered_rps": p.trace.rate_rps,
                        "time_scale": time_scale, "edges": num_edges, "clients": num_clients,
                        "trace_span_s": span_s, "predictor_tau": p.tau, "routing_long_above_tokens":

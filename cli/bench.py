@@ -539,6 +539,9 @@ def live(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (or write --json-file).")] = False,
     json_file: Annotated[Path | None, typer.Option(help="Write the JSON here (implies --json).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of TTFT p50/p99, live vs simulated.")] = None,
+    chunked_prefill_tokens: Annotated[int, typer.Option(min=0, help="Token budget per engine step with chunked "
+                                                        "prefill, in the sim workers and the simulator alike; 0: vLLM "
+                                                        "v0's prefill-or-decode steps (the tables before stop 35).")] = MAX_NUM_BATCHED_TOKENS,
 ) -> None:
     """Replay a trace slice through real edges, Redis and sim workers, fcfs vs lanes, beside the simulator."""
     from lanes.bench import live as bench_live
@@ -553,8 +556,11 @@ def live(
     sliced = _load_trace(trace, start, requests)
     observations = _load_prompt_pool(prompts)
     pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
+    if chunked_prefill_tokens and chunked_prefill_tokens <= slots:
+        raise typer.BadParameter(f"must be 0 or more than --slots ({slots})", param_hint="--chunked-prefill-tokens")
     plan = bench_live.plan(sliced, [o.prompt for o in observations], pool_tokens, load_default().predict,
-                           workers=workers, slots=slots, profile=profile, load=load)
+                           workers=workers, slots=slots, profile=profile, load=load,
+                           chunked_prefill_tokens=chunked_prefill_tokens)
     typer.echo(f"slice rows {start}..{start + requests - 1}: FCFS capacity {plan.capacity_rps:.3f} req/s on {workers} x {slots} "
                f"slots; offered {plan.trace.rate_rps:.3f} req/s over {plan.trace.duration_s:.0f} s of trace time "
                f"(~{plan.trace.duration_s / time_scale:.0f} s wall per policy); predictor tau {plan.tau:.2f}, "

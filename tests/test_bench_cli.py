@@ -178,3 +178,30 @@ def test_bench_policy_reads_mooncake_and_burstgpt_traces_and_slices_them(tmp_pat
     assert "340 requests shared their timestamp with an earlier one" in out.stderr, out.stderr
     small = lanes("bench", "policy", "--trace", str(tied), "--chunked-prefill-tokens", "64")
     assert small.returncode == 2 and "more than max_num_seqs (64)" in small.stderr, small.stderr
+
+
+@pytest.mark.parametrize("chunked_tokens", [2048, 0])
+def test_bench_live_gives_the_workers_the_simulators_engine(tmp_path: Path, chunked_tokens: int) -> None:
+    """``lanes bench live`` configures the sim workers as the simulator beside them: chunked
+    prefill at 2,048 tokens a step with the 4 s FCFS-below bound, or (0) v0's prefill-or-decode
+    steps at 8,192 prompt tokens with 8 s; every time bound divided by the time scale."""
+    from bench_support import PROMPTS
+    from lanes.bench.live import live_env, plan
+    from lanes.scheduler.sim.trace import Trace
+
+    rng = np.random.default_rng(0)
+    trace = Trace(np.arange(200) * 0.3, rng.integers(50, 1500, 200).astype(float),
+                  np.exp(rng.normal(4.0, 1.0, 200)).round().clip(1, 4000))
+    pool = [p["prompt"] for p in PROMPTS]
+    tokens = np.array([p["output_tokens"] for p in PROMPTS], float)
+
+    def predict(messages: object, max_tokens: int) -> int:  # a fixed-rule predictor: prompt length
+        return min(max_tokens, 10 * len(messages[0].content))  # type: ignore[index]
+
+    p = plan(trace, pool, tokens, predict, workers=2, slots=4, profile="l70-h100", load=0.9,
+             chunked_prefill_tokens=chunked_tokens)
+    assert p.engine.chunked_prefill_tokens == chunked_tokens
+    _, _, worker = live_env(p, "lanes", time_scale=2.0)
+    assert worker["LANES_SIM_CHUNKED_PREFILL"] == ("true" if chunked_tokens else "false")
+    assert worker["LANES_MAX_NUM_BATCHED_TOKENS"] == str(chunked_tokens or 8192)
+    assert float(worker["LANES_FCFS_BELOW_MS"]) == (4000.0 if chunked_tokens else 8000.0) / 2.0
