@@ -89,8 +89,6 @@ POLICIES = ("fcfs", "lanes")
 CLASSES = ("short", "long", "all")
 #: Characters per prompt token in the sim engine (``workers.engines.sim.prompt_token_count``).
 CHARS_PER_TOKEN = 4
-#: Tokens per engine iteration (chunked prefill), here and in the simulator.
-CHUNKED_PREFILL_TOKENS = MAX_NUM_BATCHED_TOKENS
 SIM_GAP_GOAL = 0.2
 
 
@@ -114,13 +112,19 @@ class Plan:
     share_long_lane: float
 
 
-def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict: Any, *, workers: int, slots: int,
-         profile: str, load: float, tuning: LanesTuning | None = None,
-         chunked_prefill_tokens: int = CHUNKED_PREFILL_TOKENS) -> Plan:
+def engine_config(profile: str, slots: int, chunked_prefill_tokens: int = MAX_NUM_BATCHED_TOKENS) -> EngineConfig:
+    """The engine both sides run: chunked prefill at ``chunked_prefill_tokens`` a step, or (0)
+    vLLM v0's prefill-or-decode iterations at 8,192 prompt tokens a prefill (the tables before
+    stop 35). ``ValueError`` (from ``EngineConfig``) for a budget that cannot hold the slots."""
+    return EngineConfig(get_profile(profile), max_num_seqs=slots, chunked_prefill_tokens=chunked_prefill_tokens)
+
+
+def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict: Any, *, engine: EngineConfig,
+         workers: int, load: float, tuning: LanesTuning | None = None) -> Plan:
     """Pair, predict, size prompts and scale arrivals (see the module doc, steps 1-3)."""
     from lanes.scheduler.sim.predictions import predict_prompts
 
-    tuning = tuning or LanesTuning(fcfs_below_ms=fcfs_below_ms_for(chunked_prefill=chunked_prefill_tokens > 0))
+    tuning = tuning or LanesTuning(fcfs_below_ms=fcfs_below_ms_for(chunked_prefill=engine.chunked_prefill_tokens > 0))
     paired = pair_prompts(trace.output_tokens, pool_tokens)
     used = sorted(set(paired.tolist()))
     tokens, latency = predict_prompts(predict, [pool_prompts[i] for i in used], SIM_MAX_TOKENS)
@@ -132,11 +136,9 @@ def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict
     # What the sim engine will count: all message characters / 4.
     prompt_tokens = np.array([max(1, (n + len(p)) // CHARS_PER_TOKEN) for n, p in zip(pad, prompts, strict=True)])
     sliced = Trace(trace.arrival_s - trace.arrival_s[0], prompt_tokens, trace.output_tokens)
-    # 0: vLLM v0's prefill-or-decode iterations, 8,192 prompt tokens a prefill (tables before stop 35).
-    engine = EngineConfig(get_profile(profile), max_num_seqs=slots, chunked_prefill_tokens=chunked_prefill_tokens)
     capacity = fcfs_capacity_rps(sliced, engine, workers)
     scaled = sliced.time_scaled(load * capacity / sliced.rate_rps)
-    lanes = make_policy("lanes", scaled, predicted, slots, predictor_ms=predictor_ms, tuning=tuning)
+    lanes = make_policy("lanes", scaled, predicted, engine.max_num_seqs, predictor_ms=predictor_ms, tuning=tuning)
     return Plan(scaled, prompts, pad, predicted, predictor_ms, kendall_tau(trace.output_tokens, predicted), engine,
                 workers, load, capacity, tuning, int(lanes.info["routing_short_max"]), lanes.info["share_long_lane"])
 

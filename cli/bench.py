@@ -556,11 +556,12 @@ def live(
     sliced = _load_trace(trace, start, requests)
     observations = _load_prompt_pool(prompts)
     pool_tokens = np.array([o.output_tokens for o in observations], dtype=float)
-    if chunked_prefill_tokens and chunked_prefill_tokens <= slots:
-        raise typer.BadParameter(f"must be 0 or more than --slots ({slots})", param_hint="--chunked-prefill-tokens")
+    try:
+        engine = bench_live.engine_config(profile, slots, chunked_prefill_tokens)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--chunked-prefill-tokens") from None
     plan = bench_live.plan(sliced, [o.prompt for o in observations], pool_tokens, load_default().predict,
-                           workers=workers, slots=slots, profile=profile, load=load,
-                           chunked_prefill_tokens=chunked_prefill_tokens)
+                           engine=engine, workers=workers, load=load)
     typer.echo(f"slice rows {start}..{start + requests - 1}: FCFS capacity {plan.capacity_rps:.3f} req/s on {workers} x {slots} "
                f"slots; offered {plan.trace.rate_rps:.3f} req/s over {plan.trace.duration_s:.0f} s of trace time "
                f"(~{plan.trace.duration_s / time_scale:.0f} s wall per policy); predictor tau {plan.tau:.2f}, "

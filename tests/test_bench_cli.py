@@ -186,7 +186,7 @@ def test_bench_live_gives_the_workers_the_simulators_engine(tmp_path: Path, chun
     prefill at 2,048 tokens a step with the 4 s FCFS-below bound, or (0) v0's prefill-or-decode
     steps at 8,192 prompt tokens with 8 s; every time bound divided by the time scale."""
     from bench_support import PROMPTS
-    from lanes.bench.live import live_env, plan
+    from lanes.bench.live import engine_config, live_env, plan
     from lanes.scheduler.sim.trace import Trace
 
     rng = np.random.default_rng(0)
@@ -198,8 +198,7 @@ def test_bench_live_gives_the_workers_the_simulators_engine(tmp_path: Path, chun
     def predict(messages: object, max_tokens: int) -> int:  # a fixed-rule predictor: prompt length
         return min(max_tokens, 10 * len(messages[0].content))  # type: ignore[index]
 
-    p = plan(trace, pool, tokens, predict, workers=2, slots=4, profile="l70-h100", load=0.9,
-             chunked_prefill_tokens=chunked_tokens)
+    p = plan(trace, pool, tokens, predict, engine=engine_config("l70-h100", 4, chunked_tokens), workers=2, load=0.9)
     assert p.engine.chunked_prefill_tokens == chunked_tokens
     _, _, worker = live_env(p, "lanes", time_scale=2.0)
     assert worker["LANES_SIM_CHUNKED_PREFILL"] == ("true" if chunked_tokens else "false")
