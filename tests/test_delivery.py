@@ -16,6 +16,7 @@ from lanes.ws_server.delivery import (
     Repoint,
     Send,
 )
+from lanes.ws_server.protocol import client_id, scoped_id
 
 EDGE = "edge-a"
 CONFIG = DeliveryConfig(resume_grace_s=15.0, cancel_grace_s=2.0, refill_after_s=0.7, quiet_s=3.0,
@@ -286,3 +287,23 @@ def test_a_cancelled_request_whose_worker_has_not_ended_it_is_not_lost() -> None
     assert ReadStream("r", 0, with_last=True) in out
     out = d.stream_read("r", [], tok("r", 0), 3.7)
     assert frames(out) == [frames(out)[0]] and frames(out)[0]["finish_reason"] == "cancelled"
+
+
+def test_two_keys_may_use_the_same_id_and_frames_carry_the_clients_id() -> None:
+    """Ids are per API key (``protocol.scoped_id``): the edge registers each key's ``q1`` as its
+    own request, and every frame, error messages included, names ``q1`` as the client sent it."""
+    d = core()
+    alice, bob = scoped_id("k-alice", "q1"), scoped_id("k-bob", "q1")
+    assert alice != bob and client_id(alice) == client_id(bob) == "q1"
+    out = open_accepted(d, 1, alice, "k-alice") + open_accepted(d, 2, bob, "k-bob")
+    out += d.tokens([tok(alice, 0, "a"), tok(bob, 0, "b")], 0.1)
+    ok, refused = d.open_chat(1, alice, "k-alice", 0, 0.2)
+    assert not ok
+    out += refused + d.tokens([tok(alice, 1, "", FinishReason.STOP), tok(bob, 1, "", FinishReason.STOP)], 0.3)
+    assert [(f["type"], f["id"], f.get("text")) for f in frames(out, 1)] == [
+        ("accepted", "q1", None), ("delta", "q1", "a"), ("error", "q1", None), ("done", "q1", None)]
+    assert [(f["type"], f.get("text")) for f in frames(out, 2)] == [("accepted", None), ("delta", "b"), ("done", None)]
+    assert frames(refused)[0]["message"] == "request q1 is already in flight"
+    assert d.entries == {} and not d.per_key
+    # Without auth (key id "") the id is used as sent: one anonymous namespace.
+    assert scoped_id("", "q1") == client_id("q1") == "q1"

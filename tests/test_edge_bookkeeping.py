@@ -20,7 +20,8 @@ import websockets
 from conftest import scaled
 from e2e_support import Client, System
 from lanes.queue.keys import Keys
-from lanes.ws_server.auth import generate_key, hash_key
+from lanes.ws_server.auth import generate_key, hash_key, key_id
+from lanes.ws_server.protocol import scoped_id
 
 pytestmark = pytest.mark.e2e
 
@@ -121,15 +122,25 @@ async def test_another_keys_resume_disturbs_nothing(system: tuple[System, str]) 
     assert done["type"] == "done", done
     assert contiguous((owner, rid)) == list(range(done["usage"]["completion_tokens"]))
     assert [f["type"] for f in intruder.frames[rid]] == ["error"]
-    # A chat with the id, once Redis alone holds it: the other key learns that it is taken, not
-    # its state (the owner is told "already exists (done); use resume").
+    # Ids are per key: the other key's chat with the same id is its own request, served to its
+    # end, and the owner's answer is still the owner's (resumable, unchanged); the owner's own
+    # chat with the id is refused as a duplicate that names its state.
     other = await connect(url, BOB)
     await other.chat(rid, "Mine now?", max_tokens=5)
-    refusal = await other.wait(rid, scaled(10))
-    assert (refusal["code"], refusal["message"]) == ("duplicate_id", f"request {rid} already exists"), refusal
-    await other.close()
-    await owner.close()
-    await intruder.close()
+    theirs = await other.wait(rid, scaled(30))
+    assert theirs["type"] == "done" and theirs["usage"]["completion_tokens"] <= 5, theirs
+    assert other.frames[rid][0]["type"] == "accepted"
+    again = await connect(url, ALICE)
+    await again.send({"type": "resume", "id": rid, "last_seq": -1})
+    replayed = await again.wait(rid, scaled(10))
+    assert replayed["usage"] == done["usage"] and again.text(rid) == owner.text(rid), replayed
+    dup = await connect(url, ALICE)
+    await dup.chat(rid, "Again?", max_tokens=5)
+    refusal = await dup.wait(rid, scaled(10))
+    assert (refusal["code"], refusal["message"]) == ("duplicate_id",
+                                                     f"request {rid} already exists (done); use resume"), refusal
+    for client in (other, again, dup, owner, intruder):
+        await client.close()
 
 
 async def test_two_connections_racing_on_one_id(system: tuple[System, str]) -> None:
@@ -186,7 +197,8 @@ async def test_a_resume_on_another_edge_tells_the_old_edge_at_once(system: tuple
     assert (await old.wait(rid, scaled(10)))["code"] == "resumed_elsewhere"
     told_after_s = asyncio.get_running_loop().time() - sent_at
     messages = [await notices.get_message(timeout=scaled(2)) for _ in range(2)]  # subscribed, then the notice
-    assert [m["data"] for m in messages if m and m["type"] == "message"] == [rid.encode()], messages
+    scoped = scoped_id(key_id(hash_key(ALICE)), rid).encode()  # what Redis and the edges know it as
+    assert [m["data"] for m in messages if m and m["type"] == "message"] == [scoped], messages
     assert told_after_s < 2.5, f"the old connection learned of the takeover after {told_after_s:.2f} s"
     assert (await new.wait(rid, scaled(60)))["type"] == "done"
     await notices.aclose()

@@ -70,6 +70,11 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def key_id(key_hash: str) -> str:
+    """The id a key is counted and scoped by (``Identity.key_id``): a prefix of its hash."""
+    return key_hash[:16]
+
+
 def parse_csv(text: str, *, lower: bool = False) -> frozenset[str]:
     """A comma list from a setting, blanks dropped (``"a, b,"`` -> {a, b})."""
     items = (item.strip().rstrip("/") if lower else item.strip() for item in text.split(","))
@@ -268,7 +273,7 @@ class Gate:
     async def lookup(self, key_hash: str) -> Identity | None:
         """The identity of a key hash: settings' static list first, then Redis."""
         if key_hash in self.static_hashes:
-            return Identity(key_hash[:16], f"static:{key_hash[:8]}", limits_for(None, self.settings))
+            return Identity(key_id(key_hash), f"static:{key_hash[:8]}", limits_for(None, self.settings))
         raw = await self.plane.fleet.api_key(key_hash)
         if raw is None:
             return None
@@ -277,4 +282,4 @@ class Gate:
         except msgspec.DecodeError:
             log.warning("malformed API key record %s…; refusing it", key_hash[:8])
             return None
-        return Identity(key_hash[:16], record.name, limits_for(record, self.settings))
+        return Identity(key_id(key_hash), record.name, limits_for(record, self.settings))

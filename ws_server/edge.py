@@ -255,18 +255,19 @@ class Edge:
         if isinstance(frame, protocol.ChatFrame):
             await self.on_chat(conn, identity, frame)
         elif isinstance(frame, protocol.CancelFrame):
-            self.carry(self.core.cancel(conn, frame.id, now))
+            self.carry(self.core.cancel(conn, protocol.scoped_id(identity.key_id, frame.id), now))
         else:
             # The re-point is awaited here, like a chat's enqueue: a connection's answers to its
             # control frames come back in the order it sent them.
-            actions = self.core.resume(conn, frame.id, frame.last_seq, identity.key_id, now)
+            actions = self.core.resume(conn, protocol.scoped_id(identity.key_id, frame.id), frame.last_seq,
+                                       identity.key_id, now)
             self.carry([a for a in actions if not isinstance(a, delivery.Repoint)])
             for action in actions:
                 if isinstance(action, delivery.Repoint):
                     await self._repoint(action)
 
     async def on_chat(self, conn: int, identity: Identity, frame: protocol.ChatFrame) -> None:
-        request_id = frame.id or uuid.uuid4().hex
+        request_id = protocol.scoped_id(identity.key_id, frame.id or uuid.uuid4().hex)
         registered, actions = self.core.open_chat(conn, request_id, identity.key_id, identity.limits.max_in_flight,
                                                   time.monotonic())
         self.carry(actions)

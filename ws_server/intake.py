@@ -69,9 +69,11 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         with edge.admission.enqueueing(pool, lane):
             enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
     if not enqueued.created:
-        # The id space is global: another key learns only that the id is taken, not its state.
+        # Ids are scoped by API key (``protocol.scoped_id``), so the request is this key's own, or
+        # (without auth) an anonymous one; a state the owner check withholds is not told.
         owned = f" ({enqueued.existing_state}); use resume" if enqueued.existing_state else ""
-        return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID, f"request {request_id} already exists{owned}")
+        return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
+                                f"request {protocol.client_id(request_id)} already exists{owned}")
     edge.admission.enqueued(pool, lane)
     edge._pool_of[request_id] = pool
     return edge.core.accepted(request_id, lane.value, predicted, time.monotonic(), pool)

@@ -30,6 +30,9 @@ from lanes.queue.messages import ChatMessage, FinishReason, Usage
 ROLES = frozenset({"system", "user", "assistant"})
 #: Used with ``fullmatch``: ``$`` would let a trailing newline into Redis keys and logs.
 _ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+#: Joins an API key's id and its client's request id into the id the request has in Redis and
+#: in the delivery core. Client ids cannot contain it, so two keys' namespaces never meet.
+_SCOPE = "/"
 _MODEL_RE = re.compile(r"[A-Za-z0-9_.:/@\-]{1,128}")
 #: Stop sequences per request, and characters per sequence (OpenAI's API allows 4).
 MAX_STOP = 4
@@ -249,6 +252,19 @@ def _model(value: object, rid: str | None) -> str | None:
 # -- server frames -------------------------------------------------------------------
 
 
+def scoped_id(key_id: str, client_id: str) -> str:
+    """The id a client's request has in Redis and in the edge's bookkeeping: the client's id
+    within its API key's namespace. Two keys may both number their requests ``q1``, ``q2`` ...;
+    neither can refuse, resume, cancel or probe the other's. Without auth (one anonymous
+    namespace) ids are used as sent."""
+    return f"{key_id}{_SCOPE}{client_id}" if key_id else client_id
+
+
+def client_id(request_id: str) -> str:
+    """The id the client sent (what every frame carries): ``request_id`` without its key's scope."""
+    return request_id.rpartition(_SCOPE)[2]
+
+
 class Timing(msgspec.Struct):
     queue_ms: float
     ttft_ms: float
@@ -260,7 +276,7 @@ _enc = msgspec.json.Encoder()
 
 def accepted_frame(request_id: str, lane: str, predicted_tokens: int, pool: str | None = None) -> bytes:
     """``pool``: the model pool the request was enqueued in (absent for a fixed answer)."""
-    frame: dict[str, object] = {"type": "accepted", "id": request_id, "lane": lane, "predicted_tokens": predicted_tokens}
+    frame: dict[str, object] = {"type": "accepted", "id": client_id(request_id), "lane": lane, "predicted_tokens": predicted_tokens}
     if pool is not None:
         frame["pool"] = pool
     return _enc.encode(frame)
@@ -268,22 +284,22 @@ def accepted_frame(request_id: str, lane: str, predicted_tokens: int, pool: str 
 
 def resumed_frame(request_id: str, last_seq: int) -> bytes:
     """A resume was taken: deltas after ``last_seq`` follow (then the terminal frame)."""
-    return _enc.encode({"type": "resumed", "id": request_id, "last_seq": last_seq})
+    return _enc.encode({"type": "resumed", "id": client_id(request_id), "last_seq": last_seq})
 
 
 def delta_frame(request_id: str, seq: int, text: str) -> bytes:
-    return _enc.encode({"type": "delta", "id": request_id, "seq": seq, "text": text})
+    return _enc.encode({"type": "delta", "id": client_id(request_id), "seq": seq, "text": text})
 
 
 def done_frame(request_id: str, reason: FinishReason, usage: Usage, timing: Timing) -> bytes:
     return _enc.encode(
-        {"type": "done", "id": request_id, "finish_reason": reason.value, "usage": usage, "timing": timing}
+        {"type": "done", "id": client_id(request_id), "finish_reason": reason.value, "usage": usage, "timing": timing}
     )
 
 
 def error_frame(code: ErrorCode | str, message: str, request_id: str | None = None, **extra: Any) -> bytes:
     frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
     if request_id is not None:
-        frame["id"] = request_id
+        frame["id"] = client_id(request_id)
     frame.update(extra)
     return _enc.encode(frame)

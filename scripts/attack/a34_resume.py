@@ -17,11 +17,11 @@ async def a3(c, alice, bob):
         rid = uid("own")
         await a.chat(rid, max_tokens=TOK); await a.wait_deltas(rid, 5)
         for fr in ({"type": "resume", "id": rid, "last_seq": -1}, {"type": "resume", "id": rid, "last_seq": 5},
-                   {"type": "cancel", "id": rid}, {"type": "chat", "id": rid, "messages": [{"role": "user", "content": "x"}]}):
+                   {"type": "cancel", "id": rid}):
             n = len(b.raw); await b.send(fr); await asyncio.sleep(0.3)
             got = [strip(f) for f in b.raw[n:]]
             print(f"  bob@{bob_edge} {fr['type']}{fr.get('last_seq','')}: {got}")
-            if fr["type"] != "chat" and (len(got) != 1 or got[0].get("code") != "unknown_id"): P(f"bob {fr} -> {got}")
+            if len(got) != 1 or got[0].get("code") != "unknown_id": P(f"bob {fr} -> {got}")
         t = await a.wait_terminal(rid, 30)
         print(f"  alice: terminal {t and strip(t)}, deltas {len(a.deltas(rid))}")
         problems.extend(check_one(a, rid, expect=("length",), label="a3 owner"))
@@ -31,6 +31,12 @@ async def a3(c, alice, bob):
         got = [strip(f) for f in b.raw[n:]]
         print(f"  bob resume of finished: {got[:2]} ({len(got)} frames)")
         if any(f["type"] == "delta" for f in got): P("bob replayed alice's finished answer")
+        # ids are per key: bob's chat with alice's id is bob's own request, alice's stays hers
+        b2 = await Conn.open(c.edge_urls[bob_edge], bob)
+        await b2.chat(rid, max_tokens=5); t = await b2.wait_terminal(rid, 30)
+        print(f"  bob chat with alice's id: {[x['type'] for x in b2.by_id[rid]][:1]} ... {t and strip(t)}")
+        if not t or t.get("type") != "done" or len(b2.deltas(rid)) > 5: P(f"bob's own chat with alice's id -> {t}")
+        await b2.close()
         await a.close(); await b.close()
     # alice disconnects; bob tries to grab during grace; alice resumes
     a = await Conn.open(c.edge_urls["e1"], alice); rid = uid("own2")
