@@ -6,8 +6,12 @@ the manager's thread and are routed to per-request asyncio queues with
 ``register_result_handler`` (``call_soon_threadsafe``).
 
 Sampling: the manager's generation config is global, so it is built with ``do_sample=True``
-and per-request ``temperature``/``top_k``; a request with ``temperature == 0`` runs with
-``top_k=1``, which is exact greedy decoding.
+and per-request ``temperature`` / ``top_k`` / ``top_p`` processors (each exists only when the
+global value is not neutral, hence the 0.7 and 0.99 placeholders; every request passes its own
+values). A request with ``temperature == 0`` runs with ``top_k=1``, exact greedy decoding; a
+sampled one with its ``top_p`` and this engine's ``top_k`` of 40. ``seed`` is not honoured: the
+manager draws every request's token from one generator (OpenAI documents ``seed`` as best
+effort; the ``vllm``, ``trtllm`` and speculative ``hf`` engines honour it).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class HFEngine:
             do_sample=True,
             temperature=0.7,  # != 1.0 so the per-request temperature processor exists
             top_k=_DEFAULT_TOP_K,
+            top_p=0.99,  # < 1.0 so the per-request top-p processor exists
             max_new_tokens=256,
             eos_token_id=sorted(self._eos_ids),
             pad_token_id=self.tokenizer.pad_token_id,
@@ -136,7 +141,8 @@ class HFEngine:
         self._queues[request.id] = queue
         manager.register_result_handler(request.id, queue.put_nowait)
         greedy = request.temperature <= 1e-5
-        sampling = {"temperature": 1.0, "top_k": 1} if greedy else {"temperature": float(request.temperature)}
+        sampling = {"temperature": 1.0, "top_k": 1, "top_p": 1.0} if greedy else \
+            {"temperature": float(request.temperature), "top_k": _DEFAULT_TOP_K, "top_p": float(request.top_p)}
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(prompt_ids)
         await asyncio.to_thread(
