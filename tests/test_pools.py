@@ -102,6 +102,10 @@ async def test_fixed_answers_need_no_model(system: System) -> None:
 def test_openai_models_and_unknown_model(system: System) -> None:
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{system.edge_ports['edge']}/v1", api_key="none", max_retries=0)
     assert [m.id for m in api.models.list().data] == ["large", "small", "auto"]
+    assert api.models.retrieve("small").id == "small"  # GET /v1/models/{model}, as SDKs and tools check one
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.models.retrieve("gigantic")
+    assert missing.value.body["code"] == "model_not_found" and "large, small, auto" in missing.value.body["message"]
     with pytest.raises(openai.NotFoundError) as refused:
         api.chat.completions.create(model="gigantic", messages=[{"role": "user", "content": "Why is the sky blue?"}])
     assert refused.value.body["code"] == "model_not_found"
@@ -176,3 +180,20 @@ def test_a_client_that_leaves_cancels_its_request_in_its_own_pool(system: System
     while (now := system.query(state)) not in ("cancelled", "done") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert now == "cancelled", f"request {rid} in pool small ended {now!r}: the cancel went elsewhere"
+
+
+async def test_a_pool_nobody_serves_or_snapshots_is_refused_at_once(system: System, tmp_path: Path) -> None:
+    """A pool the rules name but no worker serves and the scheduler does not snapshot (not in
+    ``LANES_POOLS``; or its last worker is gone) is refused ``unavailable``: before, the edge
+    skipped the registry check without a snapshot and the chat waited in a lane nobody pulls."""
+    rules = tmp_path / "routing.toml"
+    rules.write_text(RULES.read_text().replace('pools = ["small", "large"]', 'pools = ["small", "large", "spare"]'))
+    system.start_edge("spare", LANES_ROUTING_FILE=str(rules))
+    started = time.monotonic()
+    frames = await chat(system.edge_urls["spare"], f"spare-{uuid.uuid4().hex[:6]}", "Tell me about the sea.",
+                        model="spare")
+    assert [f["type"] for f in frames] == ["error"] and frames[0]["code"] == "unavailable", frames
+    assert "no worker of pool 'spare'" in frames[0]["message"] and frames[0]["retry_after_ms"] > 0
+    assert time.monotonic() - started < scaled(10)
+    frames = await chat(system.edge_urls["spare"], f"ok-{uuid.uuid4().hex[:6]}", "Tell me about the sea.", model="small")
+    assert frames[-1]["type"] == "done", frames

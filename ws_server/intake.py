@@ -42,8 +42,9 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         live = tuple(await edge.live_pools())
         return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
     plane = edge.plane.for_pool(pool)
-    if edge.admission.num_workers(pool) == 0 and await edge.plane.fleet.num_workers(pool) == 0:
-        # The snapshot may be half a second old: only a registry with nobody in it refuses.
+    if not edge.admission.num_workers(pool) and await edge.plane.fleet.num_workers(pool) == 0:
+        # The snapshot may be half a second old, or absent (no scheduler, or one that does not
+        # snapshot this pool: its last worker is gone): only a registry with nobody in it refuses.
         return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE,
                                 f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
                                 retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers")
