@@ -93,6 +93,14 @@ def test_stop_sequence_ends_the_answer_before_it(system: System, greedy_referenc
 def test_models_lists_the_pools(system: System) -> None:
     models = client(system).models.list()
     assert [m.id for m in models.data] == ["default"]
+    assert client(system).models.retrieve("default").id == "default"
+
+
+def test_arguments_passed_as_none_take_their_defaults(system: System, greedy_reference) -> None:
+    """The SDK sends null for an argument passed as None (wrappers do: ``top_p=cfg.get("top_p")``)."""
+    ref = greedy_reference(QUESTION, 24)
+    answer = client(system).chat.completions.create(**ask(top_p=None, n=None, seed=None, stop=None, stream=None))
+    assert answer.choices[0].message.content == ref.text
 
 
 @pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"temperature": 5}, "temperature"),
@@ -140,6 +148,20 @@ def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused(
             parse_request(ask(**{name: value}), Limits())
         assert (refused.value.status, refused.value.param, refused.value.code) == (400, name, "unsupported_parameter")
         assert "leave it out" in refused.value.message
+    # null is the default, as the SDK sends it for every argument passed as None
+    nulls = parse_request(ask(max_tokens=None, temperature=None, top_p=None, n=None, stream=None, seed=None, stop=None,
+                              stream_options=None), Limits())
+    assert (nulls.frame.max_tokens, nulls.frame.temperature, nulls.frame.top_p, nulls.stream) == (256, 1.0, 1.0, False)
+    # text parts are joined by newlines, as vLLM's and TensorRT-LLM's servers join them
+    parts = parse_request(ask(messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                                     {"type": "text", "text": "World"}]}]), Limits())
+    assert parts.frame.messages[0].content == "Hello\nWorld"
+    for body, param in ((ask(max_tokens=10**6), "max_tokens"), (ask(max_completion_tokens=10**6, max_tokens=None),
+                                                                "max_completion_tokens"),
+                        (ask(messages=[{"role": "user", "content": "x" * 70_000}]), "messages")):
+        with pytest.raises(APIError) as refused:
+            parse_request(body, Limits())
+        assert refused.value.param == param, refused.value
     with pytest.raises(APIError, match="send false"):
         parse_request(ask(logprobs=0), Limits())  # JSON false and 0 differ
     with pytest.raises(APIError, match="'model' must be a string"):

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI chat API on the edge's port.
+"""``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{name}``: the OpenAI
+chat API on the edge's port.
 
 A completion takes the same path as a WebSocket chat: the delivery core registers it on a
 connection of its own (one request), then limits, prediction, lane, admission and the enqueue
@@ -58,7 +59,7 @@ async def not_routed(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
     what = "no such endpoint" if exc.status_code == 404 else f"method {request.method} is not allowed here"
     error = oai.APIError(exc.status_code, f"{what}: {request.method} {request.url.path} (the OpenAI API here: "
-                         f"POST {COMPLETIONS_PATH}, GET {MODELS_PATH})")
+                         f"POST {COMPLETIONS_PATH}, GET {MODELS_PATH}, GET {MODELS_PATH}/{{model}})")
     return Response(error.body(), exc.status_code, media_type="application/json", headers=exc.headers)
 
 
@@ -97,8 +98,19 @@ def routes(edge: Edge) -> list[BaseRoute]:
             return _refused(verdict)
         return Response(oai.models(await edge.model_names(), int(time.time())), media_type="application/json")
 
+    async def retrieve_model(request: Request) -> Response:
+        verdict = await edge.gate.check(MODELS_PATH, request.headers)
+        if isinstance(verdict, Refusal):
+            return _refused(verdict)
+        try:
+            body = oai.model(request.path_params["name"], await edge.model_names(), int(time.time()))
+        except oai.APIError as error:
+            return _error(error)
+        return Response(body, media_type="application/json")
+
     return [Route(COMPLETIONS_PATH, chat_completions, methods=["POST"]),
-            Route(MODELS_PATH, list_models, methods=["GET"])]
+            Route(MODELS_PATH, list_models, methods=["GET"]),
+            Route(MODELS_PATH + "/{name:path}", retrieve_model, methods=["GET"])]
 
 
 #: A body over the limit is still read, and dropped, up to this many bytes and for at most

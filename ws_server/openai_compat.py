@@ -2,7 +2,8 @@
 ``ChatFrame`` (or an ``APIError`` in OpenAI's shape) out; our frames in, OpenAI chunks and
 responses out.
 
-Accepted: ``messages`` (string content, or a list of ``{"type": "text"}`` parts; roles system,
+Accepted: ``messages`` (string content, or a list of ``{"type": "text"}`` parts, joined by
+newlines; roles system,
 developer (as system), user, assistant), ``model``, ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``,
 ``user``. Refused with 400 (code ``unsupported_parameter``, ``param`` naming it): ``n`` other
@@ -11,7 +12,7 @@ their choice fields), ``logprobs`` / ``top_logprobs``, ``response_format`` other
 ``logit_bias``, non-zero ``frequency_penalty`` / ``presence_penalty``, ``audio``, ``modalities``
 other than text, ``prediction``; also non-text content parts and ``tool`` messages. A field at
 its "nothing asked" value (``logprobs: false``, ``presence_penalty: 0``...) is accepted, so
-clients that send every default work. Other fields are ignored, as OpenAI's own servers ignore
+clients that send every default work, and any field sent as ``null`` takes its default. Other fields are ignored, as OpenAI's own servers ignore
 unknown ones.
 
 Errors (``{"error": {"message", "type", "code", "param"}}``)::
@@ -76,6 +77,9 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     """Validate a ``/v1/chat/completions`` body; raises ``APIError`` (400) naming the field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    # ``null`` asks for the default, as OpenAI's API and SDKs read it (the SDK sends it for
+    # every argument a caller passes as None).
+    body = {name: value for name, value in body.items() if value is not None}
     for name, nothing_asked in _UNSUPPORTED.items():
         if not any(_same(body.get(name), value) for value in nothing_asked):
             allowed = " or send " + " or ".join(_enc.encode(v).decode() for v in nothing_asked[1:]) if nothing_asked[1:] else ""
@@ -99,7 +103,7 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
         frame = chat_frame(body, None, _messages(body.get("messages"), limits), limits,
                            max_tokens_field=max_tokens_field, default_temperature=1.0)
     except ProtocolError as err:
-        raise APIError(400, err.message, code=err.code.value, param=_param(err.message)) from None
+        raise APIError(400, err.message, code=err.code.value, param=_param(err, max_tokens_field)) from None
     return CompletionRequest(frame, stream, bool(options and options.get("include_usage")))
 
 
@@ -133,15 +137,19 @@ def _content(content: object, i: int) -> str:
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
             raise APIError(400, f"messages[{i}].content: only text parts are supported",
                            param=f"messages[{i}].content", code="unsupported_content")
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)  # as vLLM and TensorRT-LLM's servers join them
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content")
 
 
-def _param(message: str) -> str | None:
-    """The field a protocol error names (``field 'x' ...``), for OpenAI's ``param``."""
-    if "'" in message:
-        return message.split("'")[1]
+def _param(err: ProtocolError, max_tokens_field: str) -> str | None:
+    """The field a protocol error is about, for OpenAI's ``param``."""
+    if err.code is ErrorCode.MAX_TOKENS_TOO_LARGE:
+        return max_tokens_field
+    if err.code is ErrorCode.PROMPT_TOO_LONG:
+        return "messages"
+    if "'" in err.message:  # ``field 'x' ...``
+        return err.message.split("'")[1]
     return None
 
 
@@ -221,6 +229,17 @@ def completion(request_id: str, created: int, model: str, text: str, finish: str
     })
 
 
+def _model(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "lanes"}
+
+
 def models(names: list[str], created: int) -> bytes:
-    return _enc.encode({"object": "list", "data": [{"id": n, "object": "model", "created": created,
-                                                    "owned_by": "lanes"} for n in names]})
+    return _enc.encode({"object": "list", "data": [_model(n, created) for n in names]})
+
+
+def model(name: str, names: list[str], created: int) -> bytes:
+    """``GET /v1/models/{name}``: the model object, or ``APIError`` 404 as OpenAI answers."""
+    if name not in names:
+        raise APIError(404, f"the model '{name}' does not exist; serving: {', '.join(names) or 'none'}",
+                       code="model_not_found", param="model")
+    return _enc.encode(_model(name, created))

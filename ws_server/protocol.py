@@ -172,7 +172,9 @@ def _required_id(obj: dict[str, Any], request_id: str | None) -> str:
 
 
 def _int(obj: dict[str, Any], name: str, rid: str | None, lo: int, hi: int, default: int | None) -> int:
-    value = obj.get(name, default)
+    value = obj.get(name)
+    if value is None:  # absent or null: the default
+        value = default
     if value is None:
         raise ProtocolError(ErrorCode.MISSING_FIELD, f"field '{name}' is required", rid)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -181,7 +183,9 @@ def _int(obj: dict[str, Any], name: str, rid: str | None, lo: int, hi: int, defa
 
 
 def _float(obj: dict[str, Any], name: str, rid: str | None, lo: float, hi: float, default: float) -> float:
-    value = obj.get(name, default)
+    value = obj.get(name)
+    if value is None:  # absent or null: the default
+        value = default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"field '{name}' must be a number in [{lo}, {hi}]", rid)
     return float(value)
@@ -211,7 +215,7 @@ def chat_frame(obj: dict[str, Any], rid: str | None, messages: tuple[ChatMessage
     """Validate a chat's fields other than its messages (shared with the OpenAI-style API)."""
     if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
         raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"messages exceed {limits.max_prompt_chars} characters", rid)
-    max_tokens = obj.get(max_tokens_field, limits.default_max_tokens)
+    max_tokens = obj.get(max_tokens_field)
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens_limit:
         raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE,
                             f"{max_tokens_field} must be at most {limits.max_tokens_limit}", rid)
