@@ -4,7 +4,6 @@ serves) honours each request's sampling fields."""
 from __future__ import annotations
 
 import pytest
-
 from lanes.queue.messages import ChatMessage
 from lanes.workers.engines.base import EngineRequest
 from lanes.workers.engines.hf import HFEngine
