@@ -14,6 +14,7 @@ from lanes.scheduler.router.fixed_answers import (
     FixedAnswers,
     FixedAnswersError,
     answer_deltas,
+    request_deltas,
     normalise,
     within_edits,
 )
@@ -151,3 +152,12 @@ def _levenshtein(a: str, b: str) -> int:
 @given(st.text("abc ", max_size=12), st.text("abc ", max_size=12), st.integers(0, 3))
 def test_within_edits_agrees_with_levenshtein(a: str, b: str, k: int) -> None:
     assert within_edits(a, b, k) == (_levenshtein(a, b) <= k)
+
+
+def test_request_deltas_cut_at_a_stop_then_at_max_tokens() -> None:
+    answer = "Hello! How can I help you today?"
+    assert request_deltas(answer, 64) == (answer_deltas(answer), False)
+    assert request_deltas(answer, 3) == (["Hello", "!", " How"], True)
+    assert request_deltas(answer, 64, ("help", "How")) == (["Hello", "!", " "], False)  # the first stop wins
+    assert request_deltas(answer, 2, (" you",)) == (["Hello", "!"], True)  # max_tokens comes first
+    assert request_deltas(answer, 64, ("Hello",)) == ([], False)

@@ -89,7 +89,7 @@ async def test_auto_follows_the_rules(system: System) -> None:
 
 
 async def test_fixed_answers_need_no_model(system: System) -> None:
-    frames = await chat(system.edge_urls["edge"], "hello-1", "Hello!")
+    frames = await chat(system.edge_urls["edge"], "hello-1", "Hello!", max_tokens=64)
     kinds = [f["type"] for f in frames]
     assert kinds[0] == "accepted" and frames[0]["lane"] == "fixed" and kinds[-1] == "done", frames
     assert "pool" not in frames[0], "no pool serves a fixed answer"
@@ -97,6 +97,24 @@ async def test_fixed_answers_need_no_model(system: System) -> None:
     assert text.startswith("Hello!") and frames[-1]["finish_reason"] == "stop"
     for pool in ("small", "large"):
         assert served_by(system, pool, "hello-1") == "", "no worker ever saw it"
+
+
+async def test_fixed_answers_keep_the_requests_model_max_tokens_and_stop(system: System) -> None:
+    """A fixed answer is what an engine would have sent: none for a model nobody serves, cut at
+    ``max_tokens`` (finish ``length``) and before a ``stop`` string."""
+    url = system.edge_urls["edge"]
+    whole = await chat(url, f"hi-{uuid.uuid4().hex[:6]}", "Hello!", max_tokens=64)
+    text = "".join(f["text"] for f in whole if f["type"] == "delta")
+    unknown = await chat(url, f"hi-{uuid.uuid4().hex[:6]}", "Hello!", model="gigantic")
+    assert [f["type"] for f in unknown] == ["error"] and unknown[0]["code"] == "model_not_found", unknown
+    short = await chat(url, f"hi-{uuid.uuid4().hex[:6]}", "Hello!", max_tokens=2)
+    deltas = [f["text"] for f in short if f["type"] == "delta"]
+    assert len(deltas) == 2 and text.startswith("".join(deltas)), short
+    assert short[-1]["finish_reason"] == "length" and short[-1]["usage"]["completion_tokens"] == 2
+    stop = text.split()[1]  # the answer's second word
+    stopped = await chat(url, f"hi-{uuid.uuid4().hex[:6]}", "Hello!", max_tokens=64, stop=[stop])
+    assert "".join(f["text"] for f in stopped if f["type"] == "delta") == text[:text.index(stop)]
+    assert stopped[-1]["finish_reason"] == "stop", stopped
 
 
 def test_openai_models_and_unknown_model(system: System) -> None:

@@ -11,7 +11,7 @@ from lanes.queue.errors import ErrorCode
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import Finish, FinishReason, RequestPayload, TokenEvent, Usage
 from lanes.queue.stats import NO_LANE
-from lanes.scheduler.router.fixed_answers import FixedAnswer, answer_deltas
+from lanes.scheduler.router.fixed_answers import FixedAnswer, request_deltas
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import delivery, protocol
@@ -34,13 +34,13 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     if refusal is not None:
         extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
         return edge.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **extra)
-    if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
-        return _fixed(edge, request_id, fixed)
     try:
         pool = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge))
-    except UnknownModel as unknown:
+    except UnknownModel as unknown:  # before a fixed answer: "hi" to a model nobody serves is no answer
         live = tuple(await edge.live_pools())
         return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
+    if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
+        return _fixed(edge, request_id, fixed, frame)
     plane = edge.plane.for_pool(pool)
     if not edge.admission.num_workers(pool) and await edge.plane.fleet.num_workers(pool) == 0:
         # The snapshot may be half a second old, or absent (no scheduler, or one that does not
@@ -88,12 +88,14 @@ def _overloaded(edge: Edge, request_id: str, decision: AdmissionDecision, subjec
                             lane=lane, retry_after_ms=decision.retry_after_ms, reason=reason)
 
 
-def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer) -> list[delivery.Action]:
-    """A fixed answer, streamed by the edge itself like any answer (no Redis, no model)."""
+def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer, frame: protocol.ChatFrame) -> list[delivery.Action]:
+    """A fixed answer, streamed by the edge itself like any answer (no Redis, no model), within
+    the request's ``max_tokens`` and ``stop``."""
     metrics.FIXED_ANSWERS.labels(fixed.name).inc()
-    deltas = answer_deltas(fixed.answer)
+    deltas, cut = request_deltas(fixed.answer, frame.max_tokens, frame.stop)
+    finish = Finish(FinishReason.LENGTH if cut else FinishReason.STOP, Usage(0, len(deltas)))
     events = [TokenEvent(request_id, 0, seq, text) for seq, text in enumerate(deltas)]
-    events.append(TokenEvent(request_id, 0, len(deltas), "", (), Finish(FinishReason.STOP, Usage(0, len(deltas)))))
+    events.append(TokenEvent(request_id, 0, len(deltas), "", (), finish))
     now = time.monotonic()
     return edge.core.accepted(request_id, FIXED_LANE, 0, now) + edge.core.tokens(events, now)
 

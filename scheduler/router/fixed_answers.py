@@ -80,6 +80,15 @@ def answer_deltas(answer: str) -> list[str]:
     return _DELTA_RE.findall(answer)
 
 
+def request_deltas(answer: str, max_tokens: int, stop: tuple[str, ...] = ()) -> tuple[list[str], bool]:
+    """A fixed answer as one request asked for it: cut before the first ``stop`` string, then
+    at ``max_tokens`` pieces. Returns the pieces and whether ``max_tokens`` cut them (the
+    finish is then ``length``, else ``stop``), as an engine would end the same text."""
+    cut = min((i for i in (answer.find(s) for s in stop if s) if i >= 0), default=-1)
+    pieces = answer_deltas(answer if cut < 0 else answer[:cut])
+    return (pieces[:max_tokens], True) if len(pieces) > max_tokens else (pieces, False)
+
+
 @dataclass(frozen=True)
 class FixedAnswers:
     """The parsed table: normalised question -> answer. Immutable; matching is pure."""
