@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from lanes.queue.messages import ChatMessage
 from lanes.scheduler.router.fixed_answers import (
     FixedAnswers,
     FixedAnswersError,
     answer_deltas,
-    request_deltas,
     normalise,
+    request_deltas,
     within_edits,
 )
 

@@ -316,3 +316,28 @@ def test_an_oversized_body_sent_in_full_gets_its_413_not_a_reset(system: System)
             reply += data
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"frame_too_large" in reply and b"connection: close" in reply.lower()
+
+
+async def test_an_idle_stream_sends_keep_alive_comments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a request waits (queued, a long prefill) its stream sends SSE comments, which every
+    SSE client skips, so proxies with idle timeouts do not cut it; then the answer as usual."""
+    from lanes.queue.messages import FinishReason, Usage
+    from lanes.ws_server import completions, protocol
+
+    class Edge:
+        def __init__(self) -> None:
+            self.closed: list[tuple[int, bool]] = []
+
+        def close_session(self, conn: int, *, abandoned: bool) -> None:
+            self.closed.append((conn, abandoned))
+
+    monkeypatch.setattr(completions, "KEEPALIVE_S", 0.05)
+    session, edge = completions.HttpSession(), Edge()
+    events = completions._events(edge, 7, session, "chatcmpl-x", 0, "default", False)  # type: ignore[arg-type]
+    assert b'"role":"assistant"' in await anext(events)
+    assert [await anext(events) for _ in range(2)] == [b": keep-alive\n\n"] * 2
+    session.send(protocol.delta_frame("chatcmpl-x", 0, "Hi"))
+    session.send(protocol.done_frame("chatcmpl-x", FinishReason.STOP, Usage(3, 1), protocol.Timing(1, 2, 3)))
+    rest = [chunk async for chunk in events]
+    assert b'"content":"Hi"' in rest[0] and b'"finish_reason":"stop"' in rest[1] and rest[-1] == b"data: [DONE]\n\n"
+    assert edge.closed == [(7, False)]

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 _decode_frame = msgspec.json.Decoder(dict[str, Any]).decode
+#: A stream with nothing to send for this long gets an SSE comment (clients skip it), so that
+#: proxies and load balancers with idle timeouts (nginx 60 s, AWS ALB 60 s) keep it open.
+KEEPALIVE_S = 15.0
+#: nginx buffers proxied responses unless told not to: tokens would arrive in bursts.
+SSE_HEADERS = {"X-Accel-Buffering": "no"}
 
 
 class HttpSession:
@@ -168,7 +173,7 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
         if parsed.stream:
             handed_to_stream = True
             return StreamingResponse(_events(edge, conn, session, request_id, created, model, parsed.include_usage),
-                                     media_type="text/event-stream", headers=headers)
+                                     media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
         body = await _until_done_or_gone(request, session, request_id, created, model)
         finished = body is not None
         if body is None:
@@ -186,7 +191,11 @@ async def _events(edge: Edge, conn: int, session: HttpSession, request_id: str, 
     try:
         yield oai.chunk(request_id, created, model, {"role": "assistant", "content": ""}, with_usage=include_usage)
         while True:
-            frame = await session.frames.get()
+            try:
+                frame = await asyncio.wait_for(session.frames.get(), KEEPALIVE_S)
+            except TimeoutError:  # queued, or a long prefill: keep proxies from closing an idle stream
+                yield oai.KEEPALIVE
+                continue
             kind = frame["type"]
             if kind == "delta":
                 yield oai.chunk(request_id, created, model, {"content": frame["text"]}, with_usage=include_usage)

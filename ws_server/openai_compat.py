@@ -216,6 +216,8 @@ def error_event(error: APIError) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+#: An SSE comment: keeps an idle stream open; every SSE client (the OpenAI SDKs) skips it.
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def completion(request_id: str, created: int, model: str, text: str, finish: str,
