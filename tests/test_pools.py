@@ -203,10 +203,12 @@ def test_a_client_that_leaves_cancels_its_request_in_its_own_pool(system: System
 async def test_a_pool_nobody_serves_or_snapshots_is_refused_at_once(system: System, tmp_path: Path) -> None:
     """A pool the rules name but no worker serves and the scheduler does not snapshot (not in
     ``LANES_POOLS``; or its last worker is gone) is refused ``unavailable``: before, the edge
-    skipped the registry check without a snapshot and the chat waited in a lane nobody pulls."""
+    skipped the registry check without a snapshot and the chat waited in a lane nobody pulls.
+    (An edge with no scheduler at all still enqueues: it cannot tell.)"""
     rules = tmp_path / "routing.toml"
     rules.write_text(RULES.read_text().replace('pools = ["small", "large"]', 'pools = ["small", "large", "spare"]'))
     system.start_edge("spare", LANES_ROUTING_FILE=str(rules))
+    await asyncio.sleep(1.0)  # the edge has the scheduler's snapshots of the other pools
     started = time.monotonic()
     frames = await chat(system.edge_urls["spare"], f"spare-{uuid.uuid4().hex[:6]}", "Tell me about the sea.",
                         model="spare")

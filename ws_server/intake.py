@@ -42,9 +42,12 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
         return _fixed(edge, request_id, fixed, frame)
     plane = edge.plane.for_pool(pool)
-    if not edge.admission.num_workers(pool) and await edge.plane.fleet.num_workers(pool) == 0:
-        # The snapshot may be half a second old, or absent (no scheduler, or one that does not
-        # snapshot this pool: its last worker is gone): only a registry with nobody in it refuses.
+    known = edge.admission.num_workers(pool)
+    if not known and (known is not None or edge.admission.pools()) \
+            and await edge.plane.fleet.num_workers(pool) == 0:
+        # The snapshot may be half a second old, or absent while the scheduler snapshots other
+        # pools (this one is not in LANES_POOLS, or its last worker is gone): only a registry
+        # with nobody in it refuses. Without any scheduler the edge cannot tell, and enqueues.
         return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE,
                                 f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
                                 retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers")
