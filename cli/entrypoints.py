@@ -13,10 +13,11 @@ import errno
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from lanes.cli.failures import ConfigFailure, safe_url
+from lanes.cli.failures import ConfigFailure, safe_url, unknown_variables
 from lanes.queue.errors import QueueAuthError, QueueUnavailable
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
@@ -85,6 +86,8 @@ def _serve_metrics(role: Any, port: int, option: str) -> None:
 
 def _setup(settings: RedisSettings, process: str) -> QueuePlane:
     setup_logging(settings.log_level, process)
+    for warning in unknown_variables(os.environ):
+        log.warning(warning)
     setup_tracing(f"lanes-{process}", settings.otel_exporter)
     return QueuePlane.from_settings(settings)
 
@@ -113,11 +116,16 @@ def run_edge(overrides: dict[str, Any]) -> None:
         try:
             await Edge(settings, plane).serve()
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            raise ConfigFailure(
-                f"port {settings.port} on {settings.host} is already in use (--port / LANES_PORT): "
-                "stop what listens there or choose another port") from None
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigFailure(
+                    f"port {settings.port} on {settings.host} is already in use (--port / LANES_PORT): "
+                    "stop what listens there or choose another port") from None
+            if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
+                raise ConfigFailure(
+                    f"cannot listen on {settings.host}:{settings.port} (--host / LANES_HOST, --port / LANES_PORT): "
+                    f"{exc.strerror or exc}; give an address of this machine (0.0.0.0: all of them, 127.0.0.1: "
+                    "this machine only) and a port it may open (1024 or above without privileges)") from None
+            raise
 
     _serve(plane, body)
 

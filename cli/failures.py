@@ -19,7 +19,9 @@ Exception tree::
 
 from __future__ import annotations
 
+import difflib
 import sys
+from collections.abc import Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -48,6 +50,34 @@ class CliSettings(BaseSettings):
 
     #: Show tracebacks for expected failures too (same as ``--debug``).
     debug: bool = False
+
+
+#: ``LANES_*`` variables read outside the settings classes (the Procfile, bootstrap, tests).
+OTHER_VARIABLES = frozenset({"LANES_BIN", "LANES_TORCH_VERSION", "LANES_TEST_TIME_SCALE", "LANES_SCREENSHOT_DIR"})
+
+
+def known_variables() -> frozenset[str]:
+    """Every ``LANES_*`` variable some lanes process reads."""
+    from lanes.scheduler.settings import SchedulerSettings
+    from lanes.workers.settings import WorkerSettings
+    from lanes.ws_server.settings import EdgeSettings
+
+    fields = {name for cls in (EdgeSettings, WorkerSettings, SchedulerSettings, CliSettings) for name in cls.model_fields}
+    return frozenset(f"LANES_{name.upper()}" for name in fields) | OTHER_VARIABLES
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``LANES_*`` variable that no process reads: pydantic-settings ignores
+    them, so a typo (``LANES_AUTH_REQURED=true``) would otherwise leave the default (auth off)
+    without a word. Names the closest real setting."""
+    known = known_variables()
+    suffixes = {name.removeprefix("LANES_"): name for name in known}
+    warnings = []
+    for name in sorted(n for n in environ if n.upper().startswith("LANES_") and n.upper() not in known):
+        close = difflib.get_close_matches(name.upper().removeprefix("LANES_"), suffixes, n=1, cutoff=0.7)
+        hint = f"; did you mean {suffixes[close[0]]}?" if close else ""
+        warnings.append(f"{name} is not a lanes setting and is ignored{hint}")
+    return warnings
 
 
 def safe_url(url: str) -> str:

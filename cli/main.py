@@ -7,12 +7,13 @@ change something and retry); tracebacks only for bugs, or with ``--debug`` / ``L
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Annotated, Any, Optional
 
 import typer
 
 from lanes.cli import bench, keys, model, predictor, router
-from lanes.cli.failures import EXIT_INTERRUPTED, CliSettings, report
+from lanes.cli.failures import EXIT_INTERRUPTED, CliSettings, exit_code_for, report
 
 app = typer.Typer(help="lanes: LLM chat serving with length-aware priority lanes", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
@@ -43,7 +44,7 @@ def _given(**flags: Any) -> dict[str, Any]:
 
 @app.command()
 def up(
-    port: Annotated[int, typer.Option(min=0, max=65535, help="WebSocket/HTTP port of the edge")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="WebSocket/HTTP port of the edge")] = 8000,
     workers: Annotated[int, typer.Option(min=1, help="number of worker processes")] = 1,
     engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
     model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
@@ -178,8 +179,10 @@ def main() -> None:
             raise
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:  # noqa: BLE001 - expected failures become one line; bugs re-raise
-        if _State.debug:
-            raise
+        if _State.debug and exit_code_for(exc) is not None:
+            # The traceback, then the same status: ``lanes up`` must still see a configuration
+            # error (2) and stop, not restart its child forever.
+            traceback.print_exc()
         code = report(exc)
         if code is None:
             raise

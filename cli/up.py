@@ -154,7 +154,7 @@ def _redis_url(settings: RedisSettings) -> tuple[str, EmbeddedRedis | None]:
 
         asyncio.run(check())
         return settings.redis_url, None
-    embedded = EmbeddedRedis().start()
+    embedded = EmbeddedRedis(own_session=True).start()  # stopped last, after the children
     console.print(f"[green]redis[/] embedded redis-server on {embedded.url}")
     return embedded.url, embedded
 

@@ -40,8 +40,12 @@ def free_port() -> int:
 class EmbeddedRedis:
     """A redis-server child process on a loopback port, persistence off."""
 
-    def __init__(self, port: int = 0, *, password: str = "", extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, port: int = 0, *, password: str = "", extra_args: tuple[str, ...] = (),
+                 own_session: bool = False) -> None:
         self.port = port or free_port()
+        #: Start it in a session of its own: a Ctrl-C in the terminal then reaches only its
+        #: owner (``lanes up``), which stops it after the processes that use it.
+        self._own_session = own_session
         self.password = password
         self._extra_args = extra_args
         self._dir = tempfile.mkdtemp(prefix="lanes-redis-")
@@ -63,7 +67,8 @@ class EmbeddedRedis:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=self._own_session)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class RedisSettings(BaseSettings):
@@ -23,24 +25,56 @@ class RedisSettings(BaseSettings):
     #: Prefix of every key and channel (lets several deployments share one Redis).
     key_prefix: str = "lanes"
     #: A running request's lease; a worker renews it every ``heartbeat_s``.
-    lease_ms: int = 2000
-    heartbeat_s: float = 0.5
+    lease_ms: int = Field(2000, gt=0)
+    heartbeat_s: float = Field(0.5, gt=0)
     #: How long a queued request may sit unwatched before the reaper re-checks it.
-    start_timeout_ms: int = 3000
+    start_timeout_ms: int = Field(3000, gt=0)
     #: A request whose lease expired this many times is failed instead of retried.
-    max_attempts: int = 3
+    max_attempts: int = Field(3, ge=1)
     #: ``lanes`` (length-aware lanes, demotion, slot reservation) or ``fcfs`` (one lane, open
     #: slots: a real baseline). Every edge and worker of a deployment must run the same one.
     policy: Literal["lanes", "fcfs"] = "lanes"
+    #: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case).
     log_level: str = "INFO"
     #: OpenTelemetry exporter: ``none``, ``console`` or ``otlp`` (needs the ``[otlp]`` extra).
-    otel_exporter: str = "none"
+    otel_exporter: Literal["none", "console", "otlp"] = "none"
 
     @field_validator("redis_url")
     @classmethod
-    def _redis_scheme(cls, url: str) -> str:
-        scheme = urlsplit(url).scheme
-        if scheme not in REDIS_SCHEMES:
+    def _redis_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in REDIS_SCHEMES:
             schemes = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
-            raise ValueError(f"the URL must start with one of {schemes} (not {scheme + '://' if scheme else 'nothing'})")
+            scheme = parts.scheme + "://" if parts.scheme else "nothing"
+            raise ValueError(f"the URL must start with one of {schemes} (not {scheme})")
+        if parts.scheme == "unix":
+            return url
+        try:
+            parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+        except ValueError:
+            raise ValueError("the port must be a number in 1-65535") from None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():  # redis-py would quietly use database 0
+            raise ValueError(f"the database after the host must be a number (redis://host:port/0), not {db!r}")
         return url
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, level: str) -> str:
+        if level.upper() not in LOG_LEVELS:
+            raise ValueError(f"use one of {', '.join(LOG_LEVELS)}")
+        return level.upper()
+
+    @field_validator("otel_exporter")
+    @classmethod
+    def _otlp_installed(cls, exporter: str) -> str:
+        if exporter == "otlp" and importlib.util.find_spec("opentelemetry.exporter.otlp") is None:
+            raise ValueError("otlp needs the OTLP exporter: pip install 'lanes[otlp]'")
+        return exporter
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> RedisSettings:
+        if self.heartbeat_s * 1000 >= self.lease_ms:
+            raise ValueError(f"LANES_HEARTBEAT_S ({self.heartbeat_s:g} s) must be shorter than LANES_LEASE_MS "
+                             f"({self.lease_ms} ms), or every lease runs out between renewals")
+        return self

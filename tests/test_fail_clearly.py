@@ -75,7 +75,39 @@ def test_a_hub_id_missing_from_the_offline_cache_exits_2(redis_url: str, tmp_pat
 def test_a_directory_that_is_not_a_model_exits_2_naming_it(redis_url: str, tmp_path) -> None:
     out = lanes("worker", "--model", str(tmp_path), LANES_REDIS_URL=redis_url)
     assert out.returncode == 2
-    assert f"configuration error: cannot load the model {tmp_path} (--model / LANES_MODEL)" in out.stderr
+    assert f"configuration error: {tmp_path} is not a Hugging Face model directory: it has no config.json " \
+           "(--model / LANES_MODEL)" in out.stderr
+    no_traceback(out)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    out = lanes("worker", "--model", str(tmp_path / "weights.bin"), LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2 and "weights.bin is a file, not a model directory" in out.stderr
+    no_traceback(out)
+
+
+def test_debug_keeps_the_configuration_exit_status(redis_url: str) -> None:
+    """With ``--debug`` a configuration error still exits 2 (after its traceback): ``lanes up``
+    stops on 2, and restarted its child forever on the 1 a re-raised exception gave."""
+    out = lanes("--debug", "worker", "--model", "/nonexistent/model", LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2 and "Traceback" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("configuration error: model directory /nonexistent/model")
+
+
+def test_an_address_the_edge_cannot_listen_on_is_one_line(redis_url: str) -> None:
+    out = lanes("edge", "--host", "192.0.2.1", "--port", "8000", LANES_REDIS_URL=redis_url)  # TEST-NET-1: never ours
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "configuration error: cannot listen on 192.0.2.1:8000 (--host / LANES_HOST, --port / LANES_PORT)")
+    no_traceback(out)
+
+
+def test_a_device_this_torch_cannot_use_is_one_line(redis_url: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    out = lanes("worker", "--device", "cuda", LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "LANES_DEVICE=cuda, but torch" in out.stderr and "--device cpu" in out.stderr
     no_traceback(out)
 
 
@@ -156,6 +188,16 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
     (["edge"], {"LANES_PORT": "70000"}, "LANES_PORT='70000': Input should be less than or equal to 65535"),
     (["scheduler"], {"LANES_PREDICTOR_MAX_OBSERVATIONS": "30000"},
      "LANES_PREDICTOR_MAX_OBSERVATIONS='30000': Input should be less than or equal to 20000"),
+    (["scheduler"], {"LANES_LOG_LEVEL": "verbose"}, "LANES_LOG_LEVEL='verbose': Value error, use one of DEBUG, INFO"),
+    (["scheduler"], {"LANES_OTEL_EXPORTER": "bogus"}, "LANES_OTEL_EXPORTER='bogus': Input should be 'none', 'console'"),
+    (["scheduler"], {"LANES_REDIS_URL": "redis://127.0.0.1:6379/abc"},
+     "the database after the host must be a number (redis://host:port/0), not 'abc'"),  # redis-py: db 0, silently
+    (["scheduler"], {"LANES_REDIS_URL": "redis://127.0.0.1:99999/0"}, "the port must be a number in 1-65535"),
+    (["scheduler"], {"LANES_HEARTBEAT_S": "0"}, "LANES_HEARTBEAT_S='0': Input should be greater than 0"),
+    (["scheduler"], {"LANES_HEARTBEAT_S": "3"}, "LANES_HEARTBEAT_S (3 s) must be shorter than LANES_LEASE_MS"),
+    (["worker", "--engine", "sim"], {"LANES_DEVICE": "tpu"}, "LANES_DEVICE='tpu': Value error, use cpu, cuda"),
+    (["edge"], {"LANES_API_KEY_HASHES": "lanes_pastedthekey"},
+     "each entry must be a SHA-256 hex digest (64 hex digits) of a key, not the key itself"),
 ])
 def test_a_setting_that_does_not_validate_is_one_line_naming_it(command: list[str], env: dict[str, str],
                                                                 named: str) -> None:
@@ -197,3 +239,15 @@ def test_bench_arguments_out_of_range_are_usage_errors(tmp_path) -> None:
     out = lanes("worker", "--engine", "sim", "--sim-profile", "nope")
     assert out.returncode == 2 and "LANES_SIM_PROFILE='nope'" in out.stderr
     no_traceback(out)
+
+
+def test_a_lanes_variable_no_process_reads_is_named_with_the_closest_setting() -> None:
+    from lanes.cli.failures import known_variables, unknown_variables
+
+    environ = {"LANES_AUTH_REQURED": "true", "LANES_ROUTING_FLIE": "x", "LANES_FOO": "1", "LANES_MAX_SLOTS": "4",
+               "LANES_BIN": "lanes", "PATH": "/bin"}
+    assert unknown_variables(environ) == [
+        "LANES_AUTH_REQURED is not a lanes setting and is ignored; did you mean LANES_AUTH_REQUIRED?",
+        "LANES_FOO is not a lanes setting and is ignored",
+        "LANES_ROUTING_FLIE is not a lanes setting and is ignored; did you mean LANES_ROUTING_FILE?"]
+    assert {"LANES_REDIS_URL", "LANES_MAX_SLOTS", "LANES_PORT", "LANES_DEBUG", "LANES_POOLS"} <= known_variables()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lanes.workers.engines.base import Engine
+from lanes.workers.engines.base import ConfigError, Engine
 from lanes.workers.engines.engine_config import validate
 from lanes.workers.settings import WorkerSettings
 
@@ -33,6 +33,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
                          max_num_batched_tokens=settings.max_num_batched_tokens,
                          chunked_prefill=settings.sim_chunked_prefill, time_scale=settings.sim_time_scale)
     settings = resolve_models(settings)
+    if settings.engine == "hf":
+        check_torch_device(settings.device)
     if settings.engine == "vllm":
         from lanes.workers.engines.vllm import VllmEngine
 
@@ -49,3 +51,16 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
     device = settings.device if settings.device != "cuda" else f"cuda:{settings.gpu_index}"
     return HFEngine(settings.model, max_slots=settings.max_slots, device=device, max_model_len=settings.max_model_len)
+
+
+def check_torch_device(device: str) -> None:
+    """``ConfigError`` unless this torch can run on ``device`` (the ``hf`` engines)."""
+    import torch
+
+    kind = device.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(f"LANES_DEVICE={device}, but torch {torch.__version__} ({build}) sees no CUDA GPU: "
+                          "install a CUDA build of torch on a machine with a GPU, or use --device cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"LANES_DEVICE={device}, but this torch has no MPS (Apple GPU) backend: use --device cpu")

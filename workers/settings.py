@@ -98,6 +98,7 @@ class WorkerSettings(RedisSettings):
     orphan_grace_s: float = 15.0
     #: On SIGTERM: stop claiming, let running requests finish this long, hand back the rest.
     drain_timeout_s: float = 5.0
+    #: Where the ``hf`` engines run: ``cpu``, ``cuda`` (the GPU ``gpu_index``), ``cuda:N`` or ``mps``.
     device: str = "cpu"
     #: Which GPU (vLLM / TensorRT-LLM see only it: CUDA_VISIBLE_DEVICES is set from it).
     gpu_index: int = 0
@@ -116,6 +117,13 @@ class WorkerSettings(RedisSettings):
     #: ``trtllm`` workers run them); off: vLLM v0's alternating prefill and decode iterations.
     sim_chunked_prefill: bool = True
     worker_id: str = ""
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
+            raise ValueError("use cpu, cuda (the GPU LANES_GPU_INDEX), cuda:N or mps")
+        return device
 
     @field_validator("sim_profile")
     @classmethod

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from lanes.queue.errors import QueueUnavailable
 from lanes.ws_server import openai_compat as oai
 from lanes.ws_server.auth import Identity, Refusal
 from starlette.exceptions import HTTPException
@@ -36,6 +37,9 @@ _decode_frame = msgspec.json.Decoder(dict[str, Any]).decode
 #: A stream with nothing to send for this long gets an SSE comment (clients skip it), so that
 #: proxies and load balancers with idle timeouts (nginx 60 s, AWS ALB 60 s) keep it open.
 KEEPALIVE_S = 15.0
+#: What ``/v1/models`` answers while Redis (where workers register) cannot be read.
+REDIS_DOWN = oai.APIError(503, "the queue is unavailable; retry shortly", "server_error", "unavailable",
+                          retry_after_s=1)
 #: nginx buffers proxied responses unless told not to: tokens would arrive in bursts.
 SSE_HEADERS = {"X-Accel-Buffering": "no"}
 
@@ -101,7 +105,11 @@ def routes(edge: Edge) -> list[BaseRoute]:
         verdict = await edge.gate.check(MODELS_PATH, request.headers)
         if isinstance(verdict, Refusal):
             return _refused(verdict)
-        return Response(oai.models(await edge.model_names(), int(time.time())), media_type="application/json")
+        try:
+            names = await edge.model_names()
+        except QueueUnavailable:
+            return _error(REDIS_DOWN)
+        return Response(oai.models(names, int(time.time())), media_type="application/json")
 
     async def retrieve_model(request: Request) -> Response:
         verdict = await edge.gate.check(MODELS_PATH, request.headers)
@@ -109,6 +117,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
             return _refused(verdict)
         try:
             body = oai.model(request.path_params["name"], await edge.model_names(), int(time.time()))
+        except QueueUnavailable:
+            return _error(REDIS_DOWN)
         except oai.APIError as error:
             return _error(error)
         return Response(body, media_type="application/json")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lanes.queue.settings import RedisSettings
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
@@ -62,6 +63,18 @@ class EdgeSettings(RedisSettings):
     #: Comma list of SHA-256 hex digests of accepted keys (``lanes keys create --static``),
     #: accepted besides the keys stored in Redis (``lanes:keys:<hash>``).
     api_key_hashes: str = ""
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hashes(cls, text: str) -> str:
+        for item in (i.strip() for i in text.split(",")):
+            if item and not re.fullmatch(r"[0-9a-fA-F]{64}", item):
+                looks_like_key = item.startswith("lanes_")
+                raise ValueError("each entry must be a SHA-256 hex digest (64 hex digits) of a key"
+                                 + (", not the key itself" if looks_like_key else "")
+                                 + ": `lanes keys create NAME --static` prints a key and its digest; "
+                                 "`printf %s KEY | sha256sum` gives an existing key's")
+        return text
     #: With auth on, ``/metrics`` and ``/v1/depths`` need a key too; false leaves them open
     #: (a Prometheus scraper on a private network). ``/healthz`` and the dashboard page stay open.
     protect_metrics: bool = True

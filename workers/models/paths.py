@@ -54,9 +54,20 @@ def looks_like_path(spec: str) -> bool:
 
 def check_model(spec: str, setting: str = "--model / LANES_MODEL") -> None:
     """Raise ``ConfigError`` naming ``setting`` if ``spec`` (already resolved) cannot load:
-    a missing directory, a malformed hub id, or (offline) a hub id absent from the cache."""
-    if Path(spec).expanduser().is_dir():
+    a missing directory, a directory without ``config.json`` (``params.json`` for Mistral's own
+    format), a file other than a GGUF, a malformed hub id, or (offline) a hub id absent from the
+    cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in ("config.json", "params.json")):
+            raise ConfigError(f"{spec} is not a Hugging Face model directory: it has no config.json ({setting}); "
+                              "give the directory that holds config.json, the weights and the tokenizer files")
         return
+    if path.is_file():
+        if path.suffix == ".gguf":  # vLLM loads a GGUF file
+            return
+        raise ConfigError(f"{spec} is a file, not a model directory ({setting}): give the directory that holds "
+                          "config.json, the weights and the tokenizer files")
     if looks_like_path(spec):
         raise ConfigError(f"model directory {spec} does not exist ({setting}): give a Hugging Face "
                           "model directory, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
