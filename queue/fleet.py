@@ -67,7 +67,16 @@ class Fleet:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(k.worker_info(report.worker), encode(report), px=ttl_ms)
             pipe.zadd(k.workers, {report.worker: now_ms})
+            pipe.sadd(k.pools, report.pool)
             await pipe.execute()
+
+    async def served_pools(self) -> set[str]:
+        """Pools workers have served (``Keys.pools``), their last worker gone or not."""
+        return {p.decode() for p in await self.redis.smembers(self.keys.pools)}
+
+    async def forget_pool(self, pool: str) -> None:
+        """Drop ``pool`` from ``served_pools`` (a worker that serves it again adds it back)."""
+        await self.redis.srem(self.keys.pools, pool)
 
     async def live_workers(self, now_ms: int, max_age_ms: int) -> list[str]:
         """Workers heard from within ``max_age_ms`` (older entries are dropped)."""

@@ -80,6 +80,12 @@ class Keys:
         """ZSET worker id -> last heartbeat ms."""
         return f"{self.prefix}:{{q}}:workers"
 
+    @property
+    def pools(self) -> str:
+        """SET of the pools workers have served: the scheduler reaps and snapshots each until
+        it has stood empty and unserved for a while, even after its last worker is gone."""
+        return f"{self.prefix}:{{q}}:pools"
+
     def worker_info(self, worker_id: str) -> str:
         """STRING: a worker's latest stats (JSON), with a TTL."""
         return f"{self.prefix}:{{q}}:worker:{worker_id}"

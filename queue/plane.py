@@ -98,6 +98,7 @@ class QueuePlane(TokenStreams):
         self._complete = client.register_script(scripts.COMPLETE)
         self._cancel = client.register_script(scripts.CANCEL)
         self._requeue = client.register_script(scripts.REQUEUE)
+        self._fail_queued = client.register_script(scripts.FAIL_QUEUED)
         self._append = client.register_script(scripts.APPEND)
         self._append_publish = client.register_script(scripts.APPEND_PUBLISH)
         self._fence = client.register_script(scripts.FENCE)
@@ -294,6 +295,22 @@ class QueuePlane(TokenStreams):
             )
             reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt)))
         return reaped
+
+    async def queued_ids(self, limit: int = 1000) -> list[str]:
+        """Up to ``limit`` ids waiting in this pool's lanes, oldest first per lane."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in LANE_ORDER:
+                pipe.zrange(k.pending(lane), 0, limit - 1)
+            found = await pipe.execute()
+        return [raw.decode() for ids in found for raw in ids][:limit]
+
+    async def fail_queued(self, request_id: str) -> tuple[bool, str, int]:
+        """Fail a request that is still queued: ``(failed, edge, attempt)`` (``FAIL_QUEUED``)."""
+        k = self.keys
+        done, edge, attempt = await self._fail_queued(keys=[k.request(request_id), k.watch, *k.pending_all()],
+                                                      args=[request_id, FINISHED_TTL_S])
+        return bool(done), edge.decode(), int(attempt)
 
     async def server_time_ms(self) -> int:
         seconds, micros = await self.redis.time()

@@ -94,6 +94,20 @@ end
 return {h[1], h[2]}
 """
 
+#: KEYS: req, watch, pending:short, pending:medium, pending:long. ARGV: id, finished_ttl_s.
+#: Fails a request that is still queued (its pool has had no worker for too long): it leaves
+#: its lane and no claim can take it any more. Returns {1, edge, attempt}, or {0, '', 0} when
+#: it is no longer queued (claimed meanwhile, cancelled, gone).
+FAIL_QUEUED = """
+local h = redis.call('HMGET', KEYS[1], 'state', 'edge', 'attempt')
+if h[1] ~= 'queued' then return {0, '', 0} end
+for i = 3, 5 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'state', 'failed')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {1, h[2] or '', tonumber(h[3] or '0')}
+"""
+
 #: KEYS: req, watch, pending:short, pending:medium, pending:long.
 #: ARGV: id, start_timeout_ms, max_attempts, finished_ttl_s, now_ms (the Redis clock, read by
 #: the caller just before). Handles one expired watch entry. Returns {action, edge, attempt}

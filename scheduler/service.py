@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from lanes.queue.backoff import Backoff
 from lanes.queue.errors import ErrorCode, QueueUnavailable
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 #: A worker not heard from for this long is no longer counted (its reports stop).
 _WORKER_TIMEOUT_MS = 10_000
+#: A pool workers served, now with none and nothing waiting or running, is forgotten after
+#: this long (it stops being reaped and snapshotted; a worker that serves it brings it back).
+_FORGET_POOL_MS = 600_000
 
 
 class Scheduler:
@@ -47,6 +50,9 @@ class Scheduler:
         #: Per pool: claim rates and arrival rates (EWMA).
         self._rates: dict[str, tuple[ServiceRates, ServiceRates]] = {}
         self._known_pools: list[str] = settings.pool_names()
+        #: Per pool without a live worker: since when (ms), for the no-worker timeout and for
+        #: forgetting a pool nobody serves any more.
+        self._unserved_since: dict[str, int] = {}
         self._last_reports: dict[str, WorkerReport] = {}
         self.sampler = Sampler()
         #: The newest snapshot (all pools merged) and the reports it was built from: the next
@@ -127,9 +133,11 @@ class Scheduler:
             backoff.succeeded()
             await asyncio.sleep(interval_s)
 
-    def pools(self, reports: list[WorkerReport]) -> list[str]:
-        """Pools to reap and snapshot: the configured ones and any a live worker serves."""
-        return sorted(set(self.settings.pool_names()) | {r.pool for r in reports})
+    def pools(self, reports: list[WorkerReport], served: Iterable[str] = ()) -> list[str]:
+        """Pools to reap and snapshot: the configured ones, any a live worker serves, and those
+        workers served before (``served``): their queued and leased requests still need the
+        reaper and the no-worker timeout after the last worker is gone."""
+        return sorted(set(self.settings.pool_names()) | {r.pool for r in reports} | served)
 
     async def reap_once(self) -> int:
         now_ms = await self.plane.server_time_ms()
@@ -146,12 +154,13 @@ class Scheduler:
                     await self._notify_failed(plane, item.id, item.edge, item.attempt)
         return num
 
-    async def _notify_failed(self, plane: QueuePlane, request_id: str, edge: str, attempt: int) -> None:
+    async def _notify_failed(self, plane: QueuePlane, request_id: str, edge: str, attempt: int,
+                             code: ErrorCode = ErrorCode.WORKER_FAILED, message: str = "") -> None:
         """End the request at its edge with an error, through the stream (so resume sees it too)."""
         prior = await plane.read_stream(request_id)
         num_tokens = sum(len(e.token_ids) for e in prior)
-        finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code=ErrorCode.WORKER_FAILED,
-                        error_message=f"the request's worker died {attempt} times; giving up")
+        finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code=code,
+                        error_message=message or f"the request's worker died {attempt} times; giving up")
         event = TokenEvent(request_id, attempt + 1, len(prior), "", (), finish)
         await plane.fence(request_id, attempt + 1)
         await plane.append({request_id: [event]})
@@ -169,15 +178,49 @@ class Scheduler:
         # A live worker whose newest report expired (a late heartbeat) keeps its last one.
         self._last_reports = {w: r for w, r in self._last_reports.items() if w in set(live)}
         reports = list(self._last_reports.values())
-        self._known_pools = self.pools(reports)
+        self._known_pools = self.pools(reports, await fleet.served_pools())
         snapshots = []
         for pool in self._known_pools:
             snapshot = await self._snapshot(pool, now_ms, [r for r in reports if r.pool == pool])
             await fleet.publish_depths(snapshot)
             snapshots.append(snapshot)
+            await self._unserved(snapshot, now_ms)
         self.last_snapshot, self.last_reports = merged(snapshots, now_ms), reports
         metrics.LIVE_WORKERS.set(len(reports))
         return snapshots
+
+    async def _unserved(self, snapshot: DepthSnapshot, now_ms: int) -> None:
+        """A pool without a live worker: after ``no_worker_timeout_s`` its waiting requests fail
+        with ``unavailable`` (nobody will serve them; the edges refuse new ones meanwhile); once
+        it has stood empty for ``_FORGET_POOL_MS`` it is forgotten, unless configured."""
+        pool = snapshot.pool
+        if snapshot.workers > 0:
+            self._unserved_since.pop(pool, None)
+            return
+        since = self._unserved_since.setdefault(pool, now_ms)
+        waiting = sum(snapshot.pending.values())
+        timeout_ms = self.settings.no_worker_timeout_s * 1000
+        if waiting and timeout_ms and now_ms - since >= timeout_ms:
+            await self._fail_unserved(pool, (now_ms - since) / 1000)
+        elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self.settings.pool_names():
+            await self.plane.fleet.forget_pool(pool)
+            self._unserved_since.pop(pool, None)
+            log.info("pool %s has had no worker and no request for %d s: forgotten", pool, _FORGET_POOL_MS // 1000)
+
+    async def _fail_unserved(self, pool: str, waited_s: float) -> None:
+        plane = self.plane.for_pool(pool)
+        message = (f"no worker of pool {pool!r} for {waited_s:.0f} s (none started, or all down): "
+                   "the request was not run; retry later")
+        failed = 0
+        for request_id in await plane.queued_ids():
+            done, edge, attempt = await plane.fail_queued(request_id)
+            if done:
+                failed += 1
+                metrics.REAPED.labels("unserved").inc()
+                await self._notify_failed(plane, request_id, edge, attempt, ErrorCode.UNAVAILABLE, message)
+        if failed:
+            log.warning("pool %s: no worker for %.0f s; failed %d waiting requests (LANES_NO_WORKER_TIMEOUT_S)",
+                        pool, waited_s, failed)
 
     async def _snapshot(self, pool: str, now_ms: int, reports: list[WorkerReport]) -> DepthSnapshot:
         pending, oldest = await self.plane.for_pool(pool).lane_depths(now_ms)

@@ -29,6 +29,10 @@ class SchedulerSettings(RedisSettings):
     #: Pools to watch even before a worker of theirs is up (comma list); pools of live workers
     #: are added by themselves.
     pools: str = "default"
+    #: A pool with requests waiting and no live worker for this long fails them with
+    #: ``unavailable`` (the edges already refuse new ones while it has none). 0: they wait for
+    #: a worker however long it takes (a pool that scales from zero).
+    no_worker_timeout_s: float = Field(default=60.0, ge=0.0)
     #: Autoscaling signal (``lanes_desired_workers{pool}``): keep the predicted lane wait under
     #: ``target_wait_s`` with ``autoscale_headroom`` spare capacity, between these bounds.
     target_wait_s: float = 2.0

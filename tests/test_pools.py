@@ -217,3 +217,29 @@ async def test_a_pool_nobody_serves_or_snapshots_is_refused_at_once(system: Syst
     assert time.monotonic() - started < scaled(10)
     frames = await chat(system.edge_urls["spare"], f"ok-{uuid.uuid4().hex[:6]}", "Tell me about the sea.", model="small")
     assert frames[-1]["type"] == "done", frames
+
+
+async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(make_cluster) -> None:
+    """kill -9 of a pool's only worker: the request it ran and the one waiting behind it both
+    end with ``unavailable`` once the pool has had no worker for ``LANES_NO_WORKER_TIMEOUT_S``
+    (before, both waited forever: the pool left the scheduler's watch with its last worker),
+    and a new chat for the pool is refused at once."""
+    sys_ = make_cluster(workers=0, env={"LANES_NO_WORKER_TIMEOUT_S": "1"})
+    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "1",
+                      LANES_POOL="solo")
+    sys_.wait_workers(1)
+    client = await Client.connect(sys_.edge_urls["edge"])
+    running, waiting = f"run-{uuid.uuid4().hex[:6]}", f"wait-{uuid.uuid4().hex[:6]}"
+    for rid in (running, waiting):
+        await client.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": 2000,
+                           "messages": [{"role": "user", "content": "Write a very long story."}]})
+    while not any(f["type"] == "delta" for f in client.frames[running]):
+        await asyncio.sleep(0.05)
+    sys_.kill("solo-1")
+    ends = [await client.wait(rid, scaled(40)) for rid in (running, waiting)]
+    assert [(e["type"], e.get("code")) for e in ends] == [("error", "unavailable")] * 2, ends
+    assert "no worker of pool 'solo'" in ends[1]["message"]
+    assert client.frames[waiting][0]["type"] == "accepted"
+    refused = await chat(sys_.edge_urls["edge"], f"new-{uuid.uuid4().hex[:6]}", "Hello there, story?", model="solo")
+    assert [(f["type"], f.get("code")) for f in refused] == [("error", "unavailable")], refused
+    await client.close()
