@@ -180,7 +180,7 @@ def run_scheduler(overrides: dict[str, Any]) -> None:
         _check_memory_encoder(settings.predictor_memory_weight)
     plane = _setup(settings, "scheduler")
     if settings.metrics_port:
-        _serve_metrics(metrics.SCHEDULER, settings.metrics_port, "LANES_METRICS_PORT")
+        _serve_metrics(metrics.SCHEDULER, settings.metrics_port, "LANES_METRICS_PORT (lanes up: --metrics-port)")
 
     async def body() -> None:
         await Scheduler(settings, plane).serve()

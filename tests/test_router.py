@@ -232,3 +232,19 @@ def test_held_out_scores_never_see_their_fold() -> None:
     scores = held_out_complexity(prompts, np.zeros(10), folds, fit)  # type: ignore[arg-type]
     assert np.all(scores == 0.0) and len(seen) == 5
     assert list(dataset_folds(["b", "a", "b"])) == [1, 0, 1]
+
+
+def test_an_unknown_model_under_rules_names_the_rules_pools() -> None:
+    """Under rules only their pools (or auto) may be named: the refusal says so, instead of
+    listing a live pool the rules do not serve as if it could be asked for."""
+    from lanes.queue.messages import ChatMessage
+    from lanes.ws_server.routing import PoolRouter, UnknownModel
+    from lanes.ws_server.settings import EdgeSettings
+
+    rules = Path(__file__).resolve().parents[1] / "deploy" / "routing.toml"
+    router = PoolRouter(EdgeSettings(routing_file=str(rules)))
+    with pytest.raises(UnknownModel) as unknown:
+        router.pool_for("default", "", (ChatMessage("user", "Tell me about the sea."),), ["default", "small"])
+    assert unknown.value.message(("default", "small")) == (
+        "model 'default' is not one of the pools the routing rules serve (large, small, or 'auto'; "
+        "LANES_ROUTING_FILE); pools with live workers: default, small")

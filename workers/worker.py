@@ -106,7 +106,8 @@ class Worker:
         """Run until cancelled (or, with ``burst``, until the lanes are empty and idle)."""
         await self.engine.start()
         await self._report()  # registered only now: a worker is listed once its engine is warm
-        log.info("worker %s ready: engine=%s slots=%s", self.worker_id, self.engine.name, self.slots)
+        log.info("worker %s ready: pool=%s engine=%s slots=%s", self.worker_id, self.settings.pool, self.engine.name,
+                 self.slots)
         try:
             async with asyncio.TaskGroup() as group:
                 background = [group.create_task(loop) for loop in

@@ -28,9 +28,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class UnknownModel(Exception):
     model: str
+    #: The pools the routing rules serve, when there are rules (only those may be named).
+    rules_pools: tuple[str, ...] | None = None
 
     def message(self, live_pools: tuple[str, ...]) -> str:
         live = ", ".join(live_pools) or "none yet"
+        if self.rules_pools is not None:
+            return (f"model {self.model!r} is not one of the pools the routing rules serve "
+                    f"({', '.join(self.rules_pools)}, or 'auto'; LANES_ROUTING_FILE); pools with live workers: {live}")
         return f"model {self.model!r} is not served here; pools with live workers: {live} (or 'auto')"
 
 
@@ -64,7 +69,7 @@ class PoolRouter:
             try:
                 return route(prompt_text(messages), key_id or None, self.rules, model, self._complexity).pool
             except UnknownPoolError:
-                raise UnknownModel(model or "") from None
+                raise UnknownModel(model or "", tuple(sorted(self.rules.pools))) from None
         if model is None or model in (AUTO, DEFAULT_POOL):
             return DEFAULT_POOL
         if model not in set(known_pools):
