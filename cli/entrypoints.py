@@ -58,6 +58,8 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
                             "LANES_REDIS_URL (redis://:PASSWORD@host:port/db)") from None
     except (QueueUnavailable, OSError, asyncio.TimeoutError) as exc:
         reason = _unreachable_reason(exc, timeout_s)
+        if url.startswith("rediss") and "no answer" in reason:
+            reason += " (a rediss:// URL waits like this on a Redis without TLS: check the scheme and port)"
         raise ConfigFailure(
             f"cannot reach Redis at {url} (LANES_REDIS_URL): {reason}. Start Redis there or "
             "point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL starts its own)"

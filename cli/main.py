@@ -45,6 +45,8 @@ def _given(**flags: Any) -> dict[str, Any]:
 @app.command()
 def up(
     port: Annotated[int, typer.Option(min=1, max=65535, help="WebSocket/HTTP port of the edge")] = 8000,
+    host: Annotated[Optional[str], typer.Option(
+        help="the edge's listen address (env LANES_HOST; default 127.0.0.1, 0.0.0.0 for every interface)")] = None,
     workers: Annotated[int, typer.Option(min=1, help="number of worker processes")] = 1,
     engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
     model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
@@ -58,9 +60,11 @@ def up(
     crashes is restarted with capped backoff.
     """
     from lanes.cli.up import up as run_up
+    from lanes.ws_server.settings import EdgeSettings
 
     worker_args = ["--engine", engine] + (["--model", model] if model else [])
-    raise typer.Exit(run_up(port, workers, worker_args, debug=_State.debug, metrics_port=metrics_port))
+    raise typer.Exit(run_up(port, workers, worker_args, host or EdgeSettings().host, debug=_State.debug,
+                            metrics_port=metrics_port))
 
 
 @app.command()

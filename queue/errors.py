@@ -24,7 +24,8 @@ Codes by where they arise::
     └── unavailable         Redis unreachable, or no worker ready (with retry_after_ms)
     during the request (a worker, the scheduler or the edge ends it)
     ├── prompt_too_long, bad_max_tokens, invalid_request   the engine refused it
-    ├── engine_error        the engine ended a request without finishing it
+    ├── engine_error        the engine ended a request without finishing it, or failed on it
+    ├── oom                 the engine ran out of memory on it
     ├── worker_failed       its worker died max_attempts times
     ├── request_lost        its state vanished from Redis (restart without persistence)
     └── internal            a bug; the request was not accepted

@@ -58,6 +58,8 @@ PREEMPTIONS = Counter("lanes_preemptions_total", "Running requests handed back t
 RUNNING = Gauge("lanes_worker_running", "Running requests", ["lane"], registry=WORKER)
 ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"],
                         registry=WORKER)
+for _kind in ("oom", "dead", "engine_error"):  # at 0 from the start: rate() reads 0, not "no data"
+    ENGINE_ERRORS.labels(_kind)
 # Engine stats carry the engine's name: a labelled gauge has no sample until the engine reports
 # the stat, so a worker without speculation shows no acceptance instead of a false 0.
 SPEC_ACCEPTANCE = Gauge("lanes_spec_acceptance_rate", "Speculative decoding acceptance rate", ["engine"],

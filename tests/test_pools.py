@@ -228,13 +228,21 @@ async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(ma
     sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "1",
                       LANES_POOL="solo")
     sys_.wait_workers(1)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
+    for _ in range(int(scaled(100))):  # the edge knows the pool once the scheduler's snapshot of it arrives
+        if "solo" in [m.id for m in api.models.list().data]:
+            break
+        await asyncio.sleep(0.1)
     client = await Client.connect(sys_.edge_urls["edge"])
     running, waiting = f"run-{uuid.uuid4().hex[:6]}", f"wait-{uuid.uuid4().hex[:6]}"
     for rid in (running, waiting):
         await client.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": 2000,
                            "messages": [{"role": "user", "content": "Write a very long story."}]})
-    while not any(f["type"] == "delta" for f in client.frames[running]):
+    for _ in range(int(scaled(600))):
+        if any(f["type"] in ("delta", "error") for f in client.frames[running]):
+            break
         await asyncio.sleep(0.05)
+    assert client.frames[running][-1]["type"] == "delta", client.frames[running]
     sys_.kill("solo-1")
     ends = [await client.wait(rid, scaled(40)) for rid in (running, waiting)]
     assert [(e["type"], e.get("code")) for e in ends] == [("error", "unavailable")] * 2, ends

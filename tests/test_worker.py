@@ -147,6 +147,41 @@ async def test_a_busy_engine_hands_the_request_back_to_its_lane(plane: QueuePlan
     assert all(e.finish is None or e.finish.error_code is None for e in events)
 
 
+@pytest.mark.parametrize("error, code", [("EngineError('upstream: bad request state')", "engine_error"),
+                                         ("KeyError('slot')", "engine_error"),
+                                         ("RuntimeError('CUDA out of memory. Tried to allocate 2 GiB')", "oom")])
+async def test_an_engine_failure_on_one_request_ends_it_once(plane: QueuePlane, error: str, code: str) -> None:
+    """Any other failure of the engine on a request (vLLM and TensorRT-LLM adapters raise a plain
+    ``EngineError``; a bug raises anything) ends that request with an error frame, is counted,
+    and the worker goes on serving. Before, it went back to its lane, was claimed again at once
+    and failed again: 11,634 attempts in 25 s, and the client never got an answer."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.telemetry import metrics
+    from lanes.workers.engines.base import EngineError  # noqa: F401 - named in ``error``
+    from lanes.workers.engines.sim import SimEngine
+
+    class FailsOn(SimEngine):
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            if request.id == "bad":
+                raise eval(error)  # the parametrized exception
+            async for delta in super().generate(request):
+                yield delta
+
+    before = metrics.ENGINE_ERRORS.labels(code)._value.get()
+    await enqueue(plane, "bad", 8)
+    await enqueue(plane, "good", 8)
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", heartbeat_s=0.2, max_slots=2)
+    worker = Worker(settings, plane, FailsOn(get_profile("l70-h100"), max_num_seqs=2, time_scale=100))
+    await asyncio.wait_for(worker.serve(burst=True), 60)
+    assert (await plane.request_status("bad"))[0] == "done", "ended (its error frame is its end), not queued again"
+    assert int(await plane.redis.hget(plane.keys.request("bad"), "attempt")) == 1, "claimed once"
+    (event,) = await plane.read_stream("bad")
+    assert event.finish is not None and event.finish.reason.value == "error" and event.finish.error_code == code
+    assert (await plane.read_stream("good"))[-1].finish.reason.value == "length", "the worker went on serving"
+    assert metrics.ENGINE_ERRORS.labels(code)._value.get() == before + 1
+
+
 async def test_a_fault_in_the_sim_engine_stops_the_worker_and_hands_the_request_back(plane: QueuePlane) -> None:
     """The sim engine's loop fails (a bug in the cost model): the running stream raises
     ``EngineDead`` instead of waiting forever, the worker stops, and the request goes back to

@@ -362,10 +362,21 @@ class Worker:
         except EngineDead:
             metrics.ENGINE_ERRORS.labels("dead").inc()
             raise
+        except EngineBusy:
+            raise  # transient: ``_execute`` hands the request back
         except asyncio.CancelledError:
             if not run.cancelled or run.preempt_to is not None:
                 raise  # worker shutdown or a preemption: the request goes back to a lane
             finish = Finish(FinishReason.CANCELLED, usage(), queue_ms=queue_ms)
+        except Exception as exc:  # any other engine failure ends this request, once
+            # Handed back instead, it would be claimed again at once and fail again: a hot loop
+            # that no attempt cap stops (only lease expiries count attempts).
+            kind = "oom" if "out of memory" in str(exc).lower() else getattr(exc, "code", "engine_error")
+            metrics.ENGINE_ERRORS.labels(kind).inc()
+            log.exception("engine failed on %s (attempt %d)", run.id, run.attempt)
+            finish = Finish(FinishReason.ERROR, usage(), queue_ms=queue_ms,
+                            error_code="oom" if kind == "oom" else ErrorCode.ENGINE_ERROR,  # hf's RequestRejected too
+                            error_message=f"the engine failed on this request ({type(exc).__name__})")
         self._submit(run, "", (), finish)
         return finish
 

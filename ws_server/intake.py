@@ -38,7 +38,9 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         pool = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge))
     except UnknownModel as unknown:  # before a fixed answer: "hi" to a model nobody serves is no answer
         live = tuple(await edge.live_pools())
-        return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
+        if unknown.rules_pools is not None or unknown.model not in live:
+            return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
+        pool = unknown.model  # a worker serves it since the last snapshot (a pool that just started)
     if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
         return _fixed(edge, request_id, fixed, frame)
     plane = edge.plane.for_pool(pool)
