@@ -78,12 +78,13 @@ def _unreachable_reason(exc: BaseException, timeout_s: float) -> str:
     return text.rstrip(".")
 
 
-def _serve_metrics(role: Any, port: int, option: str) -> None:
-    """Prometheus on ``127.0.0.1:port``; a taken port is a configuration error (exit 2)."""
+def _serve_metrics(role: Any, port: int, option: str, host: str = "127.0.0.1") -> None:
+    """Prometheus on ``host:port``; a taken port or a foreign address is a configuration error (exit 2)."""
     try:
-        metrics.serve(role, port)
+        metrics.serve(role, port, host)
     except OSError as exc:
-        raise ConfigFailure(f"metrics port {port} is not available ({option}): {exc.strerror or exc}") from None
+        raise ConfigFailure(f"metrics port {port} on {host} is not available ({option}, LANES_METRICS_HOST): "
+                            f"{exc.strerror or exc}") from None
 
 
 def _setup(settings: RedisSettings, process: str) -> QueuePlane:
@@ -150,7 +151,7 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     # even asked. The model loads (and warms up) in ``Worker.serve``, after the Redis check.
     engine = build_engine(settings)
     if metrics_port:
-        _serve_metrics(metrics.WORKER, metrics_port, "--metrics-port")
+        _serve_metrics(metrics.WORKER, metrics_port, "--metrics-port", settings.metrics_host)
 
     async def body() -> None:
         await Worker(settings, plane, engine).serve(burst=burst)
@@ -182,7 +183,8 @@ def run_scheduler(overrides: dict[str, Any]) -> None:
         _check_memory_encoder(settings.predictor_memory_weight)
     plane = _setup(settings, "scheduler")
     if settings.metrics_port:
-        _serve_metrics(metrics.SCHEDULER, settings.metrics_port, "LANES_METRICS_PORT (lanes up: --metrics-port)")
+        _serve_metrics(metrics.SCHEDULER, settings.metrics_port, "LANES_METRICS_PORT (lanes up: --metrics-port)",
+                       settings.metrics_host)
 
     async def body() -> None:
         await Scheduler(settings, plane).serve()

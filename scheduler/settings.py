@@ -14,6 +14,8 @@ class SchedulerSettings(RedisSettings):
     depth_interval_s: float = 0.5
     #: Port for Prometheus metrics (0 = off).
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    #: Address it binds (0.0.0.0 for a Prometheus on another host: the autoscaling gauge).
+    metrics_host: str = "127.0.0.1"
     #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off).
     predictor_refresh_minutes: int = 5
     predictor_min_observations: int = 50

@@ -53,6 +53,11 @@ def test_honcho_starts_every_process_type_and_scales_workers(redis_url: str, tmp
                               capture_output=True, text=True, timeout=60, env=env)
         assert chat.returncode == 0, chat.stderr
         assert chat.stdout.strip() == "tok0 tok1 tok2 tok3 tok4"
+        # Each worker and the scheduler serve Prometheus on their honcho PORT (base + 100 per type).
+        for metrics_port, name in ((port + 100, "lanes_engine_errors_total"), (port + 101, "lanes_engine_errors_total"),
+                                   (port + 200, "lanes_lane_depth")):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+                assert name in resp.read().decode(), metrics_port
     finally:
         os.killpg(honcho.pid, signal.SIGINT)
         honcho.wait(timeout=60)

@@ -98,6 +98,8 @@ class WorkerSettings(RedisSettings):
     orphan_grace_s: float = 15.0
     #: On SIGTERM: stop claiming, let running requests finish this long, hand back the rest.
     drain_timeout_s: float = 5.0
+    #: Address the ``--metrics-port`` endpoint binds (0.0.0.0 for a Prometheus on another host).
+    metrics_host: str = "127.0.0.1"
     #: Where the ``hf`` engines run: ``cpu``, ``cuda`` (the GPU ``gpu_index``), ``cuda:N`` or ``mps``.
     device: str = "cpu"
     #: Which GPU (vLLM / TensorRT-LLM see only it: CUDA_VISIBLE_DEVICES is set from it).
