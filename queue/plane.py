@@ -65,6 +65,22 @@ class Claim:
     times_preempted: int = 0
     #: The API key's id that submitted it ("" without auth).
     owner: str = ""
+    #: When this attempt's wait in a lane began: the enqueue, or the latest hand-back / requeue.
+    ready_at_ms: int = 0
+    #: When the request's first attempt was claimed (this one's claim for a first attempt).
+    first_claimed_at_ms: int = 0
+
+    @property
+    def attempt_wait_ms(self) -> float:
+        """This attempt's wait in its lane (since the enqueue, or since it was handed back)."""
+        return float(self.claimed_at_ms - (self.ready_at_ms or self.enqueued_at_ms))
+
+    @property
+    def queue_ms(self) -> float:
+        """The wait before the request first ran: what precedes its first token, and what the
+        ``done`` frame and ``lanes_queue_seconds`` report. Time spent running an attempt that
+        was handed back or lost is not queueing."""
+        return float((self.first_claimed_at_ms or self.claimed_at_ms) - self.enqueued_at_ms)
 
 
 @dataclass(frozen=True)
@@ -245,9 +261,9 @@ class QueuePlane(TokenStreams):
         )
         if not got:
             return None
-        attempt, payload, enq_ms, now_ms, edge, preempted, owner = got
+        attempt, payload, enq_ms, now_ms, edge, preempted, owner, ready_ms, first_ms = got
         return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
-                     int(preempted), owner.decode())
+                     int(preempted), owner.decode(), int(ready_ms), int(first_ms))
 
     async def heartbeat(self, runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
         """Renew leases of ``(id, attempt)`` runs; per run ``(status, edge)``."""

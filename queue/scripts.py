@@ -31,18 +31,20 @@ return {1, now}
 """
 
 #: KEYS: req, watch, claims. ARGV: id, worker, lease_ms, ttl_s.
-#: Returns {attempt, payload, enq_ms, now, edge, times_preempted, owner} or false when the request
-#: is not queued.
+#: Returns {attempt, payload, enq_ms, now, edge, times_preempted, owner, ready_ms, first_claim_ms}
+#: or false when the request is not queued. ``ready_ms``: when this attempt's wait began (the
+#: enqueue, or the last hand-back / requeue); ``first_claim_ms``: when its first attempt started.
 #: ``claims`` counts claims per lane: the scheduler turns it into service rates.
 CLAIM = _NOW + """
 if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return false end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HINCRBY', KEYS[3], redis.call('HGET', KEYS[1], 'lane'), 1)
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claim_ms', now)
+redis.call('HSETNX', KEYS[1], 'first_claim_ms', now)
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge', 'preempted', 'owner')
-return {attempt, h[1], h[2], now, h[3], tonumber(h[4] or '0'), h[5] or ''}
+local h = redis.call('HMGET', KEYS[1], 'p', 'enq_ms', 'edge', 'preempted', 'owner', 'ready_ms', 'first_claim_ms')
+return {attempt, h[1], h[2], now, h[3], tonumber(h[4] or '0'), h[5] or '', tonumber(h[6] or h[2]), tonumber(h[7])}
 """
 
 #: KEYS: watch, req1..reqN. ARGV: lease_ms, id1, attempt1, ..., idN, attemptN.
@@ -138,7 +140,7 @@ if tonumber(h[3]) >= tonumber(ARGV[3]) then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   return {'failed', h[5], tonumber(h[3])}
 end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '')
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'ready_ms', now)
 redis.call('ZADD', pending, h[4], ARGV[1])
 redis.call('ZADD', KEYS[2], deadline, ARGV[1])
 return {'requeued', h[5], tonumber(h[3])}
@@ -254,7 +256,7 @@ if h[1] == 'cancelled' then
 end
 local lanes = {short = KEYS[3], medium = KEYS[4], long = KEYS[5]}
 local lane = ARGV[5] ~= '' and ARGV[5] or h[3]
-redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'lane', lane)
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'lane', lane, 'ready_ms', now)
 if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[1], 'preempted', 1) end
 redis.call('ZADD', lanes[lane] or KEYS[4], h[4], ARGV[1])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])

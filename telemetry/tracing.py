@@ -6,8 +6,9 @@ payload; the worker continues that trace, so one trace follows a request through
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -54,3 +55,17 @@ def inject_context(span_context: context.Context | None = None) -> dict[str, str
 def extract_context(carrier: Mapping[str, str]) -> context.Context:
     """A context to start child spans from, out of W3C headers in a payload."""
     return propagate.extract(dict(carrier))
+
+
+@contextlib.contextmanager
+def caller_context(headers: Mapping[str, str]) -> Iterator[None]:
+    """Spans started inside are children of the caller's trace when its request carries a W3C
+    ``traceparent`` header (an OpenAI client instrumented with OpenTelemetry); else as before."""
+    if "traceparent" not in headers:
+        yield
+        return
+    token = context.attach(propagate.extract({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}))
+    try:
+        yield
+    finally:
+        context.detach(token)

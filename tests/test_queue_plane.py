@@ -192,3 +192,26 @@ async def test_release_puts_a_held_request_back_at_its_place(plane: QueuePlane) 
     assert (await plane.claim("held", "w2")).attempt == 2
     await plane.cancel("held")
     assert await plane.release("held", 2) == "dropped"
+
+
+async def test_queue_wait_counts_the_wait_before_the_first_run_not_time_spent_running(plane: QueuePlane) -> None:
+    """A request handed back (or requeued by the reaper) waited before its first run and again
+    after: ``queue_ms`` (the done frame, ``lanes_queue_seconds``) is the first wait, the one its
+    first token waited behind; ``attempt_wait_ms`` is each attempt's own. Before, both ran from
+    the enqueue to the latest claim and counted the earlier attempts' running time as queueing."""
+    await plane.enqueue(payload("held"), "e")
+    await asyncio.sleep(0.05)
+    first = await plane.claim("held", "w")
+    assert first is not None and first.queue_ms == first.attempt_wait_ms >= 50
+    await asyncio.sleep(0.2)  # it runs
+    assert await plane.release("held", 1, preempted=True) == "requeued"
+    await asyncio.sleep(0.05)
+    second = await plane.claim("held", "w2")
+    assert second is not None and second.attempt == 2
+    assert second.queue_ms == first.queue_ms, "the first wait, not enqueue -> this claim"
+    assert 50 <= second.attempt_wait_ms < 200, "this attempt waited since its hand-back"
+    now = await plane.server_time_ms()
+    await plane.reap(now + plane.settings.lease_ms + 10)  # its worker dies: requeued by the reaper
+    third = await plane.claim("held", "w3")
+    assert third is not None and third.queue_ms == first.queue_ms
+    assert third.attempt_wait_ms <= third.claimed_at_ms - now

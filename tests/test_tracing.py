@@ -4,6 +4,7 @@ of the edge's, joined by the W3C traceparent carried in the request payload."""
 from __future__ import annotations
 
 import json
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 from e2e_support import Client, System
 
 pytestmark = pytest.mark.e2e
+#: A caller's W3C trace context (the example of the W3C Trace Context recommendation).
+CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def spans(log: Path) -> list[dict]:
@@ -35,13 +38,29 @@ async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_pat
         client = await Client.connect(url)
         await client.chat("traced", "Where does this trace go?", max_tokens=4)
         assert (await client.wait("traced"))["type"] == "done"
+        await client.chat("too-long", "word " * 3000, max_tokens=4)  # over the tiny model's context
+        assert (await client.wait("too-long"))["code"] == "prompt_too_long"
         await client.close()
+        # An OpenAI client's own trace: the request joins it (W3C traceparent header).
+        body = json.dumps({"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi?"}]})
+        request = urllib.request.Request(url.replace("ws://", "http://").replace("/v1/chat", "/v1/chat/completions"),
+                                         data=body.encode(), headers={"Content-Type": "application/json",
+                                                                      "traceparent": CALLER})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            assert json.loads(resp.read())["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         system.stop()  # flushes the exporters
-    edge = [s for s in spans(tmp_path / "edge.log") if s["name"] == "lanes.enqueue"]
-    worker = [s for s in spans(tmp_path / "worker.log") if s["name"] == "lanes.generate"]
-    assert len(edge) == 1 and len(worker) == 1
-    enqueue, generate = edge[0], worker[0]
+    edge = {s["attributes"]["lanes.request_id"]: s for s in spans(tmp_path / "edge.log") if s["name"] == "lanes.enqueue"}
+    worker = {s["attributes"]["lanes.request_id"]: s for s in spans(tmp_path / "worker.log")
+              if s["name"] == "lanes.generate"}
+    assert len(edge) == len(worker) == 3
+    failed = worker["too-long"]
+    assert failed["status"]["status_code"] == "ERROR" and failed["attributes"]["lanes.error_code"] == "prompt_too_long"
+    (joined,) = [s for rid, s in edge.items() if rid.startswith("chatcmpl-")]
+    assert joined["context"]["trace_id"] == "0x" + CALLER.split("-")[1], "the caller's trace"
+    assert joined["parent_id"] == "0x" + CALLER.split("-")[2]
+    assert worker[joined["attributes"]["lanes.request_id"]]["context"]["trace_id"] == joined["context"]["trace_id"]
+    enqueue, generate = edge["traced"], worker["traced"]
     assert enqueue["attributes"]["lanes.request_id"] == generate["attributes"]["lanes.request_id"] == "traced"
     assert generate["context"]["trace_id"] == enqueue["context"]["trace_id"], "one trace across processes"
     assert generate["parent_id"] == enqueue["context"]["span_id"], "the worker's span is the edge's child"

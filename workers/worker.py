@@ -62,6 +62,7 @@ from lanes.workers.publisher import flush
 from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.runs import AbortEngine, Complete, Release, Run, RunAction, RunTable
 from lanes.workers.settings import WorkerSettings
+from opentelemetry.trace import Status, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -268,9 +269,9 @@ class Worker:
 
     async def _execute(self, run: Run, claim: Claim) -> None:
         payload = claim.payload
-        queue_ms = float(claim.claimed_at_ms - claim.enqueued_at_ms)
+        queue_ms = claim.queue_ms
         attrs = {"lanes.request_id": run.id, "lanes.lane": run.lane.value, "lanes.attempt": run.attempt,
-                 "lanes.worker": self.worker_id, "lanes.queue_ms": queue_ms}
+                 "lanes.worker": self.worker_id, "lanes.queue_ms": claim.attempt_wait_ms}
         # Set once the request's end is submitted; a request interrupted by engine death,
         # Redis or shutdown is handed back to its lane instead.
         final: RequestState | None = None
@@ -301,7 +302,12 @@ class Worker:
                 )
                 finish = await self._stream(run, request, queue_ms)
                 if finish is None:  # preempted: handed back, resumes later after its tokens
+                    span.add_event("lanes.handed_back", {"lanes.completion_tokens": run.completion_tokens})
+                    span.set_attribute("lanes.outcome", "handed_back")
                     return
+                if finish.reason is FinishReason.ERROR:
+                    span.set_attribute("lanes.error_code", str(finish.error_code or ErrorCode.ENGINE_ERROR))
+                    span.set_status(Status(StatusCode.ERROR, finish.error_code or None))
                 if finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
                     self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens, claim.owner)
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
+from lanes.telemetry import metrics
+from lanes.telemetry.tracing import caller_context
 from lanes.ws_server import openai_compat as oai
 from lanes.ws_server.auth import Identity, Refusal
 from starlette.exceptions import HTTPException
@@ -60,6 +62,13 @@ def _error(error: oai.APIError) -> Response:
     return Response(error.body(), error.status, media_type="application/json", headers=error.headers())
 
 
+def _refused_request(error: oai.APIError) -> Response:
+    """A body refused before it became a chat: counted in ``lanes_errors_total`` as the
+    WebSocket's protocol errors are (the codes are a fixed set)."""
+    metrics.ERRORS.labels(error.code or "invalid_request").inc()
+    return _error(error)
+
+
 async def not_routed(request: Request, exc: Exception) -> Response:
     """Starlette's 404 / 405: in OpenAI's error shape under ``/v1/`` (SDKs read ``error.message``),
     plain text elsewhere."""
@@ -87,8 +96,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
             return _refused(verdict)
         raw = await _body(request, edge.limits.max_frame_bytes)
         if raw is None:
-            response = _error(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
-                                           code="frame_too_large"))
+            response = _refused_request(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
+                                                     code="frame_too_large"))
             # Past the drain bounds (``_body``) the rest of the body is still on the wire: close
             # the connection after the answer, or the server would parse it as the next request.
             response.headers["Connection"] = "close"
@@ -96,9 +105,9 @@ def routes(edge: Edge) -> list[BaseRoute]:
         try:
             parsed = oai.parse_request(msgspec.json.decode(raw), edge.limits)
         except (msgspec.DecodeError, RecursionError, UnicodeError):
-            return _error(oai.APIError(400, "the body is not valid JSON", code="invalid_json"))
+            return _refused_request(oai.APIError(400, "the body is not valid JSON", code="invalid_json"))
         except oai.APIError as error:
-            return _error(error)
+            return _refused_request(error)
         return await _complete(edge, request, verdict, parsed)
 
     async def list_models(request: Request) -> Response:
@@ -171,7 +180,8 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
     finished = False  # the answer (or the refusal) was delivered
     handed_to_stream = False  # the streaming response's own ``finally`` closes the session
     try:
-        await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id))
+        with caller_context(request.headers):
+            await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id))
         first = await session.frames.get()  # accepted, or the error that refused it (already queued)
         if first["type"] == "error":
             finished = True
