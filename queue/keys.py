@@ -61,6 +61,11 @@ class Keys:
         return f"{self.prefix}:{self.tag}:watch"
 
     @property
+    def preempt_grants(self) -> str:
+        """STRING counter with a TTL: hand-backs granted in this pool in the current window."""
+        return f"{self.prefix}:{self.tag}:preempt"
+
+    @property
     def claims(self) -> str:
         """HASH lane -> claims so far (the scheduler derives service rates from it)."""
         return f"{self.prefix}:{self.tag}:claims"

@@ -91,6 +91,11 @@ class Reaped:
     attempt: int
 
 
+#: The window of ``grant_preemption``: about two depth snapshots, after which the snapshots show
+#: the slots the granted hand-backs freed.
+PREEMPT_WINDOW_MS = 1000
+
+
 class QueuePlane(TokenStreams):
     """Redis I/O of the request path. Safe to share within one event loop."""
 
@@ -121,6 +126,7 @@ class QueuePlane(TokenStreams):
         self._repoint = client.register_script(scripts.REPOINT)
         self._release = client.register_script(scripts.RELEASE)
         self._take_token = client.register_script(scripts.TAKE_TOKEN)
+        self._preempt_grant = client.register_script(scripts.PREEMPT_GRANT)
 
     def for_pool(self, pool: str) -> QueuePlane:
         """The same connection, on ``pool``'s keys (one per pool, kept)."""
@@ -327,6 +333,11 @@ class QueuePlane(TokenStreams):
         done, edge, attempt = await self._fail_queued(keys=[k.request(request_id), k.watch, *k.pending_all()],
                                                       args=[request_id, FINISHED_TTL_S])
         return bool(done), edge.decode(), int(attempt)
+
+    async def grant_preemption(self, limit: int, window_ms: int = PREEMPT_WINDOW_MS) -> bool:
+        """Whether this worker may hand a run back now: at most ``limit`` hand-backs (the
+        requests waiting past the bound) per ``window_ms`` over all of this pool's workers."""
+        return bool(await self._preempt_grant(keys=[self.keys.preempt_grants], args=[max(1, limit), window_ms]))
 
     async def server_time_ms(self) -> int:
         seconds, micros = await self.redis.time()

@@ -263,6 +263,16 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
 return 'requeued'
 """
 
+#: KEYS: grants. ARGV: limit, window_ms. One more hand-back in this pool's window if fewer
+#: than ``limit`` were granted in it: 1, else 0. Workers decide from the same depth snapshot, so
+#: without it one waiting request made every worker hand a run back.
+PREEMPT_GRANT = """
+local n = redis.call('INCR', KEYS[1])
+if n == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if n <= tonumber(ARGV[1]) then return 1 end
+return 0
+"""
+
 #: KEYS: bucket. ARGV: rate_per_s, burst. A token bucket shared by every edge (fleet-wide
 #: per-key rate limit): the same arithmetic as ``ws_server/ratelimit.take_token``, on the
 #: Redis clock. Returns 0 when a token was taken, else the wait in ms until one is back.

@@ -215,3 +215,13 @@ async def test_queue_wait_counts_the_wait_before_the_first_run_not_time_spent_ru
     third = await plane.claim("held", "w3")
     assert third is not None and third.queue_ms == first.queue_ms
     assert third.attempt_wait_ms <= third.claimed_at_ms - now
+
+
+async def test_preemption_grants_are_shared_by_a_pools_workers(plane: QueuePlane) -> None:
+    """At most ``limit`` hand-backs per window over every worker of a pool (each decides from the
+    same snapshot); the next window grants again; another pool has its own."""
+    grants = [await plane.grant_preemption(2, window_ms=300) for _ in range(4)]
+    assert grants == [True, True, False, False]
+    assert await plane.for_pool("other").grant_preemption(1, window_ms=300)
+    await asyncio.sleep(0.35)
+    assert await plane.grant_preemption(1, window_ms=300)

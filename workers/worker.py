@@ -86,6 +86,8 @@ class Worker:
         self.table = RunTable(orphan_grace_s=settings.orphan_grace_s)
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
         self.oldest_wait_ms: dict[Lane, float] = {}
+        #: Requests waiting per lane (non-empty lanes), from the same snapshot.
+        self.waiting: dict[Lane, int] = {}
         #: Prompt and output tokens of the last finished requests: their prefill share of the
         #: engine's work decides whether lanes reorder at all (``lanes_now``).
         self.work_mix = WorkMix(max_key_share=settings.prefill_share_max_key_share)
@@ -433,14 +435,14 @@ class Worker:
             try:
                 answers = await self.plane.heartbeat(leases)
                 self.carry(self.table.heartbeat({rid: answer for (rid, _), answer in zip(leases, answers)}))
-                self._maybe_preempt(time.monotonic() * 1000)
+                await self._maybe_preempt(time.monotonic() * 1000)
                 await self._report()
             except QueueUnavailable as exc:
                 await asyncio.sleep(backoff.failed(exc))
                 continue
             backoff.succeeded()
 
-    def _maybe_preempt(self, now_ms: float) -> None:
+    async def _maybe_preempt(self, now_ms: float) -> None:
         """Hand one request back when a lane has waited past the bound and no free slot may pop
         it (``scheduler/preemption.py``: bounded per request, never near its end). Never while
         prompts dominate the engine's work (``policy.prefill_heavy``: the lanes step aside)."""
@@ -455,8 +457,15 @@ class Worker:
         victim = choose_preemption(list(views.values()), self.oldest_wait_ms, now_ms, self._last_preemption_ms, config)
         if victim is None:
             return
+        # Every worker of the pool decides from the same snapshot: one waiting request must not
+        # make each of them hand a run back. At most as many hand-backs as requests wait past the
+        # bound, per window, fleet-wide.
+        starving = sum(self.waiting.get(lane, 0) for lane, waited in self.oldest_wait_ms.items()
+                       if waited >= config.wait_bound_ms)
+        if not await self.plane.grant_preemption(starving):
+            return
         lane = requeue_lane(views[victim], config)
-        log.info("handing %s back to the %s lane: a lane waited past %.0f s", victim, lane.value,
+        log.info("handing %s back to the %s lane: a lane waited past %g s", victim, lane.value,
                  config.wait_bound_ms / 1000)
         self._last_preemption_ms = now_ms
         metrics.PREEMPTIONS.labels(views[victim].lane.value).inc()
@@ -481,6 +490,7 @@ class Worker:
                         continue
                     self.oldest_wait_ms = {Lane(lane): float(snapshot.oldest_wait_ms.get(lane, 0))
                                            for lane, n in snapshot.pending.items() if n > 0}
+                    self.waiting = {Lane(lane): n for lane, n in snapshot.pending.items() if n > 0}
                 else:
                     self.carry(self.table.cancel(decode(data, Control).id))
             except (msgspec.DecodeError, ValueError):
