@@ -141,6 +141,7 @@ class SimEngine:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "engine": self.name,
             "running": len(self._running),
             "prefilling": len(self._prefilling),
             "waiting": len(self._waiting),
