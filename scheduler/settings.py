@@ -33,7 +33,7 @@ class SchedulerSettings(RedisSettings):
     pools: str = "default"
     #: A pool with requests waiting and no live worker for this long fails them with
     #: ``unavailable`` (the edges already refuse new ones while it has none). 0: they wait for
-    #: a worker however long it takes (a pool that scales from zero).
+    #: a worker however long it takes (a replacement that loads a big model for minutes).
     no_worker_timeout_s: float = Field(default=60.0, ge=0.0)
     #: Autoscaling signal (``lanes_desired_workers{pool}``): keep the predicted lane wait under
     #: ``target_wait_s`` with ``autoscale_headroom`` spare capacity, between these bounds.

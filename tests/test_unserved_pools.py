@@ -59,7 +59,7 @@ async def test_requests_in_a_pool_without_workers_fail_after_the_timeout(redis_s
 async def test_without_a_timeout_they_wait_and_an_empty_pool_is_forgotten(redis_settings: RedisSettings,
                                                                            plane: QueuePlane,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    scheduler, small = await _setup(redis_settings, plane, timeout_s=0)  # 0: a pool that scales from zero
+    scheduler, small = await _setup(redis_settings, plane, timeout_s=0)  # 0: they wait for a worker, however long
     monkeypatch.setattr(service, "_FORGET_POOL_MS", 0)
     await scheduler.snapshot_once()
     await asyncio.sleep(0.1)
