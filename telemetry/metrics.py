@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -69,6 +78,10 @@ SPEC_ACCEPTANCE_LENGTH = Gauge("lanes_spec_mean_acceptance_length", "Tokens per 
 KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache in use", ["engine"], registry=WORKER)
 TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat",
                      registry=WORKER)
+#: ``lanes_worker_info{worker, pool, engine} 1``: join a worker's series to its pool
+#: (``lanes_prefill_seconds_bucket * on(instance) group_left(pool) lanes_worker_info``) when two
+#: models' pools are scraped side by side.
+WORKER_INFO = Info("lanes_worker", "This worker's id, model pool and engine", registry=WORKER)
 PREFILL_SHARE = Gauge("lanes_worker_prefill_share", "Estimated prefill share of the engine's work over the last "
                       "finished requests (lanes step aside, FCFS, at or above LANES_FCFS_ABOVE_PREFILL_SHARE)",
                       registry=WORKER)

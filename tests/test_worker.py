@@ -180,6 +180,8 @@ async def test_an_engine_failure_on_one_request_ends_it_once(plane: QueuePlane, 
     assert event.finish is not None and event.finish.reason.value == "error" and event.finish.error_code == code
     assert (await plane.read_stream("good"))[-1].finish.reason.value == "length", "the worker went on serving"
     assert metrics.ENGINE_ERRORS.labels(code)._value.get() == before + 1
+    exported = metrics.generate_latest(metrics.WORKER).decode()
+    assert f'lanes_worker_info{{engine="sim",pool="default",worker="{worker.worker_id}"}} 1.0' in exported
 
 
 async def test_a_fault_in_the_sim_engine_stops_the_worker_and_hands_the_request_back(plane: QueuePlane) -> None:

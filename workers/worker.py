@@ -108,6 +108,7 @@ class Worker:
     async def serve(self, *, burst: bool = False) -> None:
         """Run until cancelled (or, with ``burst``, until the lanes are empty and idle)."""
         await self.engine.start()
+        metrics.WORKER_INFO.info({"worker": self.worker_id, "pool": self.settings.pool, "engine": self.engine.name})
         await self._report()  # registered only now: a worker is listed once its engine is warm
         log.info("worker %s ready: pool=%s engine=%s slots=%s", self.worker_id, self.settings.pool, self.engine.name,
                  self.slots)
