@@ -110,22 +110,15 @@ def routes(edge: Edge) -> list[BaseRoute]:
             return _refused_request(error)
         return await _complete(edge, request, verdict, parsed)
 
-    async def list_models(request: Request) -> Response:
+    async def models(request: Request) -> Response:
+        """``GET /v1/models`` (the list), ``GET /v1/models/{name}`` (one, or 404)."""
         verdict = await edge.gate.check(MODELS_PATH, request.headers)
         if isinstance(verdict, Refusal):
             return _refused(verdict)
         try:
-            names = await edge.model_names()
-        except QueueUnavailable:
-            return _error(REDIS_DOWN)
-        return Response(oai.models(names, int(time.time())), media_type="application/json")
-
-    async def retrieve_model(request: Request) -> Response:
-        verdict = await edge.gate.check(MODELS_PATH, request.headers)
-        if isinstance(verdict, Refusal):
-            return _refused(verdict)
-        try:
-            body = oai.model(request.path_params["name"], await edge.model_names(), int(time.time()))
+            names, now = await edge.model_names(), int(time.time())
+            name = request.path_params.get("name")
+            body = oai.models(names, now) if name is None else oai.model(name, names, now)
         except QueueUnavailable:
             return _error(REDIS_DOWN)
         except oai.APIError as error:
@@ -133,8 +126,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
         return Response(body, media_type="application/json")
 
     return [Route(COMPLETIONS_PATH, chat_completions, methods=["POST"]),
-            Route(MODELS_PATH, list_models, methods=["GET"]),
-            Route(MODELS_PATH + "/{name:path}", retrieve_model, methods=["GET"])]
+            Route(MODELS_PATH, models, methods=["GET"]),
+            Route(MODELS_PATH + "/{name:path}", models, methods=["GET"])]
 
 
 #: A body over the limit is still read, and dropped, up to this many bytes and for at most

@@ -280,7 +280,8 @@ _enc = msgspec.json.Encoder()
 
 def accepted_frame(request_id: str, lane: str, predicted_tokens: int, pool: str | None = None) -> bytes:
     """``pool``: the model pool the request was enqueued in (absent for a fixed answer)."""
-    frame: dict[str, object] = {"type": "accepted", "id": client_id(request_id), "lane": lane, "predicted_tokens": predicted_tokens}
+    frame: dict[str, object] = {"type": "accepted", "id": client_id(request_id), "lane": lane,
+                                "predicted_tokens": predicted_tokens}
     if pool is not None:
         frame["pool"] = pool
     return _enc.encode(frame)

@@ -70,7 +70,7 @@ class Delivery:
         whether it is registered; if not, the actions carry its error frame."""
         refusal = None
         if request_id in self.entries:
-            refusal = (ErrorCode.DUPLICATE_ID, f"request {protocol.client_id(request_id)} is already in flight")
+            refusal = (ErrorCode.DUPLICATE_ID, f"{_request(request_id)} is already in flight")
         elif self.per_conn[conn] >= self.config.max_in_flight_per_connection:
             refusal = (ErrorCode.TOO_MANY_IN_FLIGHT,
                        f"at most {self.config.max_in_flight_per_connection} requests in flight per connection")
@@ -128,7 +128,7 @@ class Delivery:
             return [_unknown(conn, request_id)]
         if entry.conn == conn:
             return [_send_error(conn, ErrorCode.DUPLICATE_ID,
-                                f"request {protocol.client_id(request_id)} is already in flight on this connection", request_id)]
+                                f"{_request(request_id)} is already in flight on this connection", request_id)]
         actions = self._take_over(entry, conn)
         entry.next_seq = last_seq + 1
         entry.buffered = {s: e for s, e in entry.buffered.items() if s > last_seq or e.finish is not None}
@@ -228,7 +228,7 @@ class Delivery:
         """The client cancels one of its requests."""
         entry = self.entries.get(request_id)
         if entry is None or entry.conn != conn:
-            return [_send_error(conn, ErrorCode.UNKNOWN_ID, f"no request {protocol.client_id(request_id)} in flight on this connection",
+            return [_send_error(conn, ErrorCode.UNKNOWN_ID, f"no {_request(request_id)} in flight on this connection",
                                 request_id)]
         if entry.phase is Phase.OPENING:
             entry.cancel_pending = True  # ``accepted`` must come first: cancel after it
@@ -348,7 +348,7 @@ class Delivery:
         actions: list[Action] = []
         if entry.conn is not None:
             actions.append(_send_error(entry.conn, ErrorCode.RESUMED_ELSEWHERE,
-                                       f"request {protocol.client_id(entry.id)} was resumed on another connection", entry.id))
+                                       f"{_request(entry.id)} was resumed on another connection", entry.id))
             _decrement(self.per_conn, entry.conn)
         entry.conn = conn
         self.per_conn[conn] += 1
@@ -441,7 +441,7 @@ class Delivery:
         actions: list[Action] = [Finished(entry.id, entry.lane, ErrorCode.RESUMED_ELSEWHERE.value)]
         if entry.conn is not None:
             actions.append(_send_error(entry.conn, ErrorCode.RESUMED_ELSEWHERE,
-                                       f"request {protocol.client_id(entry.id)} was resumed on another edge", entry.id))
+                                       f"{_request(entry.id)} was resumed on another edge", entry.id))
         return actions
 
     def _expire(self, entry: Entry) -> list[Action]:
@@ -461,4 +461,9 @@ def _send_error(conn: int, code: ErrorCode | str, message: str, request_id: str 
 
 
 def _unknown(conn: int, request_id: str) -> Send:
-    return _send_error(conn, ErrorCode.UNKNOWN_ID, f"request {protocol.client_id(request_id)} is unknown or expired", request_id)
+    return _send_error(conn, ErrorCode.UNKNOWN_ID, f"{_request(request_id)} is unknown or expired", request_id)
+
+
+def _request(request_id: str) -> str:
+    """How a message names a request: by the id its client sent (without its key's scope)."""
+    return f"request {protocol.client_id(request_id)}"
