@@ -3,7 +3,7 @@
 Units: rates in requests per second, waits in seconds, counts in requests / workers.
 
     lambda = arrival_rps                   requests/s entering the pool's lanes
-    mu     = service_rps_per_worker        requests/s one busy worker completes (measured)
+    mu     = service_rps_per_worker        requests/s one fully busy worker completes (measured)
     L      = depth                         requests waiting now
     T      = target_wait_s
 
@@ -35,6 +35,24 @@ import math
 def _check(name: str, value: float, *, positive: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def capacity_per_worker(throughput_rps: float, running: float, slots: int, workers: int) -> float:
+    """``mu``: requests/s one worker completes with all its slots busy, by Little's law on its slots.
+
+    ``throughput_rps`` is what the pool's ``workers`` complete now (claims per second), with
+    ``running`` requests in their ``slots`` on average. A request holds a slot for
+    ``running / throughput`` seconds, so ``slots`` busy slots complete ``slots * throughput /
+    running`` per second, spread over ``workers``. Measuring throughput alone would read a pool
+    that keeps up at a fifth of its slots as full, and ask for more workers forever. 0 (unknown)
+    when nothing runs or no worker reports.
+    """
+    for name, value in (("throughput_rps", throughput_rps), ("running", running), ("slots", slots),
+                        ("workers", workers)):
+        _check(name, value)
+    if running <= 0 or workers == 0 or throughput_rps == 0:
+        return 0.0
+    return throughput_rps * slots / running / workers
 
 
 def predicted_wait_s(depth: int, service_rps_per_worker: float, workers: int) -> float:

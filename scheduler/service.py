@@ -28,7 +28,7 @@ from lanes.queue.messages import (
     WorkerReport,
 )
 from lanes.queue.plane import QueuePlane
-from lanes.scheduler.autoscale import desired_workers
+from lanes.scheduler.autoscale import capacity_per_worker, desired_workers
 from lanes.scheduler.refresh import refresh_predictor
 from lanes.scheduler.sampling import Sampler
 from lanes.scheduler.settings import SchedulerSettings
@@ -48,7 +48,7 @@ class Scheduler:
         self.settings = settings
         self.plane = plane
         #: Per pool: claim rates and arrival rates (EWMA).
-        self._rates: dict[str, tuple[ServiceRates, ServiceRates]] = {}
+        self._rates: dict[str, tuple[ServiceRates, ServiceRates, Smoothed]] = {}
         self._known_pools: list[str] = settings.pool_names()
         #: Per pool without a live worker: since when (ms), for the no-worker timeout and for
         #: forgetting a pool nobody serves any more.
@@ -229,10 +229,11 @@ class Scheduler:
             for lane, n in report.running.items():
                 running[lane] = running.get(lane, 0) + n
         claims, arrivals = await self.plane.fleet.counters(pool)
-        rates = self._rates.setdefault(pool, (ServiceRates(), ServiceRates()))
+        rates = self._rates.setdefault(pool, (ServiceRates(), ServiceRates(), Smoothed()))
         service_rps, arrival_rps = rates[0].update(claims, now_ms), rates[1].update(arrivals, now_ms)
+        busy = rates[2].update(sum(running.values()), now_ms)
         desired = self.desired_workers(sum(arrival_rps.values()), sum(service_rps.values()), sum(pending.values()),
-                                       len(reports))
+                                       len(reports), busy, sum(r.slots for r in reports))
         for lane, n in pending.items():
             metrics.LANE_DEPTH.labels(pool, lane).set(n)
             metrics.LANE_OLDEST.labels(pool, lane).set(oldest[lane] / 1000)
@@ -242,12 +243,14 @@ class Scheduler:
                              workers=len(reports), service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
                              desired_workers=desired)
 
-    def desired_workers(self, arrival_rps: float, service_rps: float, depth: int, workers: int) -> int:
+    def desired_workers(self, arrival_rps: float, service_rps: float, depth: int, workers: int,
+                        running: float, slots: int) -> int:
         """Workers needed to keep the predicted lane wait under the target (Little's law with
-        headroom, ``scheduler/autoscale.py``). A pool's service rate per worker is what its
-        workers claim per second now; with none measured yet, the current count holds."""
+        headroom, ``scheduler/autoscale.py``). A worker's capacity is what the pool claims per
+        second scaled from the slots in use (``running``, smoothed) to all its ``slots``
+        (``capacity_per_worker``); with none measured yet, the current count holds."""
         s = self.settings
-        per_worker = service_rps / workers if workers else 0.0
+        per_worker = capacity_per_worker(service_rps, running, slots, workers)
         return desired_workers(arrival_rps, per_worker, depth, s.target_wait_s, s.autoscale_headroom,
                                s.min_workers, s.max_workers, workers)
 
@@ -312,6 +315,25 @@ class ServiceRates:
                 self.rps[lane] = round(self.rps.get(lane, instant) * (1 - alpha) + instant * alpha, 3)
         self._last = (now_ms, dict(claims))
         return dict(self.rps)
+
+
+
+class Smoothed:
+    """A level (e.g. requests running), smoothed like ``ServiceRates`` (EWMA over ``half_life_s``)."""
+
+    def __init__(self, half_life_s: float = 5.0) -> None:
+        self.half_life_s = half_life_s
+        self._at_ms: int | None = None
+        self.value = 0.0
+
+    def update(self, value: float, now_ms: int) -> float:
+        if self._at_ms is None:
+            self.value = value
+        elif now_ms > self._at_ms:
+            alpha = 1 - 0.5 ** ((now_ms - self._at_ms) / 1000 / self.half_life_s)
+            self.value = self.value * (1 - alpha) + value * alpha
+        self._at_ms = now_ms
+        return self.value
 
 
 def _arq_redis_settings(cls: type, url: str) -> object:

@@ -7,8 +7,11 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from lanes.scheduler.autoscale import desired_workers, predicted_wait_s
+from lanes.scheduler.autoscale import (
+    capacity_per_worker,
+    desired_workers,
+    predicted_wait_s,
+)
 
 BASE = dict(target_wait_s=1.0, headroom=0.0, min_workers=0, max_workers=100, current=0)
 
@@ -102,3 +105,43 @@ def test_bounds_and_no_overshoot(arrival_rps: float, mu: float, depth: int, targ
         assert predicted_wait_s(depth, mu, n) <= target_wait_s * (1 + 1e-9)
     # Never more than the band above the need (or the current count, or the floor).
     assert n <= max(math.ceil(need * 1.25), current, 1)
+
+
+def test_capacity_per_worker_scales_throughput_to_all_slots() -> None:
+    # 2 workers x 8 slots complete 1 request/s with 2 running: a request holds a slot 2 s,
+    # so a full worker completes 8 / 2 = 4 per second.
+    assert capacity_per_worker(1.0, 2.0, 16, 2) == pytest.approx(4.0)
+    # Unknown (keep the current count) when nothing runs, nothing completes or no worker reports.
+    assert capacity_per_worker(1.0, 0.0, 16, 2) == 0.0
+    assert capacity_per_worker(0.0, 3.0, 16, 2) == 0.0
+    assert capacity_per_worker(1.0, 2.0, 0, 0) == 0.0
+    with pytest.raises(ValueError, match="running"):
+        capacity_per_worker(1.0, -1.0, 8, 1)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+@pytest.mark.parametrize("occupancy", [0.05, 0.3, 0.6])
+def test_a_pool_that_keeps_up_below_its_slots_is_not_grown(workers: int, occupancy: float) -> None:
+    """The signal fed back to itself (KEDA adds what it asks for): a pool that serves its arrivals
+    with slots to spare stays put or shrinks, however often it is asked. Throughput alone as the
+    capacity (claims per second per worker) read every such pool as full and grew it by the
+    headroom each round, up to the maximum."""
+    slots_per_worker, hold_s = 8, 2.0
+    arrival_rps = occupancy * workers * slots_per_worker / hold_s
+    current = workers
+    for _ in range(10):
+        running = arrival_rps * hold_s                      # Little's law: the pool keeps up
+        mu = capacity_per_worker(arrival_rps, running, slots_per_worker * current, current)
+        settings = {**BASE, "headroom": 0.2, "current": current}
+        current = desired_workers(arrival_rps, mu, 0, **settings)  # type: ignore[arg-type]
+    assert 1 <= current <= workers
+    # What the scheduler measured before: mu = throughput per worker, grown by the headroom each round.
+    assert desired_workers(arrival_rps, arrival_rps / workers, 0,
+                           **{**BASE, "headroom": 0.2, "current": workers}) > workers  # type: ignore[arg-type]
+
+
+def test_a_full_pool_with_a_backlog_is_grown() -> None:
+    # 4 workers x 8 slots all busy, requests held 2 s (16/s), 20/s arriving and 100 waiting.
+    mu = capacity_per_worker(16.0, 32.0, 32, 4)
+    assert mu == pytest.approx(4.0)
+    assert desired_workers(20.0, mu, 100, **{**BASE, "current": 4}) > 4  # type: ignore[arg-type]

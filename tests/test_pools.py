@@ -137,14 +137,25 @@ def test_openai_models_and_unknown_model(system: System) -> None:
     assert routed.headers["x-lanes-pool"] == expected
 
 
-def test_each_pool_gets_its_autoscaling_signal(system: System) -> None:
-    time.sleep(1.0)
+async def test_each_pool_gets_its_autoscaling_signal(system: System) -> None:
+    """A light, steady load (a short chat every 0.3 s, far below two workers' 16 slots) keeps the
+    pool at its size: the signal asks for more only when the slots fill. Before, a worker's
+    capacity was read as its throughput, so any pool that kept up asked for 1.2x its workers."""
+    url = system.edge_urls["edge"]
+    load = []
+    for i in range(20):
+        load.append(asyncio.create_task(chat(url, f"as{i}-{uuid.uuid4().hex[:4]}", "Say hi.", model="large")))
+        await asyncio.sleep(0.3)
+    assert all(frames[-1]["type"] == "done" for frames in await asyncio.gather(*load))
+    await asyncio.sleep(1.0)
     for pool, workers in (("small", 1), ("large", 2)):
-        url = f"http://127.0.0.1:{system.edge_ports['edge']}/v1/depths?pool={pool}"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            snapshot = json.loads(resp.read())
+        depths = f"http://127.0.0.1:{system.edge_ports['edge']}/v1/depths?pool={pool}"
+        snapshot = await asyncio.to_thread(lambda u=depths: json.loads(urllib.request.urlopen(u, timeout=5).read()))
         assert snapshot["pool"] == pool and snapshot["workers"] == workers
-        assert snapshot["desired_workers"] >= 1 and "arrival_rps" in snapshot
+        assert "arrival_rps" in snapshot
+        if pool == "large":
+            assert sum(snapshot["arrival_rps"].values()) > 0.5, snapshot
+            assert 1 <= snapshot["desired_workers"] <= workers, snapshot
 
 
 async def test_scale_down_under_load_loses_nothing(system: System) -> None:
