@@ -70,6 +70,14 @@ class Fleet:
             pipe.sadd(k.pools, report.pool)
             await pipe.execute()
 
+    async def deregister(self, worker: str) -> None:
+        """A worker that stopped: out of the registry now, not after its report expires."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(k.workers, worker)
+            pipe.delete(k.worker_info(worker))
+            await pipe.execute()
+
     async def served_pools(self) -> set[str]:
         """Pools workers have served (``Keys.pools``), their last worker gone or not."""
         return {p.decode() for p in await self.redis.smembers(self.keys.pools)}
@@ -88,10 +96,10 @@ class Fleet:
         return [n.decode() for n in names]
 
     async def num_workers(self, pool: str | None = None) -> int:
-        """Registered workers, of ``pool`` or of all (the scheduler drops silent ones within seconds)."""
-        if pool is None:
-            return int(await self.redis.zcard(self.keys.workers))
-        return sum(1 for report in await self.reports() if report.pool == pool)
+        """Registered workers, of ``pool`` or of all (the scheduler drops silent ones within seconds);
+        a draining worker counts for neither."""
+        reports = await self.reports()
+        return sum(1 for report in reports if (pool is None or report.pool == pool) and not report.draining)
 
     async def reports(self, workers: list[str] | None = None) -> list[WorkerReport]:
         """The latest report of each registered (or each given) worker; expired ones are skipped."""

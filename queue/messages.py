@@ -131,6 +131,9 @@ class WorkerReport(msgspec.Struct, frozen=True):
     #: Engine name and its own stats (KV-cache use, acceptance, ...): numbers or short strings.
     engine: dict[str, float | int | str | bool | None] = {}
     pool: str = "default"
+    #: Stopping: it claims nothing more and finishes (or hands back) what it runs. The pool
+    #: does not count it as a worker, so edges refuse the pool's chats once no other serves it.
+    draining: bool = False
 
 
 class Observation(msgspec.Struct, frozen=True, array_like=True):

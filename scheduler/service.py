@@ -232,26 +232,26 @@ class Scheduler:
         rates = self._rates.setdefault(pool, (ServiceRates(), ServiceRates(), Smoothed()))
         service_rps, arrival_rps = rates[0].update(claims, now_ms), rates[1].update(arrivals, now_ms)
         busy = rates[2].update(sum(running.values()), now_ms)
-        desired = self.desired_workers(sum(arrival_rps.values()), sum(service_rps.values()), sum(pending.values()),
-                                       len(reports), busy, sum(r.slots for r in reports))
+        # A draining worker's runs still count; the worker does not (it claims nothing more).
+        workers = sum(1 for r in reports if not r.draining)
+        capacity = capacity_per_worker(sum(service_rps.values()), busy, sum(r.slots for r in reports), len(reports))
+        desired = self.desired_workers(sum(arrival_rps.values()), capacity, sum(pending.values()), workers)
         for lane, n in pending.items():
             metrics.LANE_DEPTH.labels(pool, lane).set(n)
             metrics.LANE_OLDEST.labels(pool, lane).set(oldest[lane] / 1000)
             metrics.LANE_RUNNING.labels(pool, lane).set(running.get(lane, 0))
         metrics.DESIRED_WORKERS.labels(pool).set(desired)
         return DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
-                             workers=len(reports), service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
+                             workers=workers, service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
                              desired_workers=desired)
 
-    def desired_workers(self, arrival_rps: float, service_rps: float, depth: int, workers: int,
-                        running: float, slots: int) -> int:
+    def desired_workers(self, arrival_rps: float, capacity_rps: float, depth: int, workers: int) -> int:
         """Workers needed to keep the predicted lane wait under the target (Little's law with
-        headroom, ``scheduler/autoscale.py``). A worker's capacity is what the pool claims per
-        second scaled from the slots in use (``running``, smoothed) to all its ``slots``
-        (``capacity_per_worker``); with none measured yet, the current count holds."""
+        headroom, ``scheduler/autoscale.py``). ``capacity_rps`` is one worker's: what the pool
+        claims per second, scaled from the slots in use to all of them (``capacity_per_worker``);
+        with none measured yet, the current count holds."""
         s = self.settings
-        per_worker = capacity_per_worker(service_rps, running, slots, workers)
-        return desired_workers(arrival_rps, per_worker, depth, s.target_wait_s, s.autoscale_headroom,
+        return desired_workers(arrival_rps, capacity_rps, depth, s.target_wait_s, s.autoscale_headroom,
                                s.min_workers, s.max_workers, workers)
 
     async def _sample_every_second(self) -> None:

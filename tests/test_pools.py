@@ -262,3 +262,37 @@ async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(ma
     refused = await chat(sys_.edge_urls["edge"], f"new-{uuid.uuid4().hex[:6]}", "Hello there, story?", model="solo")
     assert [(f["type"], f.get("code")) for f in refused] == [("error", "unavailable")], refused
     await client.close()
+
+
+async def test_a_pool_whose_last_worker_stops_is_refused_while_it_drains(make_cluster) -> None:
+    """SIGTERM to a pool's only worker: from its first draining report its pool counts no
+    worker, so a chat sent while it still drains its running answer is refused ``unavailable``
+    at once (before, for ~10 s edges accepted such chats, which then waited a minute in a lane
+    nobody would pull), and the running answer still finishes."""
+    sys_ = make_cluster(workers=0)
+    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "1",
+                      LANES_POOL="solo", LANES_DRAIN_TIMEOUT_S="30")
+    sys_.wait_workers(1)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
+    for _ in range(int(scaled(100))):
+        if "solo" in [m.id for m in api.models.list().data]:
+            break
+        await asyncio.sleep(0.1)
+    client = await Client.connect(sys_.edge_urls["edge"])
+    running = f"run-{uuid.uuid4().hex[:6]}"
+    await client.send({"type": "chat", "id": running, "model": "solo", "max_tokens": 150,
+                       "messages": [{"role": "user", "content": "Write a story."}]})
+    for _ in range(int(scaled(600))):
+        if any(f["type"] == "delta" for f in client.frames[running]):
+            break
+        await asyncio.sleep(0.05)
+    sys_.procs["solo-1"].send_signal(signal.SIGTERM)
+    await asyncio.sleep(1.5)  # the draining report, then the scheduler's next snapshot (0.5 s)
+    started = time.monotonic()
+    refused = await chat(sys_.edge_urls["edge"], f"new-{uuid.uuid4().hex[:6]}", "Hello there, story?", model="solo")
+    assert [(f["type"], f.get("code")) for f in refused] == [("error", "unavailable")], refused
+    assert time.monotonic() - started < scaled(2)
+    assert client.frames[running][-1]["type"] == "delta", "the answer is still being drained"
+    end = await client.wait(running, scaled(30))
+    assert end["type"] == "done", end
+    await client.close()

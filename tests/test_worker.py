@@ -4,6 +4,7 @@ lanes, and when its engine dies it stops claiming, hands its leases back and rai
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -113,6 +114,35 @@ async def test_stop_drains_then_hands_back(plane: QueuePlane, max_tokens: int, d
     serving.cancel()
     await asyncio.gather(serving, return_exceptions=True)
     assert await plane.redis.hget(plane.keys.request("draining"), "state") == final
+
+
+async def test_a_stopping_worker_stops_counting_at_once_and_leaves_the_registry(plane: QueuePlane) -> None:
+    """While it drains, a worker reports itself draining, so its pool counts no worker (edges
+    refuse the pool's chats once no other serves it); once stopped, it is out of the registry at
+    once. Before, both waited for its report to expire: for ~10 s after the last worker of a pool
+    stopped, edges accepted its chats, which then waited a minute for nothing."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.workers.engines.sim import SimEngine
+
+    await enqueue(plane, "long-one", 2000)
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", heartbeat_s=0.2, drain_timeout_s=1.0)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=4))
+    serving = asyncio.create_task(worker.serve())
+    while not await plane.read_stream("long-one"):
+        await asyncio.sleep(0.02)
+    assert await plane.fleet.num_workers("default") == 1
+    serving.cancel()
+    deadline = time.monotonic() + 0.8  # inside the 1 s drain
+    while not any(r.draining for r in await plane.fleet.reports()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert [r.draining for r in await plane.fleet.reports()] == [True]
+    assert await plane.fleet.num_workers("default") == 0 and await plane.fleet.num_workers() == 0
+    assert not serving.done(), "still draining"
+    await asyncio.gather(serving, return_exceptions=True)
+    assert await plane.fleet.reports() == []
+    assert await plane.redis.zcard(plane.keys.workers) == 0
+    assert await plane.redis.hget(plane.keys.request("long-one"), "state") == b"queued"
 
 
 async def test_a_busy_engine_hands_the_request_back_to_its_lane(plane: QueuePlane) -> None:

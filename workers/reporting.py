@@ -29,6 +29,8 @@ class Reporter:
         self.pool = pool
         self.heartbeat_s = heartbeat_s
         self.num_tokens = 0
+        #: Set once the worker stops claiming (``WorkerReport.draining``).
+        self.draining = False
         self._rate_mark = (time.monotonic(), 0)
 
     async def report(self, running: dict[str, int], slots: int, finished: dict[str, int],
@@ -36,7 +38,8 @@ class Reporter:
         """One heartbeat's report; it expires after three missed heartbeats (5 s at least: a loaded
         machine delays heartbeats, and the registry, not the report, says who is alive)."""
         report = WorkerReport(worker=self.worker_id, running=running, slots=slots, finished=finished,
-                              tokens_per_s=self._export(engine_stats), engine=_plain(engine_stats), pool=self.pool)
+                              tokens_per_s=self._export(engine_stats), engine=_plain(engine_stats), pool=self.pool,
+                              draining=self.draining)
         await self.plane.fleet.report(report, int(time.time() * 1000), ttl_ms=max(5000, int(self.heartbeat_s * 3000)))
 
     def _export(self, engine_stats: dict[str, Any]) -> float:

@@ -124,13 +124,26 @@ class Worker:
                     # request we hand back below and drop it with the closing connection.
                     claim.cancel()
                     await asyncio.gather(claim, return_exceptions=True)
+                    await self._report_draining()
                     await self._stop_runs()
                     for task in background:
                         task.cancel()
             if self._fatal.done():
                 self._fatal.result()  # re-raise EngineDead
         finally:
+            await self._deregister()
             await self.engine.close()
+
+    async def _report_draining(self) -> None:
+        """Say at once that this worker claims nothing more: the pool stops counting it, so once
+        no other worker serves the pool, edges refuse its chats instead of queueing them."""
+        self.reporter.draining = True
+        with contextlib.suppress(QueueUnavailable):  # the registry then forgets it when its reports stop
+            await self._report()
+
+    async def _deregister(self) -> None:
+        with contextlib.suppress(QueueUnavailable):
+            await self.plane.fleet.deregister(self.worker_id)
 
     async def _stop_runs(self) -> None:
         """Drain (a stop lets running answers finish for a while), then hand back the rest."""

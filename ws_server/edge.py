@@ -302,7 +302,8 @@ class Edge:
     async def live_pools(self) -> list[str]:
         """Pools with live workers, per the latest snapshots and the worker registry (asked on
         the rare paths that list them: an unknown model, ``GET /v1/models``)."""
-        return sorted(set(self.admission.live_pools()) | {r.pool for r in await self.plane.fleet.reports()})
+        reports = await self.plane.fleet.reports()
+        return sorted(set(self.admission.live_pools()) | {r.pool for r in reports if not r.draining})
 
     async def model_names(self) -> list[str]:
         """What ``GET /v1/models`` lists: the pools with live workers (and ``auto`` with rules)."""
