@@ -156,3 +156,29 @@ async def test_slow_client_is_closed_and_costs_no_memory(system: tuple[System, s
     assert late_code == 4008 and late.num_frames >= SLOW_QUEUE_FRAMES
     assert in_flight <= 1, "the dropped client's requests must end (only the bystander's may run)"
     assert rss_after_kib - rss_before_kib < 16 * 1024, "the edge's memory grew with clients that do not read"
+
+
+async def test_a_burst_larger_than_the_queue_reaches_a_client_that_reads(system: tuple[System, str, str]) -> None:
+    """A client that reads is never "too slow", however many frames arrive at once: replaying
+    a finished 400-token answer from its start is 402 frames in one step, over the slow edge's
+    64-frame cap. Before, the cap counted frames the writer had not yet had a turn to send, so a
+    4,096-token answer (the default cap) could never be replayed, and a worker's backlog after a
+    Redis stall closed every busy client with 4008."""
+    from e2e_support import Client
+
+    sys_, _, url = system
+    num_slow = metric(sys_, "edge-slow", "lanes_slow_clients_total")
+    rid = f"replay-{uuid.uuid4().hex[:8]}"
+    first = await Client.connect(url)
+    await first.send({"type": "chat", "id": rid, "max_tokens": 400,
+                      "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    assert (await first.wait(rid, scaled(60)))["type"] == "done"
+    await first.close()
+    again = await Client.connect(url)
+    await again.send({"type": "resume", "id": rid, "last_seq": -1})
+    end = await again.wait(rid, scaled(30))
+    frames = again.frames[rid]
+    await again.close()
+    assert end["type"] == "done" and end["usage"]["completion_tokens"] == 400, end
+    assert [f["seq"] for f in frames if f["type"] == "delta"] == list(range(400))
+    assert metric(sys_, "edge-slow", "lanes_slow_clients_total") == num_slow

@@ -3,8 +3,11 @@
 The Redis reader never awaits a socket: the delivery core's ``Send`` actions only append to
 the session's list. The writer sends everything waiting in one socket write, so a token batch
 costs one write per client, not one per frame (each write on loopback runs the kernel's TCP
-stack). A client that does not read lets frames pile up until ``max_queue_frames``, and is then
-closed (4008), so one slow client cannot stall delivery for the others.
+stack). A client that does not read backs the transport up (flow control stops the writer);
+frames then pile up until ``max_queue_frames``, and the client is closed (4008), so one slow
+client cannot stall delivery for the others. Frames queued while the transport still takes data
+never count: a burst (a replay of a whole answer, a worker's backlog after a Redis stall) may
+exceed the cap before the writer has had its turn, and is sent at the writer's next turn.
 
 Under uvicorn's sans-I/O WebSocket protocol the writer drives the connection's protocol object
 directly (the ASGI ``send`` is that object's bound method): ``send_text`` for each frame, then
@@ -58,10 +61,11 @@ class Session:
             _limit_send_buffer(self._proto.transport, send_buffer_bytes)
 
     def send(self, frame: bytes) -> None:
-        """Queue a frame without waiting; too many unsent frames mark the client as too slow."""
+        """Queue a frame without waiting; too many unsent frames while the transport is backed up
+        mark the client as too slow."""
         if self.closed:
             return
-        if len(self.pending) >= self.max_queue_frames:
+        if len(self.pending) >= self.max_queue_frames and self._backed_up():
             metrics.SLOW_CLIENTS.inc()
             self.closed = True
             self.pending = []
@@ -69,6 +73,12 @@ class Session:
             return
         self.pending.append(frame)
         self._wake.set()
+
+    def _backed_up(self) -> bool:
+        """The client is not reading what was written: the transport is over its high mark, so
+        the writer waits (always true for servers whose flow control we cannot see)."""
+        proto = self._proto
+        return proto is None or not proto.writable.is_set()
 
     async def writer(self) -> None:
         """Send what is pending, batch by batch, until the connection goes."""

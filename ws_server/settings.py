@@ -24,7 +24,8 @@ class EdgeSettings(RedisSettings):
     default_max_tokens: int = 256
     #: Requests one connection may have in flight.
     max_in_flight_per_connection: int = 64
-    #: Frames buffered for one client before it counts as too slow and is closed.
+    #: Frames waiting for a client whose transport is backed up (it does not read) before it
+    #: counts as too slow and is closed (4008); a burst to a client that reads never counts.
     max_client_queue_frames: int = 4096
     #: After a cancel of a running request, how long to wait for the worker's final frame.
     cancel_grace_s: float = 2.0
