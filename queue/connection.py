@@ -9,7 +9,6 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class TransientRetry(Retry):
@@ -43,17 +42,27 @@ class _NoRetry(Exception):
         self.error = error
 
 
+#: How long a command (and a connection attempt) may wait for Redis before it fails with
+#: ``QueueUnavailable``. A Redis that stops answering without closing its connections (a hung
+#: server, a network partition) would otherwise hold every chat, handshake and health check
+#: until it answers again. The URL's ``socket_timeout`` / ``socket_connect_timeout`` win.
+COMMAND_TIMEOUT_S = 5.0
+
+
 def connect(url: str, **kwargs: object) -> aioredis.Redis:
-    """A client that retries transient connection errors with capped exponential backoff;
+    """A client that retries transient connection errors with capped exponential backoff, and
+    gives up on a command after ``COMMAND_TIMEOUT_S`` (not retried: the command may have run);
     a ``ClusterClient`` (a ``RedisCluster``) for a cluster URL (``kwargs`` do not apply)."""
     if is_cluster_url(url):
         from lanes.queue.cluster import connect_cluster
 
         return connect_cluster(url)  # type: ignore[return-value]
+    options: dict[str, object] = {"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S,
+                                  **kwargs}
     return aioredis.Redis.from_url(
         url,
-        retry=TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry=TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5, supported_errors=(RedisConnectionError,)),
+        retry_on_error=[RedisConnectionError],
         health_check_interval=10,
-        **kwargs,
+        **options,
     )

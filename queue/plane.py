@@ -217,7 +217,8 @@ class QueuePlane(TokenStreams):
             blocker = SlotConnection(self.redis, self.keys.pending(LANE_ORDER[0]))
             self._blockers.add(blocker)
             return blocker
-        return connect(self.settings.redis_url, single_connection_client=True)
+        # No command timeout: the pop itself blocks for up to its own timeout.
+        return connect(self.settings.redis_url, single_connection_client=True, socket_timeout=None)
 
     async def client_id(self, conn: aioredis.Redis | SlotConnection) -> int:
         """The id ``unblock`` takes for ``conn`` (connects it if need be)."""

@@ -48,6 +48,9 @@ async def listen(client: aioredis.Redis | RedisCluster, channels: Sequence[str],
                 conn = node_client(cluster, *address, single_connection=False)
                 pubsub = conn.pubsub()
             await pubsub.subscribe(*channels)
+            if cluster is None and pubsub.connection is not None:
+                # Waiting for the next message is not a command: no command timeout on it.
+                pubsub.connection.socket_timeout = None
             backoff.succeeded()
             if on_subscribed is not None:
                 on_subscribed()

@@ -124,3 +124,54 @@ async def test_redis_paused_longer_than_a_lease_loses_nothing(system: tuple[Syst
         assert_contiguous(client, rid)
         assert len(client.deltas(rid)) == 120
     await client.close()
+
+
+async def test_a_redis_that_stops_answering_gets_a_clear_answer_not_a_hang(system: tuple[System, str]) -> None:
+    """SIGSTOP for longer than the command timeout (a hung Redis, a network partition: nothing
+    closes the connections): a chat sent meanwhile gets ``unavailable`` and ``/healthz`` a 503
+    within ``COMMAND_TIMEOUT_S``, not when Redis answers again (before: both waited out the whole
+    outage); the requests already running still end ``done``, every token once."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from lanes.queue.connection import COMMAND_TIMEOUT_S
+
+    sys_, url = system
+    client = await Client.connect(url)
+    ids = [f"hang{i}-{uuid.uuid4().hex[:4]}" for i in range(4)]
+    for rid in ids:
+        await client.chat(rid, f"Talk at length about {rid}.", max_tokens=60)
+    await asyncio.sleep(1.0)
+
+    def healthz() -> tuple[int, float]:
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(url.replace("ws://", "http://").replace("/v1/chat", "/healthz"),
+                                        timeout=60) as resp:
+                return resp.status, time.monotonic() - started
+        except urllib.error.HTTPError as err:
+            assert json.loads(err.read())["status"] == "redis_unreachable"
+            return err.code, time.monotonic() - started
+
+    server = sys_.redis.process
+    server.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(0.5)
+        health = asyncio.create_task(asyncio.to_thread(healthz))
+        started = time.monotonic()
+        rid = f"during-{uuid.uuid4().hex[:4]}"
+        await client.chat(rid, "Hello?", max_tokens=5)
+        refused = await client.wait(rid, timeout_s=COMMAND_TIMEOUT_S + scaled(10))
+        waited_s = time.monotonic() - started
+        status, health_s = await health
+    finally:
+        server.send_signal(signal.SIGCONT)
+    assert refused["type"] == "error" and refused["code"] == "unavailable", refused
+    assert waited_s < COMMAND_TIMEOUT_S + scaled(2.5), waited_s
+    assert status == 503 and health_s < COMMAND_TIMEOUT_S + scaled(2.5), (status, health_s)
+    for rid in ids:
+        done = await client.wait(rid, timeout_s=scaled(60))
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] == 60, done
+        assert_contiguous(client, rid)
+    await client.close()
