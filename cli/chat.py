@@ -13,12 +13,16 @@ import websockets
 from lanes.cli.failures import Failure
 
 
-async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: object = sys.stdout) -> dict:
+async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: object = sys.stdout,
+               api_key: str = "", model: str | None = None) -> dict:
     """Send one chat request; stream text to ``out``; return the ``done`` (or ``error``) frame."""
     request_id = uuid.uuid4().hex[:12]
     frame = {"type": "chat", "id": request_id, "messages": [{"role": "user", "content": prompt}],
              "max_tokens": max_tokens, "temperature": temperature}
-    async with websockets.connect(url, max_size=None) as ws:
+    if model:
+        frame["model"] = model
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with websockets.connect(url, max_size=None, additional_headers=headers) as ws:
         sent = time.perf_counter()
         await ws.send(json.dumps(frame))
         async for raw in ws:
@@ -39,16 +43,20 @@ def _connect_failure(url: str, exc: BaseException) -> Failure:
     if isinstance(exc, websockets.InvalidURI):
         return Failure(f"{url} is not a WebSocket URL (--url): use ws://HOST:PORT/v1/chat")
     if isinstance(exc, websockets.InvalidStatus):
+        if exc.response.status_code == 401:
+            return Failure(f"{url} refused the API key (HTTP 401): pass one with --api-key or LANES_API_KEY "
+                           "(`lanes keys create NAME` makes one)")
         return Failure(f"{url} answered HTTP {exc.response.status_code} instead of a WebSocket "
-                       "(--url): is the path /v1/chat, and is your API key set?")
+                       "(--url): is the path /v1/chat?")
     reason = "connection refused" if isinstance(exc, ConnectionRefusedError) else (str(exc) or type(exc).__name__)
     return Failure(f"cannot connect to {url}: {reason}; is `lanes up` (or `lanes edge`) running "
                    "there? (--url)")
 
 
-def run_chat(url: str, prompt: str, max_tokens: int, temperature: float) -> int:
+def run_chat(url: str, prompt: str, max_tokens: int, temperature: float, api_key: str = "",
+             model: str | None = None) -> int:
     try:
-        result = asyncio.run(chat(url, prompt, max_tokens, temperature))
+        result = asyncio.run(chat(url, prompt, max_tokens, temperature, api_key=api_key, model=model))
     except (OSError, asyncio.TimeoutError, websockets.InvalidURI, websockets.InvalidHandshake) as exc:
         raise _connect_failure(url, exc) from None
     except websockets.ConnectionClosed as exc:
@@ -58,9 +66,11 @@ def run_chat(url: str, prompt: str, max_tokens: int, temperature: float) -> int:
         print(f"error: {result['code']}: {result['message']}", file=sys.stderr)
         return 1
     timing, usage = result["timing"], result["usage"]
-    decode_s = max((timing["total_ms"] - timing["ttft_ms"]) / 1000, 1e-9)
-    tps = (usage["completion_tokens"] - 1) / decode_s if usage["completion_tokens"] > 1 else 0.0
+    decode_s = (timing["total_ms"] - timing["ttft_ms"]) / 1000
+    # A fixed answer arrives at once (no decode time): a rate would be meaningless.
+    speed = f" · {(usage['completion_tokens'] - 1) / decode_s:.0f} tokens/s" \
+        if usage["completion_tokens"] > 1 and decode_s >= 0.001 else ""
     print(f"-- {result['finish_reason']} · {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
           f"completion tokens · queue {timing['queue_ms']:.1f} ms · TTFT {timing['ttft_ms']:.1f} ms · "
-          f"total {timing['total_ms']:.1f} ms · {tps:.0f} tokens/s", file=sys.stderr)
+          f"total {timing['total_ms']:.1f} ms{speed}", file=sys.stderr)
     return 0

@@ -53,7 +53,8 @@ class CliSettings(BaseSettings):
 
 
 #: ``LANES_*`` variables read outside the settings classes (the Procfile, bootstrap, tests).
-OTHER_VARIABLES = frozenset({"LANES_BIN", "LANES_TORCH_VERSION", "LANES_TEST_TIME_SCALE", "LANES_SCREENSHOT_DIR"})
+OTHER_VARIABLES = frozenset({"LANES_BIN", "LANES_TORCH_VERSION", "LANES_TEST_TIME_SCALE", "LANES_SCREENSHOT_DIR",
+                             "LANES_API_KEY"})
 
 
 def known_variables() -> frozenset[str]:

@@ -154,11 +154,15 @@ def chat(
     url: Annotated[str, typer.Option(help="edge WebSocket URL")] = "ws://127.0.0.1:8000/v1/chat",
     max_tokens: Annotated[int, typer.Option()] = 128,
     temperature: Annotated[float, typer.Option()] = 0.7,
+    api_key: Annotated[str, typer.Option(envvar="LANES_API_KEY", show_default=False,
+                                         help="API key, sent as Authorization: Bearer (when the edge requires keys)")] = "",
+    model: Annotated[Optional[str], typer.Option(help="pool to serve it (or 'auto' under routing rules); "
+                                                      "default: the edge's default pool")] = None,
 ) -> None:
     """Stream one answer in the terminal and print its timing."""
     from lanes.cli.chat import run_chat
 
-    raise typer.Exit(run_chat(url, prompt, max_tokens, temperature))
+    raise typer.Exit(run_chat(url, prompt, max_tokens, temperature, api_key=api_key, model=model))
 
 
 @app.command()

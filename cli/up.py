@@ -17,6 +17,7 @@ supervised on top of the process harness (``cli/cluster.py``).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 import uuid
@@ -192,7 +193,8 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
         # Scheduler and workers listen on loopback only: reach them from this machine.
         scraped = [f"edge {base}/metrics"] + [f"{name} http://127.0.0.1:{p}/metrics" for name, p in ports.items()]
         console.print("metrics: " + " · ".join(scraped))
-        console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat "Explain what a class definition does"')
+        key = " --api-key KEY" if os.environ.get("LANES_AUTH_REQUIRED", "").lower() in ("1", "true", "yes", "on") else ""
+        console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat{key} "Explain what a class definition does"')
         return supervisor.supervise()
     finally:
         console.print("stopping…")

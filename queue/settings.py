@@ -56,6 +56,9 @@ class RedisSettings(BaseSettings):
         db = parts.path.strip("/")
         if db and not db.isdigit():  # redis-py would quietly use database 0
             raise ValueError(f"the database after the host must be a number (redis://host:port/0), not {db!r}")
+        if db and int(db) != 0 and parts.scheme.endswith("+cluster"):
+            raise ValueError(f"the URL names database {db}, but a Redis Cluster has only database 0: "
+                             "drop the /<db> part of the URL")
         return url
 
     @field_validator("log_level")

@@ -189,6 +189,23 @@ async def test_handshake_needs_a_valid_bearer_key(
     await client.close()
 
 
+async def test_lanes_chat_sends_its_api_key_and_model(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
+    """``lanes chat --api-key`` (or ``LANES_API_KEY``) and ``--model``: before, the CLI could not
+    reach an edge that requires keys at all, and its 401 message asked whether a key was set."""
+    import io
+
+    from lanes.cli.chat import _connect_failure, chat
+
+    key = create_key("terminal")
+    url = f"{await start_edge(auth_required=True)}/v1/chat"
+    with pytest.raises(InvalidStatus) as refused:
+        await chat(url, "hello", 8, 0.7, out=io.StringIO())
+    assert "--api-key or LANES_API_KEY" in str(_connect_failure(url, refused.value))
+    # No worker runs here: a model nobody serves is answered at once, through the authed handshake.
+    result = await chat(url, "hello", 8, 0.7, out=io.StringIO(), api_key=key, model="gigantic")
+    assert result["type"] == "error" and result["code"] == "model_not_found", result
+
+
 async def test_static_hashes_from_settings_turn_auth_on(start_edge: StartEdge) -> None:
     key = generate_key()
     base = await start_edge(api_key_hashes=f" {hash_key(key).upper()} ,")  # auth_required left False

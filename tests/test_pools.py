@@ -92,7 +92,8 @@ async def test_fixed_answers_need_no_model(system: System) -> None:
     frames = await chat(system.edge_urls["edge"], "hello-1", "Hello!", max_tokens=64)
     kinds = [f["type"] for f in frames]
     assert kinds[0] == "accepted" and frames[0]["lane"] == "fixed" and kinds[-1] == "done", frames
-    assert "pool" not in frames[0], "no pool serves a fixed answer"
+    # No pool serves it; ``pool`` names the one the chat resolved to (what ``auto`` answers with).
+    assert frames[0]["pool"] == load_rules(RULES).default_pool, frames[0]
     text = "".join(f["text"] for f in frames if f["type"] == "delta")
     assert text.startswith("Hello!") and frames[-1]["finish_reason"] == "stop"
     for pool in ("small", "large"):
@@ -135,6 +136,11 @@ def test_openai_models_and_unknown_model(system: System) -> None:
                                                            max_tokens=4)
     assert routed.parse().model == expected, "the answer names the pool auto chose, as OpenAI names the model"
     assert routed.headers["x-lanes-pool"] == expected
+    # A fixed answer to "auto" names the pool too (it echoed "auto" and sent no x-lanes-pool).
+    greeted = api.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": "Hello!"}])
+    assert greeted.headers["x-lanes-lane"] == "fixed" and greeted.parse().model in ("small", "large")
+    assert greeted.headers["x-lanes-pool"] == greeted.parse().model
+    assert [m.id for m in api.models.list().data] == ["large", "small", "auto"]
 
 
 async def test_each_pool_gets_its_autoscaling_signal(system: System) -> None:
@@ -228,6 +234,10 @@ async def test_a_pool_nobody_serves_or_snapshots_is_refused_at_once(system: Syst
     assert time.monotonic() - started < scaled(10)
     frames = await chat(system.edge_urls["spare"], f"ok-{uuid.uuid4().hex[:6]}", "Tell me about the sea.", model="small")
     assert frames[-1]["type"] == "done", frames
+    # /v1/models lists the names a chat may give here: the rules' pools (spare too: it answers
+    # 503, not 404) and auto. Before, it listed the pools with live workers, rules or not.
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{system.edge_ports['spare']}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in api.models.list().data] == ["large", "small", "spare", "auto"]
 
 
 async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(make_cluster) -> None:
@@ -278,6 +288,10 @@ async def test_a_pool_whose_last_worker_stops_is_refused_while_it_drains(make_cl
         if "solo" in [m.id for m in api.models.list().data]:
             break
         await asyncio.sleep(0.1)
+    # Without routing rules a chat without a model goes to "default", which nobody serves here:
+    # the refusal says which pools do (it only said "retry shortly", for a pool that never comes).
+    nameless = await chat(sys_.edge_urls["edge"], f"nameless-{uuid.uuid4().hex[:6]}", "Hello there, story?")
+    assert nameless[0]["code"] == "unavailable" and "in 'model' (solo)" in nameless[0]["message"], nameless
     client = await Client.connect(sys_.edge_urls["edge"])
     running = f"run-{uuid.uuid4().hex[:6]}"
     await client.send({"type": "chat", "id": running, "model": "solo", "max_tokens": 150,

@@ -120,6 +120,14 @@ class WorkerSettings(RedisSettings):
     sim_chunked_prefill: bool = True
     worker_id: str = ""
 
+    @field_validator("pool")
+    @classmethod
+    def _not_auto(cls, pool: str) -> str:
+        if pool == "auto":  # scheduler.router.rules.AUTO: a chat's "auto" asks the router, never a pool
+            raise ValueError("'auto' is reserved: a chat's model 'auto' asks the router to choose a pool, "
+                             "so no chat could reach a pool named so; pick another name")
+        return pool
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, device: str) -> str:

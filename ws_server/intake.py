@@ -12,6 +12,7 @@ from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import Finish, FinishReason, RequestPayload, TokenEvent, Usage
 from lanes.queue.stats import NO_LANE
 from lanes.scheduler.router.fixed_answers import FixedAnswer, request_deltas
+from lanes.scheduler.router.rules import AUTO
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import delivery, protocol
@@ -42,7 +43,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
             return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
         pool = unknown.model  # a worker serves it since the last snapshot (a pool that just started)
     if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
-        return _fixed(edge, request_id, fixed, frame)
+        return _fixed(edge, request_id, fixed, frame, pool)
     plane = edge.plane.for_pool(pool)
     known = edge.admission.num_workers(pool)
     if not known and (known is not None or edge.admission.pools()) \
@@ -50,8 +51,12 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         # The snapshot may be half a second old, or absent while the scheduler snapshots other
         # pools (this one is not in LANES_POOLS, or its last worker is gone): only a registry
         # with nobody in it refuses. Without any scheduler the edge cannot tell, and enqueues.
-        return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE,
-                                f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly",
+        message = f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly"
+        if edge.router.rules is None and frame.model in (None, "", AUTO) and (others := await edge.live_pools()):
+            # Pools named small / large and no rules: a chat without a model goes to "default".
+            message += (f"; or name a pool with live workers in 'model' ({', '.join(others)}), or set "
+                        "LANES_ROUTING_FILE so that 'auto' and chats without a model go to one")
+        return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE, message,
                                 retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers")
     if (everywhere := edge.admission.refusal_in_every_lane(pool, frame.deadline_ms)) is not None:
         # No lane could take it: refused before the length prediction (~2 ms), so a burst's
@@ -93,16 +98,18 @@ def _overloaded(edge: Edge, request_id: str, decision: AdmissionDecision, subjec
                             lane=lane, retry_after_ms=decision.retry_after_ms, reason=reason)
 
 
-def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer, frame: protocol.ChatFrame) -> list[delivery.Action]:
+def _fixed(edge: Edge, request_id: str, fixed: FixedAnswer, frame: protocol.ChatFrame,
+           pool: str) -> list[delivery.Action]:
     """A fixed answer, streamed by the edge itself like any answer (no Redis, no model), within
-    the request's ``max_tokens`` and ``stop``."""
+    the request's ``max_tokens`` and ``stop``, in the name of the pool the chat resolved to (what
+    ``model: "auto"`` answers with)."""
     metrics.FIXED_ANSWERS.labels(fixed.name).inc()
     deltas, cut = request_deltas(fixed.answer, frame.max_tokens, frame.stop)
     finish = Finish(FinishReason.LENGTH if cut else FinishReason.STOP, Usage(0, len(deltas)))
     events = [TokenEvent(request_id, 0, seq, text) for seq, text in enumerate(deltas)]
     events.append(TokenEvent(request_id, 0, len(deltas), "", (), finish))
     now = time.monotonic()
-    return edge.core.accepted(request_id, FIXED_LANE, 0, now) + edge.core.tokens(events, now)
+    return edge.core.accepted(request_id, FIXED_LANE, 0, now, pool) + edge.core.tokens(events, now)
 
 def known_pools(edge: Edge) -> list[str]:
     """Pools the fleet knows: the scheduler snapshots each (configured or with workers)."""

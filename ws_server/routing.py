@@ -77,6 +77,9 @@ class PoolRouter:
         return model
 
     def model_names(self, live_pools: Iterable[str]) -> list[str]:
-        """``GET /v1/models``: the pools with live workers, and ``auto`` when rules route it."""
-        names = sorted(set(live_pools)) or [DEFAULT_POOL]
-        return names + ([AUTO] if self.rules is not None else [])
+        """``GET /v1/models``: the names a chat may give. Under routing rules, the rules' pools
+        (only those are served, live or not: a pool that is down answers 503) and ``auto``;
+        without, the pools with live workers."""
+        if self.rules is not None:
+            return sorted(self.rules.pools) + [AUTO]
+        return sorted(set(live_pools)) or [DEFAULT_POOL]
