@@ -310,3 +310,40 @@ async def test_a_pool_whose_last_worker_stops_is_refused_while_it_drains(make_cl
     end = await client.wait(running, scaled(30))
     assert end["type"] == "done", end
     await client.close()
+
+
+async def test_a_chat_in_a_named_pool_resumes_while_the_scheduler_is_down(make_cluster) -> None:
+    """Resume looks for the request in this edge's own record of its pool, the snapshots' pools
+    and every pool a worker served: with the scheduler down (no snapshots for 5 s), a chat in a
+    named pool resumed as ``unknown_id``, even on the edge that took it."""
+    sys_ = make_cluster(workers=0)
+    sys_.start_edge("other")
+    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "2",
+                      LANES_POOL="solo")
+    sys_.wait_workers(1)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
+    for _ in range(int(scaled(100))):
+        if "solo" in [m.id for m in api.models.list().data]:
+            break
+        await asyncio.sleep(0.1)
+    first = await Client.connect(sys_.edge_urls["edge"])
+    mine, theirs = f"mine-{uuid.uuid4().hex[:6]}", f"theirs-{uuid.uuid4().hex[:6]}"
+    for rid in (mine, theirs):
+        await first.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": 400,
+                          "messages": [{"role": "user", "content": "Write a story."}]})
+    for _ in range(int(scaled(600))):
+        if all(any(f["type"] == "delta" for f in first.frames[rid]) for rid in (mine, theirs)):
+            break
+        await asyncio.sleep(0.05)
+    sys_.kill("scheduler")
+    await asyncio.sleep(6.0)  # every snapshot is stale now
+    await first.close()  # the requests run on for the resume grace (15 s)
+    for url, rid in ((sys_.edge_urls["edge"], mine), (sys_.edge_urls["other"], theirs)):
+        client = await Client.connect(url)
+        await client.send({"type": "resume", "id": rid, "last_seq": 0})
+        end = await client.wait(rid, scaled(60))
+        assert client.frames[rid][0]["type"] == "resumed", client.frames[rid][:2]
+        assert end["type"] == "done", end
+        seqs = [f["seq"] for f in client.frames[rid] if f["type"] == "delta"]
+        assert seqs == list(range(1, 400)), (rid, seqs[:3], seqs[-3:])
+        await client.close()

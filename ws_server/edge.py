@@ -148,7 +148,12 @@ class Edge:
         """Re-point a resumed request at this edge, in whichever pool holds it."""
         state = None
         try:
-            for pool in known_pools(self):
+            # This edge's own record first (it took the chat), then the pools the snapshots name,
+            # then every pool a worker ever served: snapshots stop when the scheduler is down.
+            mine = self._pool_of.get(action.request_id)
+            pools = dict.fromkeys([*([mine] if mine else []), *known_pools(self)])
+            pools |= dict.fromkeys(sorted(await self.plane.fleet.served_pools() - set(pools)))
+            for pool in pools:
                 state = await self.plane.for_pool(pool).repoint(action.request_id, self.edge_id, owner=action.key)
                 if state is not None:
                     if state != "forbidden":  # refused: the core forgets it, so must we
