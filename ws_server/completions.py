@@ -26,7 +26,7 @@ from lanes.telemetry.tracing import caller_context
 from lanes.ws_server import openai_compat as oai
 from lanes.ws_server.auth import Identity, Refusal
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
@@ -44,6 +44,8 @@ REDIS_DOWN = oai.APIError(503, "the queue is unavailable; retry shortly", "serve
                           retry_after_s=1)
 #: nginx buffers proxied responses unless told not to: tokens would arrive in bursts.
 SSE_HEADERS = {"X-Accel-Buffering": "no"}
+#: The access log's status for a client that left before its request was read (nginx's 499).
+CLIENT_CLOSED_REQUEST = 499
 
 
 class HttpSession:
@@ -94,7 +96,10 @@ def routes(edge: Edge) -> list[BaseRoute]:
         verdict = await edge.gate.check(COMPLETIONS_PATH, request.headers)
         if isinstance(verdict, Refusal):
             return _refused(verdict)
-        raw = await _body(request, edge.limits.max_frame_bytes)
+        try:
+            raw = await _body(request, edge.limits.max_frame_bytes)
+        except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing to log
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         if raw is None:
             response = _refused_request(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
                                                      code="frame_too_large"))
