@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -86,8 +86,9 @@ class _Server(uvicorn.Server):
 
 
 async def serve_app(app: EdgeApp, sock: socket.socket, *, max_frame_bytes: int, compression: bool,
-                    graceful_s: float = 2.0) -> None:
-    """Serve ``app`` on ``sock`` until cancelled; then close connections within ``graceful_s``."""
+                    graceful_s: float = 2.0, on_shutdown: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` on ``sock`` until cancelled; then call ``on_shutdown`` and close connections
+    within ``graceful_s``."""
     config = uvicorn.Config(
         app, ws="websockets-sansio", http="httptools", lifespan="off", log_config=None, access_log=False,
         ws_max_size=max_frame_bytes, ws_per_message_deflate=compression, ws_ping_interval=20.0,
@@ -98,6 +99,8 @@ async def serve_app(app: EdgeApp, sock: socket.socket, *, max_frame_bytes: int, 
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
+        if on_shutdown is not None:
+            on_shutdown()
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, graceful_s + 3)

@@ -59,6 +59,13 @@ class HttpSession:
         if not self.closed:
             self.frames.put_nowait(_decode_frame(frame))
 
+    def interrupt(self, message: str) -> None:
+        """End the exchange now with ``unavailable`` (the edge is stopping; HTTP has no resume):
+        a stream gets an error event and ``[DONE]``, a request waiting for its answer a 503."""
+        if not self.closed:
+            self.frames.put_nowait({"type": "error", "code": "unavailable", "message": message,
+                                    "retry_after_ms": 1000})
+
 
 def _error(error: oai.APIError) -> Response:
     return Response(error.body(), error.status, media_type="application/json", headers=error.headers())

@@ -302,7 +302,18 @@ class Edge:
         session = self.sessions.pop(conn, None)
         if session is not None:
             session.closed = True
-        self.carry(self.core.disconnected(conn, time.monotonic(), grace_s=0.0 if abandoned else None))
+        cancel = abandoned or self.shutting_down  # interrupted by a shutdown: nobody can resume it
+        self.carry(self.core.disconnected(conn, time.monotonic(), grace_s=0.0 if cancel else None))
+
+    def begin_shutdown(self) -> None:
+        """The edge is stopping (SIGTERM). From now on a WebSocket that closes is a restart, not
+        a client leaving: its requests run on, to be resumed on another edge. An HTTP exchange has
+        no resume: each ends now with ``unavailable`` (a stream: an error event and ``[DONE]``;
+        before, it was cut mid-answer when the graceful shutdown ran out), its request cancelled."""
+        self.shutting_down = True
+        for session in list(self.sessions.values()):
+            if (interrupt := getattr(session, "interrupt", None)) is not None:
+                interrupt("the edge is shutting down; retry (another edge will take it)")
 
     async def live_pools(self) -> list[str]:
         """Pools with live workers, per the latest snapshots and the worker registry (asked on
@@ -386,7 +397,7 @@ class Edge:
                     ready.set()
                 try:
                     await serve_app(EdgeApp(self), sock, max_frame_bytes=self.limits.max_frame_bytes * 4,
-                                    compression=self.settings.ws_compression)
+                                    compression=self.settings.ws_compression, on_shutdown=self.begin_shutdown)
                 finally:
                     # Closing connections now is a restart, not a client leaving: keep their
                     # requests running so the clients can resume on another edge.
