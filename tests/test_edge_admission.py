@@ -53,3 +53,37 @@ def test_pools_are_admitted_on_their_own_snapshots() -> None:
     assert adm.decide("other", Lane.SHORT, None).admitted, "no snapshot: admit"
     assert adm.live_pools() == ["large"] and adm.pools() == ["large", "small"]
     assert adm.num_workers("small") == 0 and adm.num_workers() == 1 and adm.num_workers("other") is None
+
+
+async def test_a_connection_that_never_finishes_its_headers_is_closed(start_edge) -> None:
+    """Slowloris: connections that send nothing, half a request line, or half a WebSocket
+    upgrade are closed once ``LANES_HEADER_TIMEOUT_S`` passes (before, held until the client
+    left, each an fd of the edge's); a client that sends its request in time is served."""
+    import asyncio
+    import time as clock
+
+    address = await start_edge(header_timeout_s=0.5)
+    host, port = address.split(":")
+    partial = [b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n",
+               b"GET /v1/chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"]
+    streams = []
+    for head in partial:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head)
+        await writer.drain()
+        streams.append((reader, writer))
+    started = clock.monotonic()
+    for reader, writer in streams:
+        assert await asyncio.wait_for(reader.read(), 5) == b"", "closed without an answer"
+        writer.close()
+    assert clock.monotonic() - started < 3
+    # A kept-alive connection gets the same deadline for its next request, and is served in time.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for _ in range(2):
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(reader.readuntil(b"}"), 5)
+        await asyncio.sleep(0.2)
+    writer.write(b"GET /healthz HTTP/1.1\r\n")
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from lanes.ws_server import completions, http
 from starlette.applications import Starlette
 
@@ -85,12 +86,58 @@ class _Server(uvicorn.Server):
         yield
 
 
+class _HeadersInTime(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request's headers.
+
+    uvicorn times a connection out only once it has answered a request (keep-alive), and any
+    byte received cancels that timer: a connection that never completes its headers (slowloris,
+    a half-open socket, a stalled WebSocket upgrade) was held forever, and anyone who reaches
+    the port could use up the edge's file descriptors. The deadline runs from the connection (or
+    the previous response) to the end of the headers; a WebSocket is past it once upgraded."""
+
+    header_timeout_s = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._arm()  # waiting for the next request (none pipelined)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 async def serve_app(app: EdgeApp, sock: socket.socket, *, max_frame_bytes: int, compression: bool,
-                    graceful_s: float = 2.0, on_shutdown: Callable[[], None] | None = None) -> None:
+                    graceful_s: float = 2.0, on_shutdown: Callable[[], None] | None = None,
+                    header_timeout_s: float = 10.0) -> None:
     """Serve ``app`` on ``sock`` until cancelled; then call ``on_shutdown`` and close connections
-    within ``graceful_s``."""
+    within ``graceful_s``. A request whose headers take over ``header_timeout_s`` is dropped."""
+    http = type("HeadersInTime", (_HeadersInTime,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
-        app, ws="websockets-sansio", http="httptools", lifespan="off", log_config=None, access_log=False,
+        app, ws="websockets-sansio", http=http, lifespan="off", log_config=None, access_log=False,
         ws_max_size=max_frame_bytes, ws_per_message_deflate=compression, ws_ping_interval=20.0,
         ws_ping_timeout=20.0, timeout_graceful_shutdown=int(graceful_s), server_header=False,
     )

@@ -397,7 +397,8 @@ class Edge:
                     ready.set()
                 try:
                     await serve_app(EdgeApp(self), sock, max_frame_bytes=self.limits.max_frame_bytes * 4,
-                                    compression=self.settings.ws_compression, on_shutdown=self.begin_shutdown)
+                                    compression=self.settings.ws_compression, on_shutdown=self.begin_shutdown,
+                                    header_timeout_s=self.settings.header_timeout_s)
                 finally:
                     # Closing connections now is a restart, not a client leaving: keep their
                     # requests running so the clients can resume on another edge.

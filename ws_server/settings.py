@@ -109,6 +109,9 @@ class EdgeSettings(RedisSettings):
     #: After closing a too-slow client (4008), how long it gets to read up to the close frame
     #: before the edge drops the TCP connection (and with it the client's requests).
     slow_client_close_timeout_s: float = 5.0
+    #: A connection that has not sent a whole request head (HTTP headers, or the WebSocket
+    #: upgrade) this long after it opened, or after its previous response, is closed.
+    header_timeout_s: float = Field(10.0, gt=0)
 
     def limits(self) -> Limits:
         """The protocol parser's input limits."""
