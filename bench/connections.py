@@ -147,6 +147,16 @@ async def _churn(cluster: Cluster, options: Options, tag: str) -> dict[str, Any]
 
 
 def run(options: Options) -> dict[str, Any]:
+    from lanes.cli.entrypoints import raise_open_files_limit
+    from lanes.cli.failures import ConfigFailure
+
+    # The client side holds every connection too, and the edge (a child) inherits the limit.
+    limit = raise_open_files_limit()
+    needed = options.connections + options.batch + 256
+    if limit < needed:
+        raise ConfigFailure(f"holding {options.connections} connections needs about {needed} open files, but this "
+                            f"system allows {limit}: raise it (`ulimit -Hn`, or LimitNOFILE= in systemd) or hold "
+                            "fewer (--connections)")
     with sim_system("conn", slots=64) as cluster:
         result = asyncio.run(measure(cluster, options))
     return {**result, "machine": machine_load()}

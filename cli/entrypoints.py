@@ -108,12 +108,27 @@ def _serve(plane: QueuePlane, body: Callable[[], Awaitable[None]]) -> None:
     run_until_signal(main())
 
 
+def raise_open_files_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit (every connection is a
+    file descriptor; many systems start processes at 1,024, which an edge passes at ~1,000
+    clients) and return it. Child processes inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
+
+
 def run_edge(overrides: dict[str, Any]) -> None:
     from lanes.ws_server.edge import Edge
     from lanes.ws_server.settings import EdgeSettings
 
     settings = EdgeSettings(**overrides)
     plane = _setup(settings, "edge")
+    limit = raise_open_files_limit()
+    log.info("open files limit %d (about as many connections; `ulimit -Hn` raises it)", limit)
 
     async def body() -> None:
         try:

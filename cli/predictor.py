@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor import DEFAULT_WEIGHTS_PATH, WEIGHTS_DIR, from_weights, load_default
 from lanes.scheduler.predictor.data import (
@@ -326,8 +327,9 @@ def refresh_curve_command(
 def eval_command(
     data: Path = typer.Option(..., exists=True, dir_okay=False, help="JSON file: [{prompt, output_tokens}], AlpacaEval outputs or a data set"),
     weights: Path | None = typer.Option(None, exists=True, dir_okay=False, help="weights .npz (default: the committed model)"),
-    short_max_tokens: int = typer.Option(LaneThresholds().short_max_tokens),
-    medium_max_tokens: int = typer.Option(LaneThresholds().medium_max_tokens),
+    short_max_tokens: int = typer.Option(DEFAULT_ROUTING.short_max_tokens,
+                                         help="misroute rates at the edges' default thresholds (LANES_SHORT_MAX_TOKENS)"),
+    medium_max_tokens: int = typer.Option(DEFAULT_ROUTING.medium_max_tokens, help="LANES_MEDIUM_MAX_TOKENS"),
     source: str | None = typer.Option(None, help="only this source's prompts (a data set from build-data, e.g. ifeval)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:

@@ -47,6 +47,17 @@ class LaneStats(msgspec.Struct, frozen=True):
     finished: int = 0
 
 
+class PoolStats(msgspec.Struct, frozen=True):
+    """One model pool's lanes and workers in a sample (the lane table adds every pool up)."""
+
+    #: Waiting / running requests per lane.
+    waiting: dict[str, int]
+    running: dict[str, int]
+    workers: int
+    desired_workers: int
+    oldest_wait_ms: int = 0
+
+
 class WorkerStats(msgspec.Struct, frozen=True):
     """One worker in one sample (from its latest heartbeat report)."""
 
@@ -80,3 +91,5 @@ class StatsSample(msgspec.Struct, frozen=True):
     num_edges: int = 0
     #: Reason -> refusals in this second that came before a lane was chosen.
     refusals_no_lane: dict[str, int] = {}
+    #: Each pool's own depths and workers (``lanes`` is every pool added up).
+    pools: dict[str, PoolStats] = {}

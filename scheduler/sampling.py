@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from lanes.queue.keys import LANE_ORDER
 from lanes.queue.messages import DepthSnapshot, WorkerReport
-from lanes.queue.stats import NO_LANE, EdgeWindow, Histogram, LaneStats, StatsSample, WorkerStats
+from lanes.queue.stats import NO_LANE, EdgeWindow, Histogram, LaneStats, PoolStats, StatsSample, WorkerStats
 from lanes.scheduler import histogram
 
 #: Names engines give the same stat (they differ per engine; see ``workers/reporting.py``).
@@ -34,8 +34,9 @@ class Sampler:
         self._recent: deque[tuple[int, dict[str, Histogram]]] = deque()
 
     def sample(self, at_ms: int, snapshot: DepthSnapshot | None, reports: Sequence[WorkerReport],
-               windows: Sequence[EdgeWindow]) -> StatsSample:
-        """The fleet at ``at_ms`` (Redis clock). ``snapshot`` None: no depths known yet (zeros)."""
+               windows: Sequence[EdgeWindow], pools: Sequence[DepthSnapshot] = ()) -> StatsSample:
+        """The fleet at ``at_ms`` (Redis clock). ``snapshot`` None: no depths known yet (zeros);
+        ``pools``: each pool's own snapshot (``snapshot`` adds them up)."""
         self._remember(at_ms, windows)
         recent = [by_lane for _, by_lane in self._recent]
         lane_names = _lane_names(snapshot, windows)
@@ -46,6 +47,8 @@ class Sampler:
             tokens_per_s=round(sum(w.tokens_per_s for w in workers), 1), workers=workers,
             ttft_window_s=self.ttft_window_s, num_edges=len({w.edge for w in windows}),
             refusals_no_lane=_count_reasons(windows, NO_LANE),
+            pools={s.pool: PoolStats(dict(s.pending), dict(s.running), s.workers, s.desired_workers,
+                                     max(s.oldest_wait_ms.values(), default=0)) for s in pools},
         )
 
     def _remember(self, at_ms: int, windows: Sequence[EdgeWindow]) -> None:

@@ -58,6 +58,8 @@ class Scheduler:
         #: The newest snapshot (all pools merged) and the reports it was built from: the next
         #: dashboard sample uses them.
         self.last_snapshot: DepthSnapshot | None = None
+        #: Each pool's own snapshot from the same round (the dashboard's pool table).
+        self.last_pool_snapshots: list[DepthSnapshot] = []
         self.last_reports: list[WorkerReport] = []
 
     async def serve(self) -> None:
@@ -186,6 +188,7 @@ class Scheduler:
             snapshots.append(snapshot)
             await self._unserved(snapshot, now_ms)
         self.last_snapshot, self.last_reports = merged(snapshots, now_ms), reports
+        self.last_pool_snapshots = snapshots
         metrics.LIVE_WORKERS.set(len(reports))
         return snapshots
 
@@ -241,6 +244,7 @@ class Scheduler:
             metrics.LANE_OLDEST.labels(pool, lane).set(oldest[lane] / 1000)
             metrics.LANE_RUNNING.labels(pool, lane).set(running.get(lane, 0))
         metrics.DESIRED_WORKERS.labels(pool).set(desired)
+        metrics.POOL_WORKERS.labels(pool).set(workers)
         return DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
                              workers=workers, service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
                              desired_workers=desired)
@@ -273,7 +277,8 @@ class Scheduler:
         if not await fleet.claim_stats_second(now_ms // 1000):
             return False
         windows = await fleet.take_edge_windows()
-        await fleet.append_stats_sample(self.sampler.sample(now_ms, self.last_snapshot, self.last_reports, windows))
+        await fleet.append_stats_sample(self.sampler.sample(now_ms, self.last_snapshot, self.last_reports, windows,
+                                                            self.last_pool_snapshots))
         return True
 
 

@@ -32,21 +32,27 @@ WORKER = CollectorRegistry(auto_describe=True)
 SCHEDULER = CollectorRegistry(auto_describe=True)
 
 # -- edge
-REQUESTS = Counter("lanes_requests_total", "Chat requests by lane and outcome", ["lane", "outcome"], registry=EDGE)
+REQUESTS = Counter("lanes_requests_total", "Chat requests by pool, lane and outcome", ["pool", "lane", "outcome"],
+                   registry=EDGE)
 ERRORS = Counter("lanes_errors_total", "Error frames sent, by code", ["code"], registry=EDGE)
-REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were enqueued, by lane ('none' before "
-                     "one was chosen) and reason (lane_full, deadline_unmeetable, no_capacity, no_workers, "
-                     "rate_limited, ...)", ["lane", "reason"], registry=EDGE)
+REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were enqueued, by pool and lane ('none' "
+                     "before one was chosen) and reason (lane_full, deadline_unmeetable, no_capacity, no_workers, "
+                     "rate_limited, ...)", ["pool", "lane", "reason"], registry=EDGE)
 IN_FLIGHT = Gauge("lanes_edge_in_flight", "Requests in flight on this edge", registry=EDGE)
 CONNECTIONS = Gauge("lanes_edge_connections", "Open WebSocket connections", registry=EDGE)
 ROUTING_THRESHOLD = Gauge("lanes_edge_routing_max_tokens", "Highest prediction routed to a lane (tokens; the long "
                           "lane has none)", ["lane"], registry=EDGE)
 PREDICTOR_VERSION = Gauge("lanes_edge_predictor_version", "Refreshed predictor version in use (0: the shipped one)",
                           registry=EDGE)
-TTFT = Histogram("lanes_ttft_seconds", "Time to first token seen by the edge", ["lane"], buckets=_LATENCY_BUCKETS_S,
-                 registry=EDGE)
-E2E = Histogram("lanes_e2e_seconds", "Request received to done", ["lane"], buckets=_LATENCY_BUCKETS_S, registry=EDGE)
-QUEUE_WAIT = Histogram("lanes_queue_seconds", "Enqueue to claim", ["lane"], buckets=_LATENCY_BUCKETS_S, registry=EDGE)
+#: The ``pool`` label of edge series whose request had no pool yet (refused before its model was
+#: resolved) or whose pool this edge does not know (resumed here from another edge).
+NO_POOL = "none"
+TTFT = Histogram("lanes_ttft_seconds", "Time to first token seen by the edge", ["pool", "lane"],
+                 buckets=_LATENCY_BUCKETS_S, registry=EDGE)
+E2E = Histogram("lanes_e2e_seconds", "Request received to done", ["pool", "lane"], buckets=_LATENCY_BUCKETS_S,
+                registry=EDGE)
+QUEUE_WAIT = Histogram("lanes_queue_seconds", "Enqueue to claim", ["pool", "lane"], buckets=_LATENCY_BUCKETS_S,
+                       registry=EDGE)
 PREDICT = Histogram("lanes_edge_predict_seconds", "Length prediction per chat, the predictor's own time (issue 9's goal: "
                     "p99 <= 5 ms on one core)", buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
                     registry=EDGE)
@@ -93,6 +99,8 @@ LANE_OLDEST = Gauge("lanes_lane_oldest_wait_seconds", "Age of the oldest waiting
 LANE_RUNNING = Gauge("lanes_lane_running", "Requests running per lane over every worker", ["pool", "lane"],
                      registry=SCHEDULER)
 LIVE_WORKERS = Gauge("lanes_live_workers", "Workers heard from within the last 10 s", registry=SCHEDULER)
+POOL_WORKERS = Gauge("lanes_pool_workers", "Live workers serving each pool (a draining one no longer counts)", ["pool"],
+                     registry=SCHEDULER)
 REAPED = Counter("lanes_reaped_total", "Watch entries handled by the reaper, by action", ["action"],
                  registry=SCHEDULER)
 DESIRED_WORKERS = Gauge("lanes_desired_workers", "Workers a pool needs for its wait target (autoscale.py)", ["pool"],

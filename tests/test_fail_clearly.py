@@ -254,3 +254,19 @@ def test_a_lanes_variable_no_process_reads_is_named_with_the_closest_setting() -
         "LANES_FOO is not a lanes setting and is ignored",
         "LANES_ROUTING_FLIE is not a lanes setting and is ignored; did you mean LANES_ROUTING_FILE?"]
     assert {"LANES_REDIS_URL", "LANES_MAX_SLOTS", "LANES_PORT", "LANES_DEBUG", "LANES_POOLS"} <= known_variables()
+
+
+def test_more_connections_than_the_open_files_limit_is_one_line() -> None:
+    """``lanes bench connections`` first lifts its soft open-files limit to the hard one (the edge
+    inherits it; ``lanes edge`` does the same), and past the hard limit says so in one line:
+    at the common soft limit of 1,024 it died with a traceback (EMFILE) after 6 s."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1500))
+
+    out = subprocess.run([sys.executable, "-m", "lanes.cli.main", "bench", "connections", "--connections", "2000"],
+                         capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    assert out.returncode == 2, out.stderr[-2000:]
+    no_traceback(out)
+    assert "needs about 2456 open files, but this system allows 1500" in out.stderr

@@ -65,6 +65,25 @@ async def test_model_names_the_pool_that_serves_it(system: System) -> None:
         assert served_by(system, pool, rid).endswith(f"{pool}-1") or served_by(system, pool, rid).endswith("-2")
 
 
+async def test_the_edges_latency_and_outcome_series_are_per_pool(system: System) -> None:
+    """TTFT, queue wait, E2E, outcomes and refusals carry the pool: with two models side by side
+    an operator sees each one's latency (they were added up, lane by lane)."""
+    url = system.edge_urls["edge"]
+    for pool in ("small", "large"):
+        frames = await chat(url, f"m-{pool}-{uuid.uuid4().hex[:6]}", "Tell me about the sea.", model=pool)
+        assert frames[-1]["type"] == "done", frames
+    refused = await chat(url, f"m-none-{uuid.uuid4().hex[:6]}", "Tell me about the sea.", model="gigantic")
+    assert refused[0]["code"] == "model_not_found"
+    with urllib.request.urlopen(f"http://127.0.0.1:{system.edge_ports['edge']}/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    for pool in ("small", "large"):
+        for family in ("lanes_ttft_seconds_count", "lanes_queue_seconds_count", "lanes_e2e_seconds_count",
+                       "lanes_requests_total"):
+            assert any(line.startswith(family + "{") and f'pool="{pool}"' in line for line in lines), (family, pool)
+    assert any(line.startswith("lanes_rejections_total{") and 'pool="none"' in line
+               and 'reason="model_not_found"' in line for line in lines), "refused before a pool was chosen"
+
+
 async def test_unknown_model_lists_the_live_pools(system: System) -> None:
     frames = await chat(system.edge_urls["edge"], "nope-1", "Hi there, how are things?", model="gigantic")
     url = f"http://127.0.0.1:{system.edge_ports['edge']}/v1/depths?pool=small"

@@ -273,6 +273,8 @@ SHOWN = """() => {
             depth: Object.fromEntries(rows.map(r => [r.dataset.lane, Number(r.querySelector('[data-field=depth]').textContent)])),
             ttft50: Object.fromEntries(rows.map(r => [r.dataset.lane, r.querySelector('[data-field=ttft50]').textContent])),
             slots: [...document.querySelectorAll('#workers-now [data-field=slots]')].map(td => td.textContent),
+            pools: Object.fromEntries([...document.querySelectorAll('#pools-now tbody tr')].map(
+                r => [r.dataset.pool, r.querySelector('[data-field=waiting]').textContent])),
             samples: lanesDashboard.samples.length};
 }"""
 
@@ -317,6 +319,9 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
         shown = await tab.page.evaluate(SHOWN)
         if sum(shown["depth"].values()) > 0 and shown["at_ms"] in seen:
             assert shown["depth"] == seen[shown["at_ms"]], (shown, seen[shown["at_ms"]])
+            # The pool table shows the one pool's own depths (the lane table adds pools up).
+            waiting = " / ".join(str(seen[shown["at_ms"]].get(lane, 0)) for lane in ("short", "medium", "long"))
+            assert shown["pools"] == {"default": waiting}, shown
             if not matched or matched[-1]["at_ms"] != shown["at_ms"]:
                 matched.append(shown)
         await asyncio.sleep(0.2)

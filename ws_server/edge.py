@@ -96,12 +96,13 @@ class Edge:
                 if action.error_code is not None:
                     metrics.ERRORS.labels(action.error_code).inc()
             elif isinstance(action, delivery.FirstToken):
-                metrics.TTFT.labels(action.lane).observe(action.ttft_s)
+                metrics.TTFT.labels(self._pool_of.get(action.request_id, metrics.NO_POOL), action.lane).observe(
+                    action.ttft_s)
                 self.stats.first_token(action.lane, action.ttft_s)
             elif isinstance(action, delivery.Finished):
-                self._pool_of.pop(action.request_id, None)
-                _record(action)
-                self.stats.finished(action)
+                pool = self._pool_of.pop(action.request_id, metrics.NO_POOL)
+                _record(action, pool)
+                self.stats.finished(action, pool)
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
             elif isinstance(action, delivery.CancelRequest):
@@ -420,11 +421,11 @@ async def _deny(send: Any, refusal: Refusal) -> None:
     await send({"type": "websocket.http.response.body", "body": body})
 
 
-def _record(finished: delivery.Finished) -> None:
+def _record(finished: delivery.Finished, pool: str) -> None:
     if finished.outcome == ErrorCode.REQUEST_LOST:
         log.warning("request %s vanished from Redis (restarted without persistence, or flushed)", finished.request_id)
-    metrics.REQUESTS.labels(finished.lane, finished.outcome).inc()
+    metrics.REQUESTS.labels(pool, finished.lane, finished.outcome).inc()
     if finished.e2e_s is not None:
-        metrics.E2E.labels(finished.lane).observe(finished.e2e_s)
+        metrics.E2E.labels(pool, finished.lane).observe(finished.e2e_s)
     if finished.queue_ms is not None:
-        metrics.QUEUE_WAIT.labels(finished.lane).observe(finished.queue_ms / 1000)
+        metrics.QUEUE_WAIT.labels(pool, finished.lane).observe(finished.queue_ms / 1000)

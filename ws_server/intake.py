@@ -42,6 +42,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         if unknown.rules_pools is not None or unknown.model not in live:
             return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
         pool = unknown.model  # a worker serves it since the last snapshot (a pool that just started)
+    edge._pool_of[request_id] = pool  # its metrics carry the pool, refused or not; a cancel goes there
     if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
         return _fixed(edge, request_id, fixed, frame, pool)
     plane = edge.plane.for_pool(pool)

@@ -58,12 +58,12 @@ class EdgeStats:
         bucket = histogram.bucket_of(ttft_s * 1000)
         by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
 
-    def finished(self, action: Finished) -> None:
+    def finished(self, action: Finished, pool: str = metrics.NO_POOL) -> None:
         if action.refused:
             reason = action.reason or action.outcome
             by_reason = self._refusals.setdefault(action.lane, {})
             by_reason[reason] = by_reason.get(reason, 0) + 1
-            metrics.REJECTIONS.labels(action.lane, reason).inc()
+            metrics.REJECTIONS.labels(pool, action.lane, reason).inc()
         elif action.outcome != ErrorCode.RESUMED_ELSEWHERE and action.lane != _RESUMED:
             # A request taken over by another edge ends there, where its lane is not known
             # (the resume frame does not say it): counted nowhere rather than twice.

@@ -57,6 +57,7 @@ class FirstToken:
 
     lane: str
     ttft_s: float
+    request_id: str = ""
 
 
 @dataclass(frozen=True)

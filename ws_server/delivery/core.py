@@ -397,7 +397,7 @@ class Delivery:
             if entry.first_token_at is None:
                 entry.first_token_at = now
                 if entry.lane != "resumed":
-                    actions.append(FirstToken(entry.lane, now - entry.received_at))
+                    actions.append(FirstToken(entry.lane, now - entry.received_at, entry.id))
             actions.append(Send(entry.conn, protocol.delta_frame(entry.id, event.seq, event.text)))
         if event.finish is not None:
             actions += self._end(entry, event.finish, now)

@@ -68,6 +68,16 @@ function drawTables(s) {
     return tr;
   });
   $("workers-now").querySelector("tbody").replaceChildren(...workers);
+  const bySlot = (by) => `${by.short || 0} / ${by.medium || 0} / ${by.long || 0}`;
+  const pools = Object.entries(s.pools || {}).sort(([a], [b]) => a.localeCompare(b)).map(([name, p]) => {
+    const tr = document.createElement("tr");
+    tr.dataset.pool = name;
+    tr.append(cell(name), cell(`${p.workers} (${p.desired_workers})`, { field: "workers" }),
+              cell(bySlot(p.waiting), { field: "waiting" }), cell(bySlot(p.running), { field: "running" }),
+              cell(`${(p.oldest_wait_ms / 1000).toFixed(1)} s`, { field: "oldest" }));
+    return tr;
+  });
+  $("pools-now").querySelector("tbody").replaceChildren(...pools);
   const noLane = sum(s.refusals_no_lane);
   $("summary").textContent = `${s.workers.length} worker(s) · ${s.tokens_per_s.toFixed(0)} tokens/s` +
     (noLane ? ` · ${noLane} refused before a lane` : "") +
