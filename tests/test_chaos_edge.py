@@ -87,48 +87,59 @@ async def test_edge_stopped_gracefully_does_not_cancel_its_requests(system: tupl
 
 
 async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
-        system: tuple[System, str, str]) -> None:
+        system: tuple[System, str, str], greedy_reference) -> None:
     """SIGTERM with an OpenAI stream and a WebSocket chat in flight: the stream ends at once
     with an ``unavailable`` error event and ``[DONE]`` (HTTP has no resume; before, it was cut
     mid-answer when the graceful shutdown ran out, with an ASGI traceback in the log), and the
     WebSocket's request keeps running to be resumed elsewhere even with a resume grace shorter
-    than the shutdown (before, the shutdown counted as the client leaving and cancelled it)."""
+    than the shutdown (before, the shutdown counted as the client leaving and cancelled it).
+    The worker is paused around the SIGTERM, so both answers are surely mid-stream then."""
     import http.client
     import json
+    import threading
 
     sys_, _, url_b = system
+    prompts = [f"Resume me: what does section {i} say?" for i in range(len(MAX_TOKENS))]
+    long_ones = [p for p in prompts if len(greedy_reference(p, 200).ids) == 200]
+    assert len(long_ones) >= 2, "prompts whose greedy answers run past 200 tokens"
     sys_.start_edge("edge_d", LANES_RESUME_GRACE_S="0.3")
     port = sys_.edge_ports["edge_d"]
     ws = await Client.connect(f"ws://127.0.0.1:{port}/v1/chat")
     rid = f"term-{uuid.uuid4().hex[:4]}"
-    await ws.chat(rid, "Resume me: what does section 1 say?", max_tokens=600)
+    await ws.chat(rid, long_ones[0], max_tokens=400)
+    lines: list[str] = []
 
-    def stream() -> list[str]:
+    def stream() -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(60))
         conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": "default", "stream": True, "max_tokens": 600,
-            "messages": [{"role": "user", "content": "Resume me: what does section 2 say?"}]}),
-            {"Content-Type": "application/json"})
+            "model": "default", "stream": True, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": long_ones[1]}]}), {"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 200
-        return [line.decode().strip() for line in response if line.strip()]
+        lines.extend(line.decode().strip() for line in response if line.strip())
 
-    events = asyncio.create_task(asyncio.to_thread(stream))
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
     deadline = time.monotonic() + scaled(60)
-    while len(ws.deltas(rid)) < 3:
-        assert time.monotonic() < deadline, "the chat did not start streaming"
+    while len(ws.deltas(rid)) < 3 or sum('"content":"' in line for line in lines) < 3:
+        assert time.monotonic() < deadline, "the answers did not start streaming"
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
-    stopped_at = time.monotonic()
-    sys_.kill("edge_d", signal.SIGTERM)
-    lines = await asyncio.wait_for(events, scaled(30))
-    ended_s = time.monotonic() - stopped_at
+    worker = sys_.procs["worker"]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        assert "data: [DONE]" not in lines
+        stopped_at = time.monotonic()
+        sys_.kill("edge_d", signal.SIGTERM)
+        await asyncio.to_thread(reader.join, scaled(30))
+        ended_s = time.monotonic() - stopped_at
+        await asyncio.wait_for(ws._reader, scaled(10))
+        await asyncio.sleep(1.0)  # past the 0.3 s grace
+    finally:
+        worker.send_signal(signal.SIGCONT)
     assert lines[-1] == "data: [DONE]", lines[-3:]
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["code"] == "unavailable" and "shutting down" in error["message"], error
     assert ended_s < scaled(1.5), ended_s
-    await asyncio.wait_for(ws._reader, scaled(10))
-    await asyncio.sleep(1.0)  # past the 0.3 s grace
     second = await Client.connect(url_b)
     await second.send({"type": "resume", "id": rid, "last_seq": len(ws.deltas(rid)) - 1})
     done = await second.wait(rid, timeout_s=scaled(60))
