@@ -366,3 +366,23 @@ async def test_a_chat_in_a_named_pool_resumes_while_the_scheduler_is_down(make_c
         seqs = [f["seq"] for f in client.frames[rid] if f["type"] == "delta"]
         assert seqs == list(range(1, 400)), (rid, seqs[:3], seqs[-3:])
         await client.close()
+
+
+async def test_auto_falls_back_to_a_larger_pool_while_the_small_one_has_no_worker(make_cluster) -> None:
+    """Routing rules whose small pool has no live worker (down, or not started yet): an easy
+    prompt under ``auto`` goes to the large pool instead of failing with ``unavailable``; a chat
+    that names the small pool still gets ``unavailable``."""
+    sys_ = make_cluster(workers=0, env={"LANES_ROUTING_FILE": str(RULES), "LANES_POOLS": "small,large"})
+    sys_.start_worker("large-1", "", *SIM, LANES_POOL="large")
+    sys_.wait_workers(1)
+    prompt = "Translate 'good morning' into French."
+    assert route(prompt, None, load_rules(RULES), "auto", ComplexityModel.load().complexity).pool == "small"
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
+    await asyncio.sleep(1.0)  # the scheduler's snapshots of both pools
+    answer = await asyncio.to_thread(api.chat.completions.with_raw_response.create, model="auto", max_tokens=4,
+                                     messages=[{"role": "user", "content": prompt}])
+    assert answer.headers["x-lanes-pool"] == "large" and answer.parse().model == "large"
+    with pytest.raises(openai.APIStatusError) as named:
+        await asyncio.to_thread(api.chat.completions.create, model="small", max_tokens=4,
+                                messages=[{"role": "user", "content": prompt}])
+    assert named.value.status_code == 503 and named.value.body["code"] == "unavailable"

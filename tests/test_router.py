@@ -248,3 +248,21 @@ def test_an_unknown_model_under_rules_names_the_rules_pools() -> None:
     assert unknown.value.message(("default", "small")) == (
         "model 'default' is not one of the pools the routing rules serve (large, small, or 'auto'; "
         "LANES_ROUTING_FILE); pools with live workers: default, small")
+
+
+def test_auto_passes_a_dead_tiers_prompt_up_to_the_next_tier_with_workers() -> None:
+    """``serving`` (the pools with live workers): an easy prompt whose small pool is down goes
+    to the large one (``FALLBACK``); never down from large to small, never for a named pool, a
+    key override or the default; with no tier serving, or serving unknown, the tier's own pool."""
+    decision = route("classify this", None, RULES, "auto", 0.1, serving=frozenset({"large"}))
+    assert (decision.pool, decision.reason) == ("large", RouteReason.FALLBACK)
+    assert route("classify this", None, RULES, "auto", 0.1, serving=frozenset({"small", "large"})).pool == "small"
+    assert route("prove it", None, RULES, "auto", 0.7, serving=frozenset({"small"})).pool == "large"  # not down
+    assert route("x", None, RULES, "auto", 0.1, serving=frozenset()).reason is RouteReason.COMPLEXITY
+    assert route("x", None, RULES, "auto", 0.1).pool == "small"
+    assert route("x", None, RULES, "small", 0.1, serving=frozenset({"large"})).pool == "small"
+    assert route("x", "k-batch", RULES, "auto", 0.1, serving=frozenset({"large"})).pool == "small"
+    # A later tier must fit the prompt too (its length cap).
+    capped = RoutingRules("large", frozenset({"small", "mid", "large"}),
+                          (Tier("small", 0.3), Tier("mid", 0.6, max_prompt_chars=10), Tier("large", 1.0)))
+    assert route("a" * 50, None, capped, "auto", 0.1, serving=frozenset({"mid", "large"})).pool == "large"

@@ -36,7 +36,9 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
         return edge.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **extra)
     try:
-        pool = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge))
+        # The snapshots say which pools have live workers (without a scheduler nobody knows).
+        serving = edge.admission.live_pools() if edge.admission.pools() else None
+        pool = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge), serving)
     except UnknownModel as unknown:  # before a fixed answer: "hi" to a model nobody serves is no answer
         live = tuple(await edge.live_pools())
         if unknown.rules_pools is not None or unknown.model not in live:

@@ -63,11 +63,14 @@ class PoolRouter:
         return None if self.fixed is None else self.fixed.lookup(messages)
 
     def pool_for(self, model: str | None, key_id: str, messages: Sequence[ChatMessage],
-                 known_pools: Iterable[str]) -> str:
-        """The pool to enqueue into; raises ``UnknownModel`` for a name nobody serves."""
+                 known_pools: Iterable[str], serving: Iterable[str] | None = None) -> str:
+        """The pool to enqueue into; raises ``UnknownModel`` for a name nobody serves. ``serving``:
+        the pools with live workers, when known (``auto`` then passes a dead tier's prompts up to
+        the next tier with workers)."""
         if self.rules is not None:
+            live = None if serving is None else frozenset(serving)
             try:
-                return route(prompt_text(messages), key_id or None, self.rules, model, self._complexity).pool
+                return route(prompt_text(messages), key_id or None, self.rules, model, self._complexity, live).pool
             except UnknownPoolError:
                 raise UnknownModel(model or "", tuple(sorted(self.rules.pools))) from None
         if model is None or model in (AUTO, DEFAULT_POOL):

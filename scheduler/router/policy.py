@@ -7,10 +7,15 @@ Order (first that applies wins)::
     3. model is absent ("" / None)                     -> rules.default_pool   DEFAULT
     4. model == "auto": first tier the prompt fits     -> the tier's pool      COMPLEXITY
        (complexity <= max_complexity, length <= max_prompt_chars)
+       ... whose pool has no live worker (``serving``
+       says which have): the next tier after it that  -> that tier's pool     FALLBACK
+       fits and has one (a larger model, by the rules'
+       order: never a smaller one)
     5. "auto" and no tier fits                         -> rules.default_pool   NO_TIER
 
-The complexity estimate (~0.1-0.3 ms) is computed only in case 4. Whether a chosen pool has live
-workers is the edge's business: this module knows only the operator's rules.
+The complexity estimate (~0.1-0.3 ms) is computed only in case 4. Which pools have live workers
+is the edge's to say (``serving``); without it, or when no later tier has one, the tier's own
+pool is chosen (and the edge answers ``unavailable``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class RouteReason(StrEnum):
     REQUESTED = "requested"
     DEFAULT = "default"
     COMPLEXITY = "complexity"
+    FALLBACK = "fallback"
     NO_TIER = "no_tier"
 
 
@@ -55,6 +61,7 @@ def route(
     rules: RoutingRules,
     model: str | None,
     complexity: Callable[[str], float] | float | None = None,
+    serving: frozenset[str] | None = None,
 ) -> RouteDecision:
     """Pick the pool for one request.
 
@@ -75,7 +82,13 @@ def route(
     if complexity is None:
         raise ValueError("model 'auto' with tiers needs a complexity estimator or score")
     score = complexity if isinstance(complexity, float | int) else complexity(prompt)
-    for tier in rules.tiers:
-        if score <= tier.max_complexity and (tier.max_prompt_chars is None or len(prompt) <= tier.max_prompt_chars):
-            return RouteDecision(tier.pool, RouteReason.COMPLEXITY, float(score))
-    return RouteDecision(rules.default_pool, RouteReason.NO_TIER, float(score))
+    fitting = [t for t in rules.tiers
+               if score <= t.max_complexity and (t.max_prompt_chars is None or len(prompt) <= t.max_prompt_chars)]
+    if not fitting:
+        return RouteDecision(rules.default_pool, RouteReason.NO_TIER, float(score))
+    if serving is not None and fitting[0].pool not in serving:
+        # Tiers are ordered by max_complexity (never decreasing): a later one is a larger model.
+        later = next((t for t in fitting[1:] if t.pool in serving), None)
+        if later is not None:
+            return RouteDecision(later.pool, RouteReason.FALLBACK, float(score))
+    return RouteDecision(fitting[0].pool, RouteReason.COMPLEXITY, float(score))
