@@ -45,6 +45,12 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         return full_text[len(prefix_text) :]
 
+    def emitted_text(self) -> str:
+        """The text of the tokens already emitted (``already_emitted`` up to any partial
+        character it steps back over): what a resumed attempt's client has, held-back stop
+        prefixes aside (``StopMatcher.resume``)."""
+        return self._decode(0, self._read)
+
     def flush(self) -> str:
         """At the end: whatever is still held back, replacement characters included."""
         prefix_text = self._decode(self._prefix, self._read)
@@ -62,6 +68,16 @@ class StopMatcher:
         self._stop = tuple(s for s in stop if s)
         self._held = ""
         self.stopped = False
+
+    def resume(self, decoded: str) -> None:
+        """Continue after an earlier attempt whose answer so far decodes to ``decoded``: hold
+        back what it held (the longest end of ``decoded`` that begins a stop string: its tokens
+        were streamed, their text was not), so the next delta sends it or cuts a stop string
+        that spans the two attempts. Pushing delta by delta always leaves that same end held."""
+        self._held = ""
+        if self._stop and decoded:
+            keep = max((k for s in self._stop for k in range(1, len(s)) if decoded.endswith(s[:k])), default=0)
+            self._held = decoded[len(decoded) - keep:] if keep else ""
 
     def push(self, text: str) -> str:
         """Add a delta; return the text that is now safe to send (sets ``stopped`` at a stop)."""

@@ -134,8 +134,13 @@ class HFEngine:
         max_new = min(request.max_tokens - len(resume), self._max_model_len - len(prompt_ids) - len(resume))
         detok = IncrementalDetokenizer(self.tokenizer, resume)
         stops = StopMatcher(request.stop)  # the CB manager knows no stop strings: we cut the text
+        if resume and request.stop:
+            # What the earlier attempt held back as a possible stop string was never sent.
+            stops.resume(detok.emitted_text())
         if max_new <= 0:
-            yield EngineDelta((), detok.flush(), FinishReason.LENGTH, len(prompt_ids))
+            text = stops.push(detok.flush())
+            reason = FinishReason.STOP if stops.stopped else FinishReason.LENGTH
+            yield EngineDelta((), text + stops.flush(), reason, len(prompt_ids))
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request.id] = queue
