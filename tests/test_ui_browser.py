@@ -149,6 +149,29 @@ async def test_chat_page_streams_an_answer(chat_system: System, new_tab, greedy_
     only_local(tab, base)
 
 
+async def test_a_refused_question_leaves_the_conversation_usable(chat_system: System, new_tab) -> None:
+    """A question the edge refuses (here: longer than LANES_MAX_PROMPT_CHARS) comes back to the
+    prompt box and leaves the history; before, it and an empty answer stayed in the history, so
+    every later message was refused the same way. A temperature of 0.75 is accepted (the field
+    took only multiples of 0.1), and "New conversation" is disabled while an answer streams."""
+    tab, base = await new_tab(), base_url(chat_system)
+    await tab.page.goto(base + "/")
+    too_long = "x" * 70_000
+    await tab.ask(too_long, max_tokens=8)
+    refused = await tab.finished()
+    assert refused["state"] == "failed" and refused["error"] == "prompt_too_long", refused
+    assert await tab.page.input_value("#prompt") == too_long, "the question is back for a retry"
+    assert await tab.page.evaluate("() => lanesChat.turns.length") == 0
+    await tab.ask(LONG_PROMPT, max_tokens=1500, temperature=0.75)
+    await tab.streamed_past(3)
+    assert await tab.page.is_disabled("#clear")
+    await tab.page.click("#stop")
+    answer = await tab.finished()
+    assert answer["state"] == "cancelled" and answer["text"], answer
+    assert await tab.page.evaluate("() => lanesChat.turns.map(t => t.role)") == ["user", "assistant"]
+    assert await tab.page.is_enabled("#clear")
+
+
 async def test_stop_ends_the_answer_cancelled(chat_system: System, new_tab, greedy_reference) -> None:
     tab, base = await new_tab(), base_url(chat_system)
     await tab.page.goto(base + "/")

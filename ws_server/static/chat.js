@@ -76,8 +76,9 @@ class Answer {
     this.lastSeq = frame.seq;
     this.el.dataset.lastSeq = String(frame.seq);
     this.text += frame.text;
+    const following = window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
     this.el.querySelector(".text").textContent = this.text;
-    window.scrollTo(0, document.body.scrollHeight);
+    if (following) window.scrollTo(0, document.body.scrollHeight); // a reader scrolled up stays put
   }
 
   onDone(frame) {
@@ -103,14 +104,23 @@ class Answer {
       return;
     }
     this.el.dataset.error = frame.code;
-    this.meta([`${frame.code}: ${frame.message}`]);
+    const hint = ["too_many_messages", "prompt_too_long"].includes(frame.code) && turns.length > 1
+      ? " (start a New conversation)" : "";
+    this.meta([`${frame.code}: ${frame.message}${hint}`]);
     this.end("failed");
   }
 
   end(state) {
     this.finished = true;
     this.setState(state);
-    turns.push({ role: "assistant", content: this.text });
+    if (this.text) {
+      turns.push({ role: "assistant", content: this.text });
+    } else if (turns.at(-1)?.content === this.question) {
+      // No answer (refused, failed or cancelled before a token): the question leaves the
+      // history, so the next message is not sent after it, and comes back to the prompt box.
+      turns.pop();
+      if (state === "failed" && !$("prompt").value) $("prompt").value = this.question;
+    }
     if (current === this) current = null;
     updateButtons();
   }
@@ -138,6 +148,7 @@ function setStatus(state, text) {
 function updateButtons() {
   $("send").disabled = current !== null;
   $("stop").disabled = current === null;
+  $("clear").disabled = current !== null; // stop the answer first
 }
 
 const connection = new Connection({
@@ -174,6 +185,7 @@ function ask(content) {
     temperature: Number($("temperature").value),
   };
   current = new Answer(id, request);
+  current.question = content;
   answers.set(id, current);
   current.sent = send({ type: "chat", id, ...request });
   updateButtons();
@@ -204,7 +216,7 @@ $("clear").addEventListener("click", () => {
 });
 
 // For tests and for trying resume by hand: `lanesChat.drop()` in the console.
-window.lanesChat = { drop: () => connection.drop(), answers };
+window.lanesChat = { drop: () => connection.drop(), answers, turns };
 
 updateButtons();
 connection.connect();
