@@ -17,6 +17,7 @@ else to a temporary folder: a plain test run leaves the checkout as it was.
 from __future__ import annotations
 
 import asyncio
+import signal
 import json
 import os
 import tempfile
@@ -162,12 +163,14 @@ async def test_a_refused_question_leaves_the_conversation_usable(chat_system: Sy
     assert refused["state"] == "failed" and refused["error"] == "prompt_too_long", refused
     assert await tab.page.input_value("#prompt") == too_long, "the question is back for a retry"
     assert await tab.page.evaluate("() => lanesChat.turns.length") == 0
-    await tab.ask(LONG_PROMPT, max_tokens=1500, temperature=0.75)
+    await tab.page.fill("#temperature", "0.75")
+    assert await tab.page.evaluate("() => document.querySelector('#temperature').checkValidity()")
+    await tab.ask(LONG_PROMPT, max_tokens=1500)
     await tab.streamed_past(3)
     assert await tab.page.is_disabled("#clear")
     await tab.page.click("#stop")
     answer = await tab.finished()
-    assert answer["state"] == "cancelled" and answer["text"], answer
+    assert answer["state"] == "cancelled" and answer["text"], (answer.get("error"), answer["meta"])
     assert await tab.page.evaluate("() => lanesChat.turns.map(t => t.role)") == ["user", "assistant"]
     assert await tab.page.is_enabled("#clear")
 
@@ -390,3 +393,22 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
     polling = False
     await poller
     await client.close()
+
+
+async def test_dashboard_says_when_its_numbers_go_stale(ops_system: tuple[System, str], new_tab) -> None:
+    """While no sample arrives (the scheduler paused: the stream stays open), the status pill
+    says so instead of "live" over frozen numbers, and is live again once samples resume."""
+    sys_, key = ops_system
+    tab = await new_tab()
+    await tab.page.goto(f"{base_url(sys_)}/dashboard#key={key}")
+    await tab.until("() => document.querySelector('#status').dataset.state === 'ok'")
+    scheduler = sys_.procs["scheduler"]
+    scheduler.send_signal(signal.SIGSTOP)
+    try:
+        stale = await tab.until("() => { const s = document.querySelector('#status');"
+                                " return s.dataset.state === 'warn' && s.textContent; }", timeout_s=20)
+    finally:
+        scheduler.send_signal(signal.SIGCONT)
+    assert "no new sample" in stale, stale
+    await tab.until("() => document.querySelector('#status').dataset.state === 'ok'", timeout_s=20)
+    assert not tab.errors, tab.errors

@@ -144,14 +144,42 @@ function setStatus(state, text) {
   pill.textContent = text;
 }
 
+// "live" only while samples keep coming: the stream stays open when the scheduler or Redis is
+// down, and the numbers on the page are then from before.
+const STALE_MS = 6000;
+let streamOk = false;
+
+function freshness() {
+  if (!streamOk) return;
+  const newest = samples.at(-1);
+  if (!newest) {
+    setStatus("warn", "connected; no sample yet (is the scheduler running?)");
+    return;
+  }
+  const ageMs = Date.now() + (stream.clockOffsetMs || 0) - newest.at_ms;
+  if (ageMs > STALE_MS) {
+    setStatus("warn", `no new sample for ${Math.round(ageMs / 1000)} s (scheduler or Redis down?): ` +
+              "the numbers are from then");
+  } else {
+    setStatus("ok", "live");
+  }
+}
+
+function streamStatus(state, text) {
+  streamOk = state === "ok";
+  if (streamOk) freshness();
+  else setStatus(state, text);
+}
+
 const stream = new SampleStream({
-  onSample: addSample,
-  onStatus: setStatus,
+  onSample: (sample) => { addSample(sample); freshness(); },
+  onStatus: streamStatus,
   onNeedKey: (message) => {
     setStatus("bad", "API key needed");
     askForKey($("key-panel"), message, () => stream.start());
   },
 });
 window.addEventListener("resize", () => draw());
+setInterval(freshness, 1000);
 window.lanesDashboard = { samples };
 stream.start();

@@ -44,6 +44,9 @@ export class SampleStream {
       throw err;
     }
     if (!response.ok || !response.body) throw new Error(`HTTP ${response.status}`);
+    // The server's clock against ours (1 s resolution): how old the samples are.
+    const serverMs = Date.parse(response.headers.get("date") || "");
+    this.clockOffsetMs = Number.isNaN(serverMs) ? 0 : serverMs - Date.now();
     this.handlers.onStatus("ok", "live");
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
