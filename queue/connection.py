@@ -37,6 +37,18 @@ def is_cluster_url(url: str) -> bool:
     return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
 
 
+def redis_db(url: str) -> int:
+    """The database number ``url`` names (0 when none; a cluster has only 0)."""
+    if is_cluster_url(url):
+        return 0
+    from redis.asyncio.connection import parse_url
+
+    try:
+        return int(parse_url(url).get("db") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 class _NoRetry(Exception):
     def __init__(self, error: AuthenticationError) -> None:
         self.error = error

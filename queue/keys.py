@@ -35,6 +35,11 @@ class Keys:
 
     prefix: str = "lanes"
     pool: str = DEFAULT_POOL
+    #: Redis database number. Keys live in their database, but pub/sub channels are one
+    #: namespace for the whole server: two deployments on databases 0 and 1 of one Redis would
+    #: hear each other's token batches, depth snapshots and samples. Channels name the
+    #: database when it is not 0 (0 keeps the names every deployment had).
+    db: int = 0
 
     @property
     def tag(self) -> str:
@@ -42,7 +47,11 @@ class Keys:
         return "{q}" if self.pool == DEFAULT_POOL else f"{{q:{self.pool}}}"
 
     def for_pool(self, pool: str) -> Keys:
-        return Keys(self.prefix, pool)
+        return Keys(self.prefix, pool, self.db)
+
+    @property
+    def channel_prefix(self) -> str:
+        return self.prefix if self.db == 0 else f"{self.prefix}@db{self.db}"
 
     def pending(self, lane: Lane) -> str:
         """ZSET request id -> enqueue ms, one per lane."""
@@ -110,21 +119,21 @@ class Keys:
 
     def edge_channel(self, edge_id: str) -> str:
         """Pub/sub channel carrying token batches to one edge."""
-        return f"{self.prefix}:edge:{edge_id}"
+        return f"{self.channel_prefix}:edge:{edge_id}"
 
     def takeover_channel(self, edge_id: str) -> str:
         """Pub/sub channel telling one edge that a request it delivers was resumed on another
         edge (the message is the request id; the edge checks Redis before it lets go)."""
-        return f"{self.prefix}:edge:{edge_id}:takeover"
+        return f"{self.channel_prefix}:edge:{edge_id}:takeover"
 
     def control_channel(self, worker_id: str) -> str:
         """Pub/sub channel carrying cancel messages to one worker."""
-        return f"{self.prefix}:ctl:{worker_id}"
+        return f"{self.channel_prefix}:ctl:{worker_id}"
 
     @property
     def depth_channel(self) -> str:
         """Pub/sub channel where the scheduler publishes depth snapshots."""
-        return f"{self.prefix}:depths"
+        return f"{self.channel_prefix}:depths"
 
     @property
     def observations(self) -> str:
@@ -170,7 +179,7 @@ class Keys:
     @property
     def stats_channel(self) -> str:
         """Pub/sub channel where the scheduler publishes each new sample (edges relay it as SSE)."""
-        return f"{self.prefix}:stats"
+        return f"{self.channel_prefix}:stats"
 
     def stats_second(self, second: int) -> str:
         """STRING, TTL a few seconds: which scheduler takes the sample of this Redis-clock second."""

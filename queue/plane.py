@@ -22,7 +22,7 @@ import msgspec
 import redis.asyncio as aioredis
 from lanes.queue import scripts
 from lanes.queue.cluster import SlotConnection, SlotOwners
-from lanes.queue.connection import connect
+from lanes.queue.connection import connect, redis_db
 from lanes.queue.fleet import Fleet
 from lanes.queue.keys import (
     DEFAULT_POOL,
@@ -104,7 +104,7 @@ class QueuePlane(TokenStreams):
         self.settings = settings
         #: The model pool whose lanes and request hashes this plane reads and writes.
         self.pool = pool
-        self.keys = Keys(settings.key_prefix, pool)
+        self.keys = Keys(settings.key_prefix, pool, redis_db(settings.redis_url))
         self._pools: dict[str, QueuePlane] = {pool: self}
         self.fleet = Fleet(client, self.keys)
         #: A Redis Cluster: keys of different hash slots cannot meet in one script.

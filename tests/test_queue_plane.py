@@ -225,3 +225,40 @@ async def test_preemption_grants_are_shared_by_a_pools_workers(plane: QueuePlane
     assert await plane.for_pool("other").grant_preemption(1, window_ms=300)
     await asyncio.sleep(0.35)
     assert await plane.grant_preemption(1, window_ms=300)
+
+
+async def test_deployments_on_two_databases_of_one_redis_do_not_hear_each_other(redis_url: str,
+                                                                                key_prefix: str) -> None:
+    """Keys live in their database; pub/sub channels do not. Two deployments with the same key
+    prefix on databases 0 and 1 of one Redis shared every channel: one's edge took the other's
+    depth snapshots (and so its workers) and dashboard samples. Channels now name the database."""
+    import logging
+
+    from lanes.queue.backoff import Backoff
+    from lanes.queue.pubsub import listen
+    from lanes.queue.settings import RedisSettings
+
+    zero = QueuePlane.from_settings(RedisSettings(redis_url=redis_url, key_prefix=key_prefix))
+    one = QueuePlane.from_settings(RedisSettings(redis_url=redis_url.rsplit("/", 1)[0] + "/1", key_prefix=key_prefix))
+    try:
+        assert zero.keys.depth_channel == f"{key_prefix}:depths", "database 0 keeps the names it had"
+        assert one.keys.depth_channel != zero.keys.depth_channel
+        assert one.keys.edge_channel("e") != zero.keys.edge_channel("e")
+        heard: list[bytes] = []
+        subscribed = asyncio.Event()
+
+        async def hear() -> None:
+            async for _, data in listen(zero.redis, [zero.keys.depth_channel], Backoff("test", logging.getLogger("test")),
+                                            subscribed.set):
+                heard.append(data)
+
+        task = asyncio.create_task(hear())
+        await asyncio.wait_for(subscribed.wait(), 5)
+        assert await one.redis.publish(one.keys.depth_channel, b"from db 1") == 0
+        assert await zero.redis.publish(zero.keys.depth_channel, b"from db 0") == 1
+        await asyncio.sleep(0.2)
+        task.cancel()
+        assert heard == [b"from db 0"]
+    finally:
+        await zero.close()
+        await one.close()
