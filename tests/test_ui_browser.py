@@ -412,3 +412,24 @@ async def test_dashboard_says_when_its_numbers_go_stale(ops_system: tuple[System
     assert "no new sample" in stale, stale
     await tab.until("() => document.querySelector('#status').dataset.state === 'ok'", timeout_s=20)
     assert not tab.errors, tab.errors
+
+
+async def test_an_answer_whose_key_is_revoked_ends_instead_of_streaming_forever(ops_system: tuple[System, str],
+                                                                               new_tab) -> None:
+    """The key is revoked mid-answer and the connection drops: the page cannot reconnect with
+    that key (nor resume under another: ids are per key), so the answer ends as interrupted and
+    the page is usable again (before: a blinking cursor forever, Send disabled)."""
+    sys_, _ = ops_system
+    env = {"LANES_REDIS_URL": sys_.redis_url, "LANES_KEY_PREFIX": sys_.prefix}
+    created = CliRunner().invoke(app, ["keys", "create", "short-lived"], env=env)
+    assert created.exit_code == 0, created.output
+    tab = await new_tab()
+    await tab.page.goto(f"{base_url(sys_)}/#key={created.stdout.strip()}")
+    await tab.ask(BLOCKER_PROMPT, max_tokens=1500)
+    await tab.streamed_past(3)
+    revoked = CliRunner().invoke(app, ["keys", "revoke", "short-lived"], env=env)
+    assert revoked.exit_code == 0, revoked.output
+    await tab.page.evaluate("() => lanesChat.drop()")
+    answer = await tab.finished()
+    assert answer["state"] == "failed" and answer["error"] == "key_refused" and "interrupted" in answer["meta"]
+    assert await tab.page.is_enabled("#send") and await tab.page.is_disabled("#stop")

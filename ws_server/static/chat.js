@@ -110,6 +110,12 @@ class Answer {
     this.end("failed");
   }
 
+  interrupt(why) {
+    this.el.dataset.error = "key_refused";
+    this.meta([why]);
+    this.end("failed");
+  }
+
   end(state) {
     this.finished = true;
     this.setState(state);
@@ -153,7 +159,14 @@ function updateButtons() {
 
 const connection = new Connection({
   onStatus: setStatus,
-  onNeedKey: (message) => askForKey($("key-panel"), message, () => connection.connect()),
+  onNeedKey: (message) => {
+    // The key was refused (revoked, or never given): answers in flight cannot be resumed under
+    // another key, so they end here instead of streaming forever.
+    for (const answer of answers.values()) {
+      if (!answer.finished) answer.interrupt(`interrupted: ${message}`);
+    }
+    askForKey($("key-panel"), message, () => connection.connect());
+  },
   onFrame: (frame) => {
     const answer = answers.get(frame.id);
     if (!answer) return;

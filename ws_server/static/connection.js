@@ -41,7 +41,8 @@ export class Connection {
         this.handlers.onNeedKey(err.message);
         return;
       }
-      this.retry(String(err.message || err));
+      // fetch's own TypeError ("Failed to fetch") means the edge could not be reached.
+      this.retry(err instanceof TypeError ? "cannot reach the server" : String(err.message || err));
       return;
     }
     const scheme = location.protocol === "https:" ? "wss" : "ws";
