@@ -165,6 +165,9 @@ class HFEngine:
                         raise EngineDead("continuous batching thread stopped") from None
                     continue
                 if out is _ABORTED:
+                    # An abort that came while ``add_request`` ran found nothing to cancel:
+                    # cancel again now that the request exists (a second cancel is harmless).
+                    self._release(request.id)
                     finished = True
                     yield EngineDelta((), detok.flush(), FinishReason.CANCELLED, len(prompt_ids))
                     return
