@@ -5,12 +5,21 @@ pool-aware query returns and the queries that returned nothing.
 
     .venv/bin/python scripts/grafana_check.py     # from the repository root, ~2 minutes
 """
-import asyncio, json, subprocess, sys, tempfile, time, urllib.parse, urllib.request, uuid
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+import uuid
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from e2e_support import Client
 from lanes.cli.cluster import Cluster
 from lanes.queue.embedded import free_port
-from e2e_support import Client
 
 tmp = Path(tempfile.mkdtemp(prefix="graf-"))
 c = Cluster.embedded("graf", tmp)

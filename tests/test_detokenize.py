@@ -8,7 +8,6 @@ import random
 
 from hypothesis import given
 from hypothesis import strategies as st
-
 from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
 
 

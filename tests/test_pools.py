@@ -74,8 +74,8 @@ async def test_the_edges_latency_and_outcome_series_are_per_pool(system: System)
         assert frames[-1]["type"] == "done", frames
     refused = await chat(url, f"m-none-{uuid.uuid4().hex[:6]}", "Tell me about the sea.", model="gigantic")
     assert refused[0]["code"] == "model_not_found"
-    with urllib.request.urlopen(f"http://127.0.0.1:{system.edge_ports['edge']}/metrics", timeout=5) as resp:
-        lines = resp.read().decode().splitlines()
+    url = f"http://127.0.0.1:{system.edge_ports['edge']}/metrics"
+    lines = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode().splitlines()
     for pool in ("small", "large"):
         for family in ("lanes_ttft_seconds_count", "lanes_queue_seconds_count", "lanes_e2e_seconds_count",
                        "lanes_requests_total"):
