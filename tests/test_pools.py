@@ -259,20 +259,26 @@ async def test_a_pool_nobody_serves_or_snapshots_is_refused_at_once(system: Syst
     assert [m.id for m in api.models.list().data] == ["large", "small", "spare", "auto"]
 
 
+async def start_solo(sys_: System, slots: int, **env: str) -> None:
+    """A sim worker (real time) serving pool ``solo``, once the edge knows the pool (the
+    scheduler's snapshot of it has arrived)."""
+    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", str(slots),
+                      LANES_POOL="solo", **env)
+    sys_.wait_workers(1)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
+    for _ in range(int(scaled(100))):
+        if "solo" in [m.id for m in (await asyncio.to_thread(api.models.list)).data]:
+            return
+        await asyncio.sleep(0.1)
+
+
 async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(make_cluster) -> None:
     """kill -9 of a pool's only worker: the request it ran and the one waiting behind it both
     end with ``unavailable`` once the pool has had no worker for ``LANES_NO_WORKER_TIMEOUT_S``
     (before, both waited forever: the pool left the scheduler's watch with its last worker),
     and a new chat for the pool is refused at once."""
     sys_ = make_cluster(workers=0, env={"LANES_NO_WORKER_TIMEOUT_S": "1"})
-    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "1",
-                      LANES_POOL="solo")
-    sys_.wait_workers(1)
-    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
-    for _ in range(int(scaled(100))):  # the edge knows the pool once the scheduler's snapshot of it arrives
-        if "solo" in [m.id for m in api.models.list().data]:
-            break
-        await asyncio.sleep(0.1)
+    await start_solo(sys_, 1)
     client = await Client.connect(sys_.edge_urls["edge"])
     running, waiting = f"run-{uuid.uuid4().hex[:6]}", f"wait-{uuid.uuid4().hex[:6]}"
     for rid in (running, waiting):
@@ -299,14 +305,7 @@ async def test_a_pool_whose_last_worker_stops_is_refused_while_it_drains(make_cl
     at once (before, for ~10 s edges accepted such chats, which then waited a minute in a lane
     nobody would pull), and the running answer still finishes."""
     sys_ = make_cluster(workers=0)
-    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "1",
-                      LANES_POOL="solo", LANES_DRAIN_TIMEOUT_S="30")
-    sys_.wait_workers(1)
-    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
-    for _ in range(int(scaled(100))):
-        if "solo" in [m.id for m in api.models.list().data]:
-            break
-        await asyncio.sleep(0.1)
+    await start_solo(sys_, 1, LANES_DRAIN_TIMEOUT_S="30")
     # Without routing rules a chat without a model goes to "default", which nobody serves here:
     # the refusal says which pools do (it only said "retry shortly", for a pool that never comes).
     nameless = await chat(sys_.edge_urls["edge"], f"nameless-{uuid.uuid4().hex[:6]}", "Hello there, story?")
@@ -337,14 +336,7 @@ async def test_a_chat_in_a_named_pool_resumes_while_the_scheduler_is_down(make_c
     named pool resumed as ``unknown_id``, even on the edge that took it."""
     sys_ = make_cluster(workers=0)
     sys_.start_edge("other")
-    sys_.start_worker("solo-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "2",
-                      LANES_POOL="solo")
-    sys_.wait_workers(1)
-    api = openai.OpenAI(base_url=f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1", api_key="none", max_retries=0)
-    for _ in range(int(scaled(100))):
-        if "solo" in [m.id for m in api.models.list().data]:
-            break
-        await asyncio.sleep(0.1)
+    await start_solo(sys_, 2)
     first = await Client.connect(sys_.edge_urls["edge"])
     mine, theirs = f"mine-{uuid.uuid4().hex[:6]}", f"theirs-{uuid.uuid4().hex[:6]}"
     for rid in (mine, theirs):
