@@ -55,10 +55,8 @@ class Scheduler:
         self._unserved_since: dict[str, int] = {}
         self._last_reports: dict[str, WorkerReport] = {}
         self.sampler = Sampler()
-        #: The newest snapshot (all pools merged) and the reports it was built from: the next
-        #: dashboard sample uses them.
-        self.last_snapshot: DepthSnapshot | None = None
-        #: Each pool's own snapshot from the same round (the dashboard's pool table).
+        #: The newest round's snapshot of each pool and the reports they were built from: the next
+        #: dashboard sample uses them (``last_snapshot``: all pools merged).
         self.last_pool_snapshots: list[DepthSnapshot] = []
         self.last_reports: list[WorkerReport] = []
 
@@ -187,8 +185,7 @@ class Scheduler:
             await fleet.publish_depths(snapshot)
             snapshots.append(snapshot)
             await self._unserved(snapshot, now_ms)
-        self.last_snapshot, self.last_reports = merged(snapshots, now_ms), reports
-        self.last_pool_snapshots = snapshots
+        self.last_pool_snapshots, self.last_reports = snapshots, reports
         metrics.LIVE_WORKERS.set(len(reports))
         return snapshots
 
@@ -270,6 +267,12 @@ class Scheduler:
                 continue
             backoff.succeeded()
 
+    @property
+    def last_snapshot(self) -> DepthSnapshot | None:
+        """The newest round's pools merged into one (the dashboard's lane table); None before it."""
+        pools = self.last_pool_snapshots
+        return merged(pools, pools[0].at_ms) if pools else None
+
     async def sample_once(self) -> bool:
         """Take this second's dashboard sample unless another scheduler did; True if taken."""
         now_ms = await self.plane.server_time_ms()
@@ -303,6 +306,12 @@ def merged(snapshots: list[DepthSnapshot], now_ms: int) -> DepthSnapshot:
                          desired_workers=sum(s.desired_workers for s in snapshots))
 
 
+def _ewma(previous: float, value: float, dt_s: float, half_life_s: float) -> float:
+    """``previous`` moved towards ``value`` by the share ``dt_s`` takes at this half-life."""
+    alpha = 1 - 0.5 ** (dt_s / half_life_s)
+    return previous * (1 - alpha) + value * alpha
+
+
 class ServiceRates:
     """Claims per second per lane, smoothed (EWMA over ``half_life_s``), from claim counters."""
 
@@ -314,10 +323,9 @@ class ServiceRates:
     def update(self, claims: dict[str, int], now_ms: int) -> dict[str, float]:
         if self._last is not None and now_ms > self._last[0]:
             dt_s = (now_ms - self._last[0]) / 1000
-            alpha = 1 - 0.5 ** (dt_s / self.half_life_s)
             for lane, count in claims.items():
                 instant = max(0, count - self._last[1].get(lane, 0)) / dt_s
-                self.rps[lane] = round(self.rps.get(lane, instant) * (1 - alpha) + instant * alpha, 3)
+                self.rps[lane] = round(_ewma(self.rps.get(lane, instant), instant, dt_s, self.half_life_s), 3)
         self._last = (now_ms, dict(claims))
         return dict(self.rps)
 
@@ -335,8 +343,7 @@ class Smoothed:
         if self._at_ms is None:
             self.value = value
         elif now_ms > self._at_ms:
-            alpha = 1 - 0.5 ** ((now_ms - self._at_ms) / 1000 / self.half_life_s)
-            self.value = self.value * (1 - alpha) + value * alpha
+            self.value = _ewma(self.value, value, (now_ms - self._at_ms) / 1000, self.half_life_s)
         self._at_ms = now_ms
         return self.value
 

@@ -272,6 +272,19 @@ async def start_solo(sys_: System, slots: int, **env: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def solo_chats(client: Client, ids: tuple[str, ...], max_tokens: int,
+                     streaming: tuple[str, ...] | None = None) -> None:
+    """Chats for pool ``solo``, sent in order; returns once each of ``streaming`` (default: all)
+    has a delta or an error."""
+    for rid in ids:
+        await client.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": max_tokens,
+                           "messages": [{"role": "user", "content": "Write a very long story."}]})
+    for _ in range(int(scaled(600))):
+        if all(any(f["type"] in ("delta", "error") for f in client.frames[rid]) for rid in streaming or ids):
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(make_cluster) -> None:
     """kill -9 of a pool's only worker: the request it ran and the one waiting behind it both
     end with ``unavailable`` once the pool has had no worker for ``LANES_NO_WORKER_TIMEOUT_S``
@@ -281,13 +294,7 @@ async def test_requests_of_a_pool_whose_last_worker_died_end_with_unavailable(ma
     await start_solo(sys_, 1)
     client = await Client.connect(sys_.edge_urls["edge"])
     running, waiting = f"run-{uuid.uuid4().hex[:6]}", f"wait-{uuid.uuid4().hex[:6]}"
-    for rid in (running, waiting):
-        await client.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": 2000,
-                           "messages": [{"role": "user", "content": "Write a very long story."}]})
-    for _ in range(int(scaled(600))):
-        if any(f["type"] in ("delta", "error") for f in client.frames[running]):
-            break
-        await asyncio.sleep(0.05)
+    await solo_chats(client, (running, waiting), 2000, streaming=(running,))
     assert client.frames[running][-1]["type"] == "delta", client.frames[running]
     sys_.kill("solo-1")
     ends = [await client.wait(rid, scaled(40)) for rid in (running, waiting)]
@@ -312,12 +319,7 @@ async def test_a_pool_whose_last_worker_stops_is_refused_while_it_drains(make_cl
     assert nameless[0]["code"] == "unavailable" and "in 'model' (solo)" in nameless[0]["message"], nameless
     client = await Client.connect(sys_.edge_urls["edge"])
     running = f"run-{uuid.uuid4().hex[:6]}"
-    await client.send({"type": "chat", "id": running, "model": "solo", "max_tokens": 150,
-                       "messages": [{"role": "user", "content": "Write a story."}]})
-    for _ in range(int(scaled(600))):
-        if any(f["type"] == "delta" for f in client.frames[running]):
-            break
-        await asyncio.sleep(0.05)
+    await solo_chats(client, (running,), 150)
     sys_.procs["solo-1"].send_signal(signal.SIGTERM)
     await asyncio.sleep(1.5)  # the draining report, then the scheduler's next snapshot (0.5 s)
     started = time.monotonic()
@@ -339,13 +341,7 @@ async def test_a_chat_in_a_named_pool_resumes_while_the_scheduler_is_down(make_c
     await start_solo(sys_, 2)
     first = await Client.connect(sys_.edge_urls["edge"])
     mine, theirs = f"mine-{uuid.uuid4().hex[:6]}", f"theirs-{uuid.uuid4().hex[:6]}"
-    for rid in (mine, theirs):
-        await first.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": 400,
-                          "messages": [{"role": "user", "content": "Write a story."}]})
-    for _ in range(int(scaled(600))):
-        if all(any(f["type"] == "delta" for f in first.frames[rid]) for rid in (mine, theirs)):
-            break
-        await asyncio.sleep(0.05)
+    await solo_chats(first, (mine, theirs), 400)
     sys_.kill("scheduler")
     await asyncio.sleep(6.0)  # every snapshot is stale now
     await first.close()  # the requests run on for the resume grace (15 s)

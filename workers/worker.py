@@ -57,6 +57,7 @@ from lanes.workers.engines.base import (
     EngineDead,
     EngineRequest,
     RequestRejected,
+    is_out_of_memory,
 )
 from lanes.workers.publisher import flush
 from lanes.workers.reporting import Reporter, observe_decode
@@ -393,7 +394,7 @@ class Worker:
         except Exception as exc:  # any other engine failure ends this request, once
             # Handed back instead, it would be claimed again at once and fail again: a hot loop
             # that no attempt cap stops (only lease expiries count attempts).
-            kind = "oom" if "out of memory" in str(exc).lower() else getattr(exc, "code", "engine_error")
+            kind = "oom" if is_out_of_memory(exc) else getattr(exc, "code", "engine_error")
             metrics.ENGINE_ERRORS.labels(kind).inc()
             log.exception("engine failed on %s (attempt %d)", run.id, run.attempt)
             finish = Finish(FinishReason.ERROR, usage(), queue_ms=queue_ms,

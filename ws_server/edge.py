@@ -147,19 +147,19 @@ class Edge:
 
     async def _repoint(self, action: delivery.Repoint) -> None:
         """Re-point a resumed request at this edge, in whichever pool holds it."""
-        state = None
+        state, pool = None, None
         try:
             # This edge's own record first (it took the chat), then the pools the snapshots name,
-            # then every pool a worker ever served: snapshots stop when the scheduler is down.
+            # then (only if still not found) every pool a worker ever served: snapshots stop
+            # when the scheduler is down.
             mine = self._pool_of.get(action.request_id)
-            pools = dict.fromkeys([*([mine] if mine else []), *known_pools(self)])
-            pools |= dict.fromkeys(sorted(await self.plane.fleet.served_pools() - set(pools)))
-            for pool in pools:
-                state = await self.plane.for_pool(pool).repoint(action.request_id, self.edge_id, owner=action.key)
-                if state is not None:
-                    if state != "forbidden":  # refused: the core forgets it, so must we
-                        self._pool_of[action.request_id] = pool
-                    break
+            tried = list(dict.fromkeys([*([mine] if mine else []), *known_pools(self)]))
+            state, pool = await self._repoint_in(action, tried)
+            if state is None:
+                others = sorted(await self.plane.fleet.served_pools() - set(tried))
+                state, pool = await self._repoint_in(action, others)
+            if state is not None and state != "forbidden":  # refused: the core forgets it, so must we
+                self._pool_of[action.request_id] = pool or DEFAULT_POOL
         except QueueUnavailable:
             self.carry(self.core.refuse_resume(action.request_id, action.key,
                                                "queue unavailable; retry the resume shortly"))
@@ -167,6 +167,14 @@ class Edge:
         # Another key's request must look exactly like an unknown one.
         state = None if state == "forbidden" else state
         self.carry(self.core.repointed(action.request_id, action.key, state, time.monotonic()))
+
+    async def _repoint_in(self, action: delivery.Repoint, pools: list[str]) -> tuple[str | None, str | None]:
+        """The state of the first of ``pools`` that holds the request, re-pointed at this edge."""
+        for pool in pools:
+            state = await self.plane.for_pool(pool).repoint(action.request_id, self.edge_id, owner=action.key)
+            if state is not None:
+                return state, pool
+        return None, None
 
     async def _check(self, action: delivery.CheckRequests) -> None:
         by_pool: dict[str, list[str]] = {}

@@ -89,7 +89,6 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
                                 f"request {protocol.client_id(request_id)} already exists{owned}")
     edge.admission.enqueued(pool, lane)
-    edge._pool_of[request_id] = pool
     return edge.core.accepted(request_id, lane.value, predicted, time.monotonic(), pool)
 
 def _overloaded(edge: Edge, request_id: str, decision: AdmissionDecision, subject: str,

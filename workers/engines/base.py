@@ -42,6 +42,11 @@ class RequestRejected(EngineError):
         self.code = code
 
 
+def is_out_of_memory(error: object) -> bool:
+    """Whether an engine's error is an out-of-memory one (torch's and CUDA's messages say so)."""
+    return "out of memory" in str(error).lower()
+
+
 class EngineBusy(EngineError):
     """The engine refused the request because its own queue is full (vLLM
     ``QueueOverflowError`` / ``MaxQueuedTokensError``); it may run a moment later."""

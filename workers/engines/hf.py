@@ -30,6 +30,7 @@ from lanes.workers.engines.base import (
     EngineDelta,
     EngineRequest,
     RequestRejected,
+    is_out_of_memory,
     warm_up,
 )
 
@@ -175,7 +176,7 @@ class HFEngine:
                     self._counters["errors"] += 1
                     if self._manager is None or not self._manager.is_running():
                         raise EngineDead(f"continuous batching stopped: {out.error}")
-                    code = "oom" if "out of memory" in str(out.error).lower() else "generation_failed"
+                    code = "oom" if is_out_of_memory(out.error) else "generation_failed"
                     raise RequestRejected(code, f"generation failed: {out.error}")
                 new_ids = list(out.generated_tokens[num_seen:])
                 num_seen = len(out.generated_tokens)
