@@ -67,6 +67,9 @@ async def listen(client: aioredis.Redis | RedisCluster, channels: Sequence[str],
             await asyncio.sleep(backoff.failed(exc))
         finally:
             if pubsub is not None:
+                if cluster is None and pubsub.connection is not None:
+                    # It goes back to the client's pool: commands on it get their timeout again.
+                    pubsub.connection.socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
                 await pubsub.aclose()
             if conn is not None:
                 await conn.aclose()

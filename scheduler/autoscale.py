@@ -52,7 +52,8 @@ def capacity_per_worker(throughput_rps: float, running: float, slots: int, worke
         _check(name, value)
     if running <= 0 or workers == 0 or throughput_rps == 0:
         return 0.0
-    return throughput_rps * slots / running / workers
+    capacity = throughput_rps * slots / running / workers
+    return capacity if math.isfinite(capacity) else 0.0  # a level smoothed to a denormal
 
 
 def predicted_wait_s(depth: int, service_rps_per_worker: float, workers: int) -> float:

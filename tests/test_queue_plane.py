@@ -262,3 +262,33 @@ async def test_deployments_on_two_databases_of_one_redis_do_not_hear_each_other(
     finally:
         await zero.close()
         await one.close()
+
+
+async def test_a_subscription_gives_its_connection_back_with_the_command_timeout(redis_url: str,
+                                                                                 key_prefix: str) -> None:
+    """A subscriber waits for messages without the 5 s command timeout; when it ends, its
+    connection returns to the client's pool for commands, and gets that timeout back."""
+    import logging
+
+    from lanes.queue.backoff import Backoff
+    from lanes.queue.connection import COMMAND_TIMEOUT_S
+    from lanes.queue.pubsub import listen
+    from lanes.queue.settings import RedisSettings
+
+    plane = QueuePlane.from_settings(RedisSettings(redis_url=redis_url, key_prefix=key_prefix))
+    try:
+        subscribed = asyncio.Event()
+
+        async def hear() -> None:
+            async for _ in listen(plane.redis, [plane.keys.depth_channel], Backoff("test", logging.getLogger("test")),
+                                  subscribed.set):
+                pass
+
+        task = asyncio.create_task(hear())
+        await asyncio.wait_for(subscribed.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pool = plane.redis.connection_pool
+        assert all(c.socket_timeout == COMMAND_TIMEOUT_S for c in [*pool._available_connections, *pool._in_use_connections])
+    finally:
+        await plane.close()
