@@ -167,6 +167,51 @@ class AsyncEngineArgs011:
     speculative_config: dict[str, Any] | None = None
 
 
+# -- vllm/v1/engine/detokenizer.py (FastIncrementalDetokenizer, main as of 2025-26) ---------------
+
+class Detokenizer:
+    """vLLM's streaming text for one request: a ``DecodeStream`` primed with the prompt's end,
+    stop strings checked on the whole output (``StopChecker.check_stop_strings``) and, while
+    running, the last ``max(len(stop)) - 1`` characters held back (``stop_buffer_length``)
+    although their tokens are streamed."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer._tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+        suffix = prompt_ids
+        if len(prompt_ids) > 4:
+            for i in range(4, min(len(prompt_ids) + 1, 24)):
+                if "\ufffd" not in self.tokenizer.decode(prompt_ids[-i:]):
+                    suffix = prompt_ids[-i:]
+                    break
+        for tid in suffix:
+            self.stream.step(self.tokenizer, tid)
+        stop = params.stop
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1
+        self.output_text, self._last_offset = "", 0
+
+    def update(self, token: int) -> str | None:
+        """Decode one token; the stop string it completes, if any (the text is cut before it)."""
+        new = self.stream.step(self.tokenizer, token) or ""
+        self.output_text += new
+        for stop in self.stop:
+            index = self.output_text.find(stop, 1 - len(new) - len(stop))
+            if index != -1:
+                self.output_text = self.output_text[:index]
+                return stop
+        return None
+
+    def next_output_text(self, finished: bool) -> str:
+        length = len(self.output_text) - (0 if finished else self.stop_buffer_length)
+        if self._last_offset < length:
+            text, self._last_offset = self.output_text[self._last_offset:length], length
+            return text
+        return ""
+
+
 # -- the model and the engine ---------------------------------------------------------------------
 
 @dataclass
@@ -274,6 +319,8 @@ class AsyncLLM:
             aborted = self._aborts[request_id] = asyncio.Event()
             limit = sampling_params.max_tokens or 16
             ids = script.token_ids[:limit]
+            detok = Detokenizer(self.package.tokenizer, prompt["prompt_token_ids"], sampling_params) \
+                if self.package.detokenize else None
             for i, token in enumerate(ids):
                 await asyncio.sleep(0.001)
                 self._step_stats(script)
@@ -284,8 +331,15 @@ class AsyncLLM:
                     raise EngineDeadError()
                 last = i == len(ids) - 1
                 finish = (script.finish if len(ids) == len(script.token_ids) else "length") if last else None
+                text = f" t{token}"
+                if detok is not None:
+                    if detok.update(token):
+                        last, finish = True, "stop"
+                    text = detok.next_output_text(last)
                 yield RequestOutput(request_id, None, None, None,
-                                    [CompletionOutput(0, f" t{token}", [token], finish_reason=finish)], last)
+                                    [CompletionOutput(0, text, [token], finish_reason=finish)], last)
+                if last:
+                    return
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(request_id)
             raise
@@ -335,6 +389,8 @@ class Package:
     release: str = MAIN
     scripts: list[Script] = field(default_factory=list)
     default_script: Script = field(default_factory=lambda: Script([5, 2]))
+    #: Stream the tokenizer's text as vLLM does (``Detokenizer``), not ``" t<id>"`` per token.
+    detokenize: bool = False
     engines: list[AsyncLLM] = field(default_factory=list)
 
     def modules(self) -> dict[str, types.ModuleType]:

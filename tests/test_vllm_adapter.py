@@ -12,6 +12,7 @@ length, abort, error, repetition). The exceptions are ``fake_vllm``'s copies of
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -286,6 +287,55 @@ async def test_ngram_speculation_reports_acceptance(monkeypatch, tiny_model, tok
     stats = engine.stats()
     assert stats["spec_num_drafts"] == 20 and stats["spec_acceptance_rate"] == 0.5
     assert stats["spec_mean_acceptance_length"] == 3.0 and stats["num_running"] == 1
+    await engine.close()
+
+
+async def hand_back_after(engine: VllmEngine, req: EngineRequest,
+                          tokens: int) -> tuple[list[int], str, FinishReason | None]:
+    """Stream until ``tokens`` tokens have come, then abort (a hand-back): the tokens and text
+    got, and how the attempt ended (CANCELLED unless it finished first)."""
+    ids: list[int] = []
+    text, finish = "", None
+    async for delta in engine.generate(req):
+        ids += delta.token_ids
+        text += delta.text
+        finish = delta.finish_reason
+        if len(ids) >= tokens and finish is None:
+            await engine.abort(req.id)
+    return ids, text, finish
+
+
+async def test_a_hand_back_keeps_the_text_held_for_a_stop_string(monkeypatch, tiny_model, tokenizer) -> None:
+    """vLLM holds back the last ``len(stop) - 1`` characters of text while it streams their tokens;
+    an attempt handed back mid-answer lost that text (the next one starts after the tokens).
+    The adapter cuts stop strings itself, and a resumed attempt sends what the earlier one held,
+    or cuts a stop string that spans the two. The stand-in detokenizes as vLLM does."""
+    package = Package(tokenizer, detokenize=True)
+    engine = await started(monkeypatch, package, tiny_model)
+    rng = random.Random(3)
+    checked = 0
+    for trial in range(4):
+        ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(16)]
+        package.scripts.append(Script(ids, finish="length"))
+        plain = "".join(d.text for d in await collect(engine, request(f"plain{trial}", 16)))
+        at = rng.randrange(4, len(plain) - 4)
+        # One stop string that never occurs but begins with the text at a seam, one that occurs.
+        for k, stop in enumerate(((plain[at:at + 2] + "\u2603\u2603",), (plain[at:at + 3],))):
+            package.scripts.append(Script(ids, finish="length"))
+            whole = await collect(engine, request(f"whole{trial}{k}", 16, stop=stop))
+            assert package.engines[0].added[-1].params.stop is None, "vLLM gets no stop strings"
+            for seam in range(2, 14, 3):
+                rid = f"r{trial}{k}{seam}"
+                package.scripts.append(Script(ids, finish="length"))
+                first_ids, first, finish = await hand_back_after(engine, request(rid, 16, stop=stop), seam)
+                if finish is not FinishReason.CANCELLED:
+                    continue  # stopped before the hand-back
+                package.scripts.append(Script(ids[len(first_ids):], finish="length"))
+                rest = await collect(engine, request(rid, 16, stop=stop, resume_token_ids=tuple(first_ids)))
+                assert first + "".join(d.text for d in rest) == "".join(d.text for d in whole), (stop, seam)
+                assert rest[-1].finish_reason is whole[-1].finish_reason
+                checked += 1
+    assert checked >= 20
     await engine.close()
 
 

@@ -59,9 +59,22 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
 
+def answer_text(decoder: Decoder, prompt_ids: list[int] | tuple[int, ...],
+                answer_ids: list[int] | tuple[int, ...], context: int = _WINDOW_TOKENS) -> str:
+    """The text of ``answer_ids`` as an engine that decodes them after the prompt streams it
+    (vLLM primes its detokenizer with the prompt's end, so a first token's leading space is
+    kept), less a trailing partial character, which such an engine holds back."""
+    ctx = list(prompt_ids[-context:])
+    base = decoder.decode(ctx, skip_special_tokens=True)
+    full = decoder.decode(ctx + list(answer_ids), skip_special_tokens=True)
+    text = full[len(base):] if full.startswith(base) else decoder.decode(list(answer_ids), skip_special_tokens=True)
+    return text.rstrip("\ufffd")
+
+
 class StopMatcher:
-    """Cuts a stream of text deltas at the first stop string, for engines that do not (the
-    transformers continuous-batching manager). Text that could be the start of a stop string
+    """Cuts a stream of text deltas at the first stop string. The transformers continuous-batching
+    manager knows no stop strings; vLLM's hold back text whose tokens it has streamed, which a
+    hand-back would lose (``vllm_sampling_kwargs``). Text that could be the start of a stop string
     is held back until the next delta settles it, so no part of a stop string is ever sent."""
 
     def __init__(self, stop: tuple[str, ...] | list[str]) -> None:

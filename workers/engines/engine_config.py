@@ -233,9 +233,14 @@ def remaining_tokens(request: EngineRequest) -> int:
 
 
 def vllm_sampling_kwargs(request: EngineRequest) -> dict[str, Any]:
-    """``SamplingParams`` kwargs except ``output_kind`` (an enum the adapter adds)."""
+    """``SamplingParams`` kwargs except ``output_kind`` (an enum the adapter adds).
+
+    No ``stop``: the adapter cuts stop strings itself (``StopMatcher``). vLLM's detokenizer holds
+    back the last ``max(len(stop)) - 1`` characters of every delta while it streams the tokens
+    behind them (``vllm/v1/engine/detokenizer.py``, ``stop_buffer_length``), so an attempt handed
+    back mid-answer would lose that text: the next attempt starts after those tokens."""
     return {"max_tokens": remaining_tokens(request), "temperature": request.temperature,
-            "top_p": request.top_p, "seed": request.seed, "stop": list(request.stop) or None}
+            "top_p": request.top_p, "seed": request.seed}
 
 
 def trtllm_sampling_kwargs(request: EngineRequest, max_tokens: int | None = None) -> dict[str, Any]:

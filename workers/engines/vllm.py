@@ -13,6 +13,7 @@ instead of a backlog (vLLM merges DELTA outputs the same way on its side).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import vllm_priority
+from lanes.workers.detokenize import StopMatcher, answer_text
 from lanes.workers.engines.base import (
     ConfigError,
     EngineBusy,
@@ -108,6 +110,18 @@ def error_from_exception(exc: BaseException) -> EngineError:
     error = EngineError(message)
     error.__cause__ = exc
     return error
+
+
+def cut_at_stop(delta: EngineDelta, stops: StopMatcher) -> EngineDelta:
+    """``delta`` with its text passed through ``stops``: cut (and finished) at a stop string, the
+    held-back text released when the answer ends by itself. A cancelled or failed attempt keeps
+    it held: a resumed attempt recomputes and sends it (``StopMatcher.resume``)."""
+    text = stops.push(delta.text)
+    if stops.stopped:
+        return EngineDelta(delta.token_ids, text, FinishReason.STOP, delta.prompt_tokens)
+    if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        text += stops.flush()
+    return EngineDelta(delta.token_ids, text, delta.finish_reason, delta.prompt_tokens)
 
 
 def merge_deltas(deltas: Sequence[EngineDelta]) -> EngineDelta:
@@ -241,7 +255,8 @@ class VllmEngine:
             raise EngineDead("vLLM engine is not running")
         prompt_ids = self._prompt_ids(request)
         if remaining_tokens(request) == 0:  # a resumed request that had already finished
-            yield EngineDelta((), "", FinishReason.LENGTH, len(prompt_ids))
+            stops = self._stop_matcher(request, prompt_ids)
+            yield EngineDelta((), stops.flush() if stops else "", FinishReason.LENGTH, len(prompt_ids))
             return
         relay = DeltaRelay(self._source(request, prompt_ids), len(prompt_ids))
         self._relays[request.id] = relay
@@ -260,20 +275,37 @@ class VllmEngine:
         params = SamplingParams(output_kind=RequestOutputKind.DELTA,
                                 **vllm_sampling_kwargs(request))
         prompt = TokensPrompt(prompt_token_ids=prompt_ids + list(request.resume_token_ids))
+        stops = self._stop_matcher(request, prompt_ids)
+        outputs = self._engine.generate(prompt, params, request.id, priority=vllm_priority(request.lane),
+                                        trace_headers=request.trace_headers or None)
         try:
-            async for output in self._engine.generate(
-                prompt, params, request.id, priority=vllm_priority(request.lane),
-                trace_headers=request.trace_headers or None,
-            ):
-                delta = delta_from_output(output, len(prompt_ids))
-                if delta is not None:
+            # Closing the generator early (a stop string) aborts the request inside vLLM.
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    delta = delta_from_output(output, len(prompt_ids))
+                    if delta is None:
+                        continue
+                    if stops is not None:
+                        delta = cut_at_stop(delta, stops)
                     yield delta
+                    if delta.finish_reason is not None:
+                        return
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if self._engine is None or getattr(self._engine, "errored", False):
                 raise EngineDead(f"vLLM engine is not running ({type(exc).__name__})") from exc
             raise error_from_exception(exc) from exc
+
+    def _stop_matcher(self, request: EngineRequest, prompt_ids: list[int]) -> StopMatcher | None:
+        """Our own stop strings (``vllm_sampling_kwargs``); a resumed attempt first holds what the
+        earlier one held (its tokens were streamed, their text was not)."""
+        if not request.stop:
+            return None
+        stops = StopMatcher(request.stop)
+        if request.resume_token_ids:
+            stops.resume(answer_text(self._tokenizer, prompt_ids, request.resume_token_ids))
+        return stops
 
     async def abort(self, request_id: str) -> None:
         relay = self._relays.get(request_id)
