@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from lanes.queue.messages import ChatMessage
-from lanes.workers.engines.base import EngineRequest
+from lanes.workers.engines.base import EngineRequest, RequestRejected, render_chat
 from lanes.workers.engines.hf import HFEngine
 
 PROMPT = (ChatMessage("user", "Tell me about lists and dictionaries."),)
@@ -35,3 +35,32 @@ async def test_top_p_is_applied_per_request(engine: HFEngine) -> None:
         assert await _tokens(engine, f"nucleus-{i}", temperature=1.5, top_p=1e-6) == greedy
     free = [await _tokens(engine, f"free-{i}", temperature=1.5, top_p=1.0) for i in range(3)]
     assert any(ids != greedy for ids in free), "temperature 1.5 over the whole vocabulary drew the greedy answer 3 times"
+
+
+async def test_a_chat_template_that_refuses_the_messages_rejects_the_request(engine: HFEngine) -> None:
+    """Many templates raise on roles they do not take ("System role not supported"). That is the
+    request's fault: ``invalid_request`` with the template's words (a 400 at the OpenAI edge).
+    Before, it was an engine failure: a 500 with a traceback in the worker log, which SDKs retry."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}"
+                                      "{{ raise_exception('System role not supported') }}{% endif %}" + template)
+    try:
+        with pytest.raises(RequestRejected) as rejected:
+            async for _ in engine.generate(EngineRequest("sys", (ChatMessage("system", "Be brief."), *PROMPT),
+                                                         max_tokens=4)):
+                pass
+        assert rejected.value.code == "invalid_request"
+        assert "System role not supported" in str(rejected.value)
+        assert await _tokens(engine, "user-only", temperature=0.0), "other requests run on"
+    finally:
+        engine.tokenizer.chat_template = template
+
+
+def test_a_template_that_does_not_parse_is_the_deployments_error(tiny_model) -> None:
+    from jinja2 import TemplateSyntaxError
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model.target)
+    tokenizer.chat_template = "{% if %}"
+    with pytest.raises(TemplateSyntaxError):
+        render_chat(tokenizer, PROMPT)

@@ -42,6 +42,21 @@ class RequestRejected(EngineError):
         self.code = code
 
 
+def render_chat(tokenizer: Any, messages: tuple[ChatMessage, ...] | list[ChatMessage]) -> str:
+    """``messages`` through the model's chat template. A template that refuses them (its
+    ``raise_exception``: "System role not supported", "roles must alternate") is this request's
+    fault: ``invalid_request`` with the template's words, not an engine failure (a 500 that
+    clients retry). A template that cannot be parsed is the deployment's and propagates."""
+    try:
+        return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as exc:
+        if type(exc).__name__ != "TemplateError":  # jinja2.exceptions.TemplateError itself
+            raise
+        raise RequestRejected("invalid_request", f"the model's chat template refused these messages: "
+                                                 f"{str(exc).strip() or type(exc).__name__}") from exc
+
+
 def is_out_of_memory(error: object) -> bool:
     """Whether an engine's error is an out-of-memory one (torch's and CUDA's messages say so)."""
     return "out of memory" in str(error).lower()

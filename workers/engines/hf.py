@@ -31,6 +31,7 @@ from lanes.workers.engines.base import (
     EngineRequest,
     RequestRejected,
     is_out_of_memory,
+    render_chat,
     warm_up,
 )
 
@@ -118,8 +119,7 @@ class HFEngine:
         self._manager.start()
 
     def render_prompt(self, request: EngineRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(self.tokenizer, request.messages)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:

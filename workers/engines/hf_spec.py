@@ -34,6 +34,8 @@ from lanes.workers.engines.base import (
     EngineDelta,
     EngineError,
     EngineRequest,
+    RequestRejected,
+    render_chat,
     warm_up,
 )
 from lanes.workers.engines.engine_config import SpecCounters, remaining_tokens
@@ -165,10 +167,8 @@ class HFSpeculativeEngine:
         self._eos_ids = frozenset(eos_ids)
 
     def prompt_ids(self, request: EngineRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=True)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(render_chat(self._tokenizer, request.messages),
+                                           add_special_tokens=False))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         if self._target is None:
@@ -205,6 +205,8 @@ class HFSpeculativeEngine:
             self._counts["running"] += 1
         try:
             self._decode_request(request, cancel, emit)
+        except RequestRejected as exc:  # this request's fault (its chat template): as it is
+            emit(exc)
         except Exception as exc:  # noqa: BLE001 - delivered to the consumer
             emit(EngineError(f"hf_spec generation failed: {exc}"))
         finally:

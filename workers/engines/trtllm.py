@@ -38,6 +38,7 @@ from lanes.workers.engines.base import (
     EngineError,
     EngineRequest,
     RequestRejected,
+    render_chat,
     warm_up,
 )
 from lanes.workers.engines.engine_config import (
@@ -239,9 +240,7 @@ class TrtllmEngine:
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         tokenizer = self._llm.tokenizer
         hf = getattr(tokenizer, "tokenizer", tokenizer)  # TransformersTokenizer wraps the HF one
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(hf.encode(text, add_special_tokens=False))
+        return list(hf.encode(render_chat(hf, request.messages), add_special_tokens=False))
 
     def _submit(self, request: EngineRequest, prompt_ids: list[int]) -> Any:
         import tensorrt_llm

@@ -30,6 +30,7 @@ from lanes.workers.engines.base import (
     EngineError,
     EngineRequest,
     RequestRejected,
+    render_chat,
     warm_up,
 )
 from lanes.workers.engines.engine_config import (
@@ -244,10 +245,8 @@ class VllmEngine:
         return _Recorder
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=True)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(render_chat(self._tokenizer, request.messages),
+                                           add_special_tokens=False))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         # ``AsyncLLM.errored``: the engine core died or the output handler stopped (shutdown).
