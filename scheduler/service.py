@@ -210,7 +210,7 @@ class Scheduler:
     async def _fail_unserved(self, pool: str, waited_s: float) -> None:
         plane = self.plane.for_pool(pool)
         message = (f"no worker of pool {pool!r} for {waited_s:.0f} s (none started, or all down): "
-                   "the request was not run; retry later")
+                   "the request could not finish; retry later")  # a handed-back one had streamed a part
         failed = 0
         for request_id in await plane.queued_ids():
             done, edge, attempt = await plane.fail_queued(request_id)

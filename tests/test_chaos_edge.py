@@ -88,9 +88,10 @@ async def test_edge_stopped_gracefully_does_not_cancel_its_requests(system: tupl
 
 async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
         system: tuple[System, str, str], greedy_reference) -> None:
-    """SIGTERM with an OpenAI stream and a WebSocket chat in flight: the stream ends at once
+    """SIGTERM with OpenAI requests and a WebSocket chat in flight: the stream ends at once
     with an ``unavailable`` error event and ``[DONE]`` (HTTP has no resume; before, it was cut
-    mid-answer when the graceful shutdown ran out, with an ASGI traceback in the log), and the
+    mid-answer when the graceful shutdown ran out, with an ASGI traceback in the log), a
+    whole-answer request gets a 503 with ``Retry-After``, and the
     WebSocket's request keeps running to be resumed elsewhere even with a resume grace shorter
     than the shutdown (before, the shutdown counted as the client leaving and cancelled it).
     The worker is paused around the SIGTERM, so both answers are surely mid-stream then."""
@@ -118,8 +119,20 @@ async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
         assert response.status == 200
         lines.extend(line.decode().strip() for line in response if line.strip())
 
+    whole: list[tuple[int, str | None, dict]] = []
+
+    def complete() -> None:  # not streaming: the whole answer, or one error with its status
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(60))
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "default", "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": long_ones[0]}]}), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        whole.append((response.status, response.getheader("Retry-After"), json.loads(response.read())))
+
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
+    completer = threading.Thread(target=complete, daemon=True)
+    completer.start()
     deadline = time.monotonic() + scaled(60)
     while len(ws.deltas(rid)) < 3 or sum('"content":"' in line for line in lines) < 3:
         assert time.monotonic() < deadline, "the answers did not start streaming"
@@ -132,6 +145,7 @@ async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
         sys_.kill("edge_d", signal.SIGTERM)
         await asyncio.to_thread(reader.join, scaled(30))
         ended_s = time.monotonic() - stopped_at
+        await asyncio.to_thread(completer.join, scaled(30))
         await asyncio.wait_for(ws._reader, scaled(10))
         await asyncio.sleep(1.0)  # past the 0.3 s grace
     finally:
@@ -140,6 +154,9 @@ async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["code"] == "unavailable" and "shutting down" in error["message"], error
     assert ended_s < scaled(1.5), ended_s
+    # The whole-answer request gets a 503 that says when to retry (before: no Retry-After).
+    assert whole and whole[0][0] == 503 and whole[0][2]["error"]["code"] == "unavailable", whole
+    assert whole[0][1] is not None and int(whole[0][1]) >= 1, whole
     second = await Client.connect(url_b)
     await second.send({"type": "resume", "id": rid, "last_seq": len(ws.deltas(rid)) - 1})
     done = await second.wait(rid, timeout_s=scaled(60))

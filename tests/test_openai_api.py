@@ -92,8 +92,9 @@ def test_stop_sequence_ends_the_answer_before_it(system: System, greedy_referenc
 
 def test_models_lists_the_pools(system: System) -> None:
     models = client(system).models.list()
-    assert [m.id for m in models.data] == ["default"]
+    assert [m.id for m in models.data] == ["default", "auto"]
     assert client(system).models.retrieve("default").id == "default"
+    assert client(system).models.retrieve("auto").id == "auto", "a chat may name it: so may a lookup"
 
 
 def test_arguments_passed_as_none_take_their_defaults(system: System, greedy_reference) -> None:
@@ -142,7 +143,8 @@ def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused(
     assert parsed.frame.max_tokens == 24 and parsed.frame.temperature == 0
     asks = {"logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"}, "logit_bias": {"50": 5},
             "frequency_penalty": 0.5, "presence_penalty": -1, "tool_choice": "auto", "modalities": ["text", "audio"],
-            "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"}}
+            "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
+            "web_search_options": {}}
     for name, value in asks.items():
         with pytest.raises(APIError) as refused:
             parse_request(ask(**{name: value}), Limits())
@@ -166,6 +168,13 @@ def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused(
         parse_request(ask(logprobs=0), Limits())  # JSON false and 0 differ
     with pytest.raises(APIError, match="'model' must be a string"):
         parse_request(ask(model=5), Limits())
+    # content is required, as OpenAI requires it, except in an assistant turn (null there: a tool call)
+    with pytest.raises(APIError, match=r"messages\[0\].content is required"):
+        parse_request(ask(messages=[{"role": "user"}]), Limits())
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "?"}]
+    assert parse_request(ask(messages=turns), Limits()).frame.messages[1].content == ""
+    # top_p 0 (OpenAI's range is 0..1) is the nucleus of one token; engines get the smallest top_p they take
+    assert parse_request(ask(top_p=0), Limits()).frame.top_p == 1e-6
 
 
 def test_wrong_key_is_401_and_the_rate_limit_429(system: System) -> None:
@@ -227,6 +236,13 @@ async def test_concurrent_completions_and_websocket_chats_share_the_lanes(system
     assert all(a.choices[0].message.content for a in answers)
     assert len({a.id for a in answers}) == 6
     await aclient.close()
+
+
+def test_a_base_url_without_v1_gets_a_hint_in_openais_shape(system: System) -> None:
+    no_v1 = openai.OpenAI(base_url=f"http://127.0.0.1:{system.edge_ports['edge']}", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as refused:
+        no_v1.chat.completions.create(**ask())
+    assert "base_url ends in /v1" in refused.value.body["message"], refused.value.body
 
 
 def test_a_body_that_is_not_json_is_400(system: System) -> None:
@@ -333,7 +349,7 @@ async def test_an_idle_stream_sends_keep_alive_comments(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(completions, "KEEPALIVE_S", 0.05)
     session, edge = completions.HttpSession(), Edge()
-    events = completions._events(edge, 7, session, "chatcmpl-x", 0, "default", False)  # type: ignore[arg-type]
+    events = completions._events(edge, 7, session, "chatcmpl-x", 0, "default", False, None)  # type: ignore[arg-type]
     assert b'"role":"assistant"' in await anext(events)
     assert [await anext(events) for _ in range(2)] == [b": keep-alive\n\n"] * 2
     session.send(protocol.delta_frame("chatcmpl-x", 0, "Hi"))
@@ -360,3 +376,17 @@ def test_a_client_that_leaves_while_sending_its_body_logs_nothing(system: System
     time.sleep(0.5)
     added = log_path.read_text()[len(before):]
     assert "Traceback" not in added and "ClientDisconnect" not in added, added[-2000:]
+
+
+async def test_a_stream_the_worker_refuses_is_a_4xx_not_an_error_after_200(system: System) -> None:
+    """A prompt within the edge's character limit but longer than the model's context is refused
+    by the worker. Streaming, that was a 200 and then an error event, which SDKs raise as a bare
+    ``APIError`` with no status; now the status waits for the answer's first frame, as it does
+    for a whole answer: ``BadRequestError`` with ``prompt_too_long`` either way."""
+    too_long = [{"role": "user", "content": "please explain the list " * 800}]  # ~4,000 tokens, 19 K chars
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(system).chat.completions.create(**ask(messages=too_long, stream=stream))
+        assert refused.value.body["code"] == "prompt_too_long", (stream, refused.value.body)
+    chunks = list(client(system).chat.completions.create(**ask(stream=True)))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason

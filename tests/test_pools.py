@@ -37,6 +37,15 @@ def system(make_cluster) -> System:
         # large-2 is scaled down under load below: a short drain, so it also hands requests back.
         sys_.start_worker(name, "", *SIM, LANES_POOL=pool, LANES_DRAIN_TIMEOUT_S="0.5")
     sys_.wait_workers(3)
+    # ``auto`` sends a prompt up the tiers while its tier has no live worker in the edge's view
+    # (the scheduler's snapshots): wait until the snapshots count both pools' workers.
+    deadline = time.monotonic() + scaled(30)
+    for pool, workers in (("small", 1), ("large", 2)):
+        url = f"http://127.0.0.1:{sys_.edge_ports['edge']}/v1/depths?pool={pool}"
+        while json.loads(urllib.request.urlopen(url, timeout=5).read() or b"{}").get("workers", 0) < workers:
+            assert time.monotonic() < deadline, f"no snapshot of pool {pool} with its workers"
+            time.sleep(0.1)
+    time.sleep(1.5)  # the next snapshot (one a second) has reached the edge by pub/sub
     return sys_
 
 

@@ -16,8 +16,8 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from lanes.queue.errors import QueueUnavailable
@@ -39,6 +39,7 @@ _decode_frame = msgspec.json.Decoder(dict[str, Any]).decode
 #: A stream with nothing to send for this long gets an SSE comment (clients skip it), so that
 #: proxies and load balancers with idle timeouts (nginx 60 s, AWS ALB 60 s) keep it open.
 KEEPALIVE_S = 15.0
+T = TypeVar("T")
 #: What ``/v1/models`` answers while Redis (where workers register) cannot be read.
 REDIS_DOWN = oai.APIError(503, "the queue is unavailable; retry shortly", "server_error", "unavailable",
                           retry_after_s=1)
@@ -82,10 +83,15 @@ async def not_routed(request: Request, exc: Exception) -> Response:
     """Starlette's 404 / 405: in OpenAI's error shape under ``/v1/`` (SDKs read ``error.message``),
     plain text elsewhere."""
     assert isinstance(exc, HTTPException)
-    if not request.url.path.startswith("/v1/"):
+    path = request.url.path
+    if path.startswith(("/chat/completions", "/models")):  # an SDK whose base_url lacks /v1
+        error = oai.APIError(404, f"no such endpoint: {request.method} {path}; the OpenAI API is under /v1 "
+                             f"(an OpenAI client's base_url ends in /v1: http://{request.url.netloc}/v1)")
+        return Response(error.body(), 404, media_type="application/json")
+    if not path.startswith("/v1/"):
         return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
     what = "no such endpoint" if exc.status_code == 404 else f"method {request.method} is not allowed here"
-    error = oai.APIError(exc.status_code, f"{what}: {request.method} {request.url.path} (the OpenAI API here: "
+    error = oai.APIError(exc.status_code, f"{what}: {request.method} {path} (the OpenAI API here: "
                          f"POST {COMPLETIONS_PATH}, GET {MODELS_PATH}, GET {MODELS_PATH}/{{model}})")
     return Response(error.body(), exc.status_code, media_type="application/json", headers=exc.headers)
 
@@ -196,31 +202,47 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
         if pool := first.get("pool"):  # "auto" answers with the pool it chose, as OpenAI names the model served
             model = headers["x-lanes-pool"] = str(pool)
         if parsed.stream:
+            # The status waits for the answer's first frame (up to one keep-alive period): a
+            # refusal by the worker (the prompt is too long for the model, its chat template
+            # refuses the messages) is then a 4xx, as OpenAI answers, not an error event after a
+            # 200 that SDKs cannot tell from a failure mid-answer.
+            held = await _until_frame_or_gone(request, session.frames.get(), KEEPALIVE_S)
+            if held is _GONE:
+                return Response(status_code=499)
+            if held is not None and held["type"] == "error":
+                finished = True
+                error = oai.error_from_frame(held)
+                return Response(error.body(), error.status, media_type="application/json",
+                                headers={**headers, **error.headers()})
             handed_to_stream = True
-            return StreamingResponse(_events(edge, conn, session, request_id, created, model, parsed.include_usage),
-                                     media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
-        body = await _until_done_or_gone(request, session, request_id, created, model)
-        finished = body is not None
-        if body is None:
+            return StreamingResponse(_events(edge, conn, session, request_id, created, model, parsed.include_usage,
+                                             held), media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
+        body = await _until_frame_or_gone(request, _collect(session, request_id, created, model))
+        finished = body is not _GONE
+        if body is _GONE:
             return Response(status_code=499)  # nobody is listening any more
-        status, payload = body
-        return Response(payload, status, media_type="application/json", headers=headers)
+        status, payload, error_headers = body
+        return Response(payload, status, media_type="application/json", headers={**headers, **error_headers})
     finally:
         if not handed_to_stream:
             edge.close_session(conn, abandoned=not finished)
 
 
 async def _events(edge: Edge, conn: int, session: HttpSession, request_id: str, created: int, model: str,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, first: dict[str, Any] | None) -> AsyncIterator[bytes]:
+    """The SSE stream; ``first`` is the answer's first frame if it came before the headers."""
     ended = False
     try:
         yield oai.chunk(request_id, created, model, {"role": "assistant", "content": ""}, with_usage=include_usage)
         while True:
-            try:
-                frame = await asyncio.wait_for(session.frames.get(), KEEPALIVE_S)
-            except TimeoutError:  # queued, or a long prefill: keep proxies from closing an idle stream
-                yield oai.KEEPALIVE
-                continue
+            if first is not None:
+                frame, first = first, None
+            else:
+                try:
+                    frame = await asyncio.wait_for(session.frames.get(), KEEPALIVE_S)
+                except TimeoutError:  # queued, or a long prefill: keep proxies from closing an idle stream
+                    yield oai.KEEPALIVE
+                    continue
             kind = frame["type"]
             if kind == "delta":
                 yield oai.chunk(request_id, created, model, {"content": frame["text"]}, with_usage=include_usage)
@@ -240,33 +262,41 @@ async def _events(edge: Edge, conn: int, session: HttpSession, request_id: str, 
         edge.close_session(conn, abandoned=not ended)
 
 
-async def _until_done_or_gone(request: Request, session: HttpSession, request_id: str, created: int,
-                              model: str) -> tuple[int, bytes] | None:
-    """The whole answer as one ``chat.completion`` (or the error it ended with); None if the
-    client disconnected first."""
+async def _collect(session: HttpSession, request_id: str, created: int,
+                   model: str) -> tuple[int, bytes, dict[str, str]]:
+    """The whole answer as one ``chat.completion``, or the error it ended with (status, body,
+    the error's headers: ``Retry-After``)."""
+    parts: list[str] = []
+    while True:
+        frame = await session.frames.get()
+        if frame["type"] == "delta":
+            parts.append(frame["text"])
+        elif frame["type"] == "done":
+            return 200, oai.completion(request_id, created, model, "".join(parts), oai.finish_reason(frame),
+                                       oai.usage(frame)), {}
+        elif frame["type"] == "error":
+            error = oai.error_from_frame(frame)
+            return error.status, error.body(), error.headers()
 
-    async def collect() -> tuple[int, bytes]:
-        parts: list[str] = []
-        while True:
-            frame = await session.frames.get()
-            if frame["type"] == "delta":
-                parts.append(frame["text"])
-            elif frame["type"] == "done":
-                return 200, oai.completion(request_id, created, model, "".join(parts), oai.finish_reason(frame),
-                                           oai.usage(frame))
-            elif frame["type"] == "error":
-                error = oai.error_from_frame(frame)
-                return error.status, error.body()
+
+#: What ``_until_frame_or_gone`` returns when the client disconnected first.
+_GONE: Any = object()
+
+
+async def _until_frame_or_gone(request: Request, awaitable: Awaitable[T], timeout_s: float | None = None) -> T | None:
+    """``awaitable``'s result; ``_GONE`` if the client disconnected first, None after ``timeout_s``."""
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    answer, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    answer, watcher = asyncio.ensure_future(awaitable), asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({answer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({answer, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not answer.done():
             answer.cancel()
-    return answer.result() if answer.done() and not answer.cancelled() else None
+    if answer.done() and not answer.cancelled():
+        return answer.result()
+    return _GONE if watcher.done() and not watcher.cancelled() else None

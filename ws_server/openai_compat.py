@@ -45,6 +45,7 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "parallel_tool_calls": (None, True, False), "logprobs": (None, False), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,),
 }
 _enc = msgspec.json.Encoder()
 
@@ -124,15 +125,17 @@ def _messages(raw: object, limits: Limits) -> tuple[ChatMessage, ...]:
         if role not in _ROLES:
             raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant",
                            param=f"messages[{i}].role")
-        messages.append(ChatMessage(_ROLES[role], _content(m.get("content"), i)))
+        messages.append(ChatMessage(_ROLES[role], _content(m.get("content"), i, role)))
     return tuple(messages)
 
 
-def _content(content: object, i: int) -> str:
+def _content(content: object, i: int, role: str) -> str:
     if isinstance(content, str):
         return content
-    if content is None:
-        return ""
+    if content is None:  # OpenAI's null content is an assistant turn's (one that called tools)
+        if role == "assistant":
+            return ""
+        raise APIError(400, f"messages[{i}].content is required for role {role!r}", param=f"messages[{i}].content")
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
             raise APIError(400, f"messages[{i}].content: only text parts are supported",

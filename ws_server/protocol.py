@@ -182,6 +182,11 @@ def _int(obj: dict[str, Any], name: str, rid: str | None, lo: int, hi: int, defa
     return value
 
 
+#: The smallest ``top_p`` sent to an engine (vLLM and TensorRT-LLM refuse 0): only the most
+#: likely token is ever in the nucleus, as with 0.
+MIN_TOP_P = 1e-6
+
+
 def _float(obj: dict[str, Any], name: str, rid: str | None, lo: float, hi: float, default: float) -> float:
     value = obj.get(name)
     if value is None:  # absent or null: the default
@@ -226,7 +231,8 @@ def chat_frame(obj: dict[str, Any], rid: str | None, messages: tuple[ChatMessage
         messages=messages,
         max_tokens=_int(obj, max_tokens_field, rid, 1, limits.max_tokens_limit, limits.default_max_tokens),
         temperature=_float(obj, "temperature", rid, 0.0, 2.0, default_temperature),
-        top_p=_float(obj, "top_p", rid, 1e-6, 1.0, 1.0),
+        # OpenAI takes top_p 0 (a nucleus of one token); engines want it above 0: the same nucleus.
+        top_p=max(_float(obj, "top_p", rid, 0.0, 1.0, 1.0), MIN_TOP_P),
         seed=None if seed is None else _int(obj, "seed", rid, 0, 2**63 - 1, None),
         deadline_ms=None if deadline is None else _int(obj, "deadline_ms", rid, 1, 3_600_000, None),
         stop=_stop(obj.get("stop"), rid),

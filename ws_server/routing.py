@@ -82,7 +82,8 @@ class PoolRouter:
     def model_names(self, live_pools: Iterable[str]) -> list[str]:
         """``GET /v1/models``: the names a chat may give. Under routing rules, the rules' pools
         (only those are served, live or not: a pool that is down answers 503) and ``auto``;
-        without, the pools with live workers."""
+        without, the pools with live workers and ``auto`` (the default pool then), which every
+        chat may name: before, a chat could name it but ``GET /v1/models/auto`` was a 404."""
         if self.rules is not None:
             return sorted(self.rules.pools) + [AUTO]
-        return sorted(set(live_pools)) or [DEFAULT_POOL]
+        return (sorted(set(live_pools)) or [DEFAULT_POOL]) + [AUTO]
