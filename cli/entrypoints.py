@@ -31,14 +31,39 @@ log = logging.getLogger(__name__)
 REDIS_CHECK_TIMEOUT_S = 5.0
 
 
-def run_until_signal(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main``; SIGTERM/SIGINT cancel it so ``finally`` blocks release leases and sockets."""
+#: After SIGTERM/SIGINT a process that has not exited within this long exits anyway (a task
+#: that never ends its cancellation would otherwise keep it, and its port, forever).
+STOP_WATCHDOG_S = 60.0
+
+
+def run_until_signal(main: Coroutine[Any, Any, None], watchdog_s: float = STOP_WATCHDOG_S) -> None:
+    """Run ``main``; SIGTERM/SIGINT cancel it so ``finally`` blocks release leases and sockets.
+    A second signal, or ``watchdog_s`` after the first, exits at once (code 1), naming the
+    tasks still running: a redis-py wait has been seen to swallow its cancellation, which left
+    an edge ignoring every SIGTERM with its port bound."""
 
     async def runner() -> None:
         task = asyncio.ensure_future(main)
         loop = asyncio.get_running_loop()
+
+        def force_exit(why: str) -> None:
+            pending = sorted({t.get_coro().__qualname__ for t in asyncio.all_tasks(loop)
+                              if not t.done() and t is not asyncio.current_task(loop)})
+            log.error("%s: exiting now; still running: %s", why, ", ".join(pending) or "nothing")
+            logging.shutdown()
+            os._exit(1)
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stopping:
+                force_exit(f"{sig.name} again while stopping")
+            stopping.append(sig)
+            task.cancel()
+            loop.call_later(watchdog_s, force_exit, f"still stopping {watchdog_s:.0f} s after {sig.name}")
+
+        stopping: list[signal.Signals] = []
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
             await task
         except asyncio.CancelledError:
@@ -95,8 +120,9 @@ def _setup(settings: RedisSettings, process: str) -> QueuePlane:
     return QueuePlane.from_settings(settings)
 
 
-def _serve(plane: QueuePlane, body: Callable[[], Awaitable[None]]) -> None:
-    """Check Redis, then run ``body`` until a signal; the plane is closed either way."""
+def _serve(plane: QueuePlane, body: Callable[[], Awaitable[None]], stop_s: float = 0.0) -> None:
+    """Check Redis, then run ``body`` until a signal; the plane is closed either way. ``stop_s``:
+    how long a graceful stop may take beyond the watchdog's margin (a worker's drain)."""
 
     async def main() -> None:
         try:
@@ -105,7 +131,7 @@ def _serve(plane: QueuePlane, body: Callable[[], Awaitable[None]]) -> None:
         finally:
             await plane.close()
 
-    run_until_signal(main())
+    run_until_signal(main(), STOP_WATCHDOG_S + stop_s)
 
 
 def raise_open_files_limit() -> int:
@@ -171,7 +197,7 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     async def body() -> None:
         await Worker(settings, plane, engine).serve(burst=burst)
 
-    _serve(plane, body)
+    _serve(plane, body, settings.drain_timeout_s)
 
 
 def _check_memory_encoder(weight: float) -> None:

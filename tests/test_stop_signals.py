@@ -1,0 +1,61 @@
+"""A process that does not stop when asked still stops (``cli/entrypoints.run_until_signal``):
+a second SIGTERM, or the watchdog after the first, exits at once. Seen once: an edge whose
+token reader waited on in redis-py after its cancellation ignored every SIGTERM, with its port
+bound, until SIGKILL."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import scaled
+
+STUBBORN = """
+import asyncio, logging, sys
+from lanes.cli.entrypoints import run_until_signal
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+async def deaf_reader():
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # swallowed, as the redis-py wait did
+            pass
+
+async def main():
+    task = asyncio.create_task(deaf_reader())
+    print("ready", flush=True)
+    await task
+
+run_until_signal(main(), watchdog_s=float(sys.argv[1]))
+"""
+
+
+def start(watchdog_s: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN, str(watchdog_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_second_signal_exits_a_process_that_ignores_the_first() -> None:
+    proc = start(watchdog_s=600)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the first SIGTERM only asks (the stub ignores it)"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(scaled(10)) == 1
+    err = proc.stderr.read()  # type: ignore[union-attr]
+    assert "SIGTERM again while stopping: exiting now; still running: deaf_reader" in err, err
+
+
+def test_the_watchdog_exits_a_process_still_stopping() -> None:
+    proc = start(watchdog_s=1.0)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(scaled(10)) == 1
+    assert time.monotonic() - started >= 0.9
+    err = proc.stderr.read()  # type: ignore[union-attr]
+    assert "still stopping 1 s after SIGINT: exiting now; still running: deaf_reader" in err, err
