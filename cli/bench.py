@@ -16,6 +16,13 @@ from lanes.scheduler.predictor.train import MEMORY_WEIGHT
 
 app = typer.Typer(help="bench commands", no_args_is_help=True)
 
+
+@app.callback()
+def _bench() -> None:
+    from lanes.cli.cluster import stop_like_ctrl_c
+
+    stop_like_ctrl_c()  # the live benchmarks start processes: SIGTERM must stop them too
+
 DEFAULT_PLOT_LOADS = "0.5,0.73,0.88,0.95,1.1"
 DEFAULT_POLICIES = "fcfs,lanes,priority,mlfq"
 #: Prompts with known answer lengths that the shipped predictor was not trained on.

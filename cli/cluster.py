@@ -56,6 +56,20 @@ class ChildExited(RuntimeError):
         super().__init__(f"{name} exited with {returncode}:\n{lines}")
 
 
+
+def stop_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP (``timeout``, a cancelled CI job, a closed SSH session) stop this
+    command as Ctrl-C does, so its clean-up stops the processes it started: they run in their
+    own sessions and get no signal of their own. Before, they were left running under init."""
+
+    def as_sigint(signum: int, frame: object) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background (`cmd &`, nohup)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, as_sigint)
+
 @dataclass
 class Child:
     """One child process and what it takes to start it again."""

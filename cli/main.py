@@ -175,7 +175,9 @@ def chaos(
     """Break a local system five ways under load (worker/edge kill -9, cancels, Redis restart,
     overload) and report sent / completed / rejected / lost / duplicate and missing tokens."""
     from lanes.cli.chaos.run import run_chaos
+    from lanes.cli.cluster import stop_like_ctrl_c
 
+    stop_like_ctrl_c()
     raise typer.Exit(run_chaos(as_json=as_json, workers=workers, slots=slots, time_scale=time_scale))
 
 

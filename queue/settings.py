@@ -13,6 +13,15 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported; ``find_spec`` raises, not returns None, when a parent
+    package is missing (``opentelemetry.exporter`` without the ``[otlp]`` extra)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
 class RedisSettings(BaseSettings):
     """Base for each process's settings object (env prefix ``LANES_``)."""
 
@@ -71,7 +80,7 @@ class RedisSettings(BaseSettings):
     @field_validator("otel_exporter")
     @classmethod
     def _otlp_installed(cls, exporter: str) -> str:
-        if exporter == "otlp" and importlib.util.find_spec("opentelemetry.exporter.otlp") is None:
+        if exporter == "otlp" and not _installed("opentelemetry.exporter.otlp.proto.http"):
             raise ValueError("otlp needs the OTLP exporter: pip install 'lanes[otlp]'")
         return exporter
 

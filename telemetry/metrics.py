@@ -65,7 +65,8 @@ PREFILL = Histogram("lanes_prefill_seconds", "Claim to first token (prefill + en
                     buckets=_LATENCY_BUCKETS_S, registry=WORKER)
 DECODE_PER_TOKEN = Histogram("lanes_decode_seconds_per_token", "Mean decode time per output token", ["lane"],
                              buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256), registry=WORKER)
-BATCH_SIZE = Histogram("lanes_batch_size", "Running requests per publish step",
+BATCH_SIZE = Histogram("lanes_batch_size", "Requests running on the engine, sampled at each publish step "
+                       "(the engine's batch under continuous batching)",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=WORKER)
 TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"], registry=WORKER)
 PREEMPTIONS = Counter("lanes_preemptions_total", "Running requests handed back to a lane, by claimed lane",

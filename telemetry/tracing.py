@@ -6,8 +6,10 @@ payload; the worker continues that trace, so one trace follows a request through
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Mapping
 
 from opentelemetry import context, propagate, trace
@@ -18,6 +20,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "lanes"
+#: How long a process's exit waits for its last spans to be exported.
+EXIT_FLUSH_S = 2.0
 
 
 def setup_tracing(service_name: str, exporter: str = "none") -> None:
@@ -27,7 +31,11 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
     exported), ``console`` (JSON lines on stdout) or ``otlp`` (OTLP/HTTP; configure with the
     standard ``OTEL_EXPORTER_OTLP_*`` variables; needs the ``[otlp]`` extra).
     """
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # Our own exit hook, not the SDK's: its flush at exit waits up to 30 s for a collector that
+    # refuses or never answers (each export retries for OTEL_EXPORTER_OTLP_TIMEOUT, 10 s), which
+    # made every SIGTERM under honcho or Kubernetes end in SIGKILL.
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), shutdown_on_exit=False)
+    atexit.register(shutdown_within, provider, EXIT_FLUSH_S)
     if exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     elif exporter == "otlp":
@@ -39,6 +47,19 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
     elif exporter != "none":
         raise SystemExit(f"unknown otel_exporter {exporter!r}: use none, console or otlp")
     trace.set_tracer_provider(provider)
+
+
+def shutdown_within(provider: TracerProvider, timeout_s: float) -> bool:
+    """Flush and shut ``provider`` down, giving up after ``timeout_s`` (the exporter's threads
+    are daemons: what is left unsent is dropped at exit). Whether it finished in time."""
+    done = threading.Thread(target=provider.shutdown, name="lanes-trace-shutdown", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("traces not flushed within %.0f s at exit (is the OTLP collector reachable? "
+                    "OTEL_EXPORTER_OTLP_ENDPOINT); the last spans are dropped", timeout_s)
+        return False
+    return True
 
 
 def tracer() -> trace.Tracer:

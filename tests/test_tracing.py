@@ -67,3 +67,33 @@ async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_pat
     assert enqueue["resource"]["attributes"]["service.name"] == "lanes-edge"
     assert generate["resource"]["attributes"]["service.name"] == "lanes-worker"
     assert generate["attributes"]["lanes.finish_reason"] in ("stop", "length")
+
+
+def test_exit_does_not_wait_long_for_a_collector_that_never_answers() -> None:
+    """At exit the SDK's own hook waited up to 30 s for the last export (a collector that refuses
+    or never answers), so every SIGTERM under honcho or Kubernetes ended in SIGKILL. Ours gives
+    up after ``EXIT_FLUSH_S``."""
+    import threading
+    import time
+
+    from lanes.telemetry.tracing import shutdown_within
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    release = threading.Event()
+
+    class Hung(SpanExporter):
+        def export(self, spans):  # a collector that never answers
+            release.wait(30)
+            return SpanExportResult.FAILURE
+
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(Hung()))
+    provider.get_tracer("t").start_span("s").end()
+    started = time.monotonic()
+    assert shutdown_within(provider, 0.3) is False
+    assert time.monotonic() - started < 2.0
+    release.set()
+    fine = TracerProvider(shutdown_on_exit=False)
+    fine.get_tracer("t").start_span("s").end()
+    assert shutdown_within(fine, 5.0) is True

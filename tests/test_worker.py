@@ -244,3 +244,35 @@ async def test_a_fault_in_the_sim_engine_stops_the_worker_and_hands_the_request_
     assert await plane.redis.hget(plane.keys.request("faulted"), "state") == b"queued"
     events = await plane.read_stream("faulted")
     assert events and all(e.finish is None for e in events), "streamed tokens kept, no final frame"
+
+
+async def test_the_batch_size_metric_counts_every_request_on_the_engine(plane: QueuePlane, tiny_model,
+                                                                       greedy_reference) -> None:
+    """``lanes_batch_size`` is the engine's batch: 8 answers that all run to ``max_tokens``,
+    decoding together, make nearly every sample 8. Before, it counted the requests with output in
+    each flush, and the transformers engine's steps reach the worker request by request, so a
+    flush often caught one step half-submitted (1, then 7)."""
+    from lanes.telemetry import metrics
+
+    def samples() -> dict[str, float]:
+        return {s.labels["le"]: s.value for m in metrics.BATCH_SIZE.collect() for s in m.samples
+                if s.name.endswith("_bucket")}
+
+    prompts = [p for p in (f"Tell me about part {i} of the plan." for i in range(80))
+               if len(greedy_reference(p, 60).ids) == 60][:8]
+    assert len(prompts) == 8, "prompts whose greedy answers run to 60 tokens"
+    before = samples()
+    for i, prompt in enumerate(prompts):
+        payload = RequestPayload(id=f"b{i}", messages=(ChatMessage("user", prompt),), max_tokens=60,
+                                 temperature=0.0, lane=Lane.SHORT)
+        assert (await plane.enqueue(payload, "edge-x")).created
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              heartbeat_s=0.2, max_slots=8)
+    worker = Worker(settings, plane, HFEngine(str(tiny_model.target), max_slots=8))
+    await asyncio.wait_for(worker.serve(burst=True), 120)
+    after = samples()
+    added = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = added["+Inf"]
+    assert total >= 20, added
+    # Cumulative buckets: samples of 5 to 8 are those above le=4.
+    assert (total - added["4.0"]) / total >= 0.9, added

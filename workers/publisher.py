@@ -11,7 +11,6 @@ from collections import defaultdict
 
 from lanes.queue.messages import TokenEvent
 from lanes.queue.plane import QueuePlane
-from lanes.telemetry import metrics
 from lanes.workers.runs import FlushResult, Run
 
 
@@ -26,6 +25,5 @@ async def flush(plane: QueuePlane, worker_id: str, batch: list[tuple[Run, TokenE
     for run, event in batch:
         by_request[run.id].append(event)
         edge_of[run.id] = run.edge
-    metrics.BATCH_SIZE.observe(len(by_request))
     appended, receivers = await plane.append_publish(worker_id, by_request, edge_of)
     return FlushResult(appended, receivers)

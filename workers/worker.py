@@ -432,6 +432,9 @@ class Worker:
             batch = self.table.take_outbox()
             if not batch:
                 continue
+            # Every request on the engine, not those with output in this flush: a flush can
+            # catch one step half-submitted (1 request, then the other 7 in the next).
+            metrics.BATCH_SIZE.observe(len(self._tasks))
             try:
                 result = await flush(self.plane, self.worker_id, batch)
             except QueueUnavailable as exc:
