@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import scaled
 
 STUBBORN = """
@@ -59,3 +61,33 @@ def test_the_watchdog_exits_a_process_still_stopping() -> None:
     assert time.monotonic() - started >= 0.9
     err = proc.stderr.read()  # type: ignore[union-attr]
     assert "still stopping 1 s after SIGINT: exiting now; still running: deaf_reader" in err, err
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.01, 0.03, 0.1, 0.5])
+async def test_an_edge_cancelled_in_its_first_second_stops(redis_url: str, key_prefix: str, after_s: float) -> None:
+    """SIGTERM (a cancel) while the edge subscribes came out of redis-py's ``subscribe`` with the
+    cancellation requested but never delivered: the token reader then waited for its next
+    message forever (about one SIGTERM in two in an edge's first second). It stops now."""
+    import asyncio
+
+    from lanes.cli.entrypoints import check_redis
+    from lanes.queue.embedded import free_port
+    from lanes.queue.plane import QueuePlane
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+
+    settings = EdgeSettings(_env_file=None, redis_url=redis_url, key_prefix=key_prefix, port=free_port())
+    plane = QueuePlane.from_settings(settings)
+
+    async def edge() -> None:  # as ``lanes edge`` runs: a first round trip, then the edge
+        try:
+            await check_redis(plane)
+            await Edge(settings, plane).serve()
+        finally:
+            await plane.close()
+
+    serving = asyncio.create_task(edge())
+    await asyncio.sleep(after_s)
+    serving.cancel()
+    done, _ = await asyncio.wait([serving], timeout=scaled(5))
+    assert done, f"the edge did not stop within 5 s of a cancel {after_s} s after its start"
