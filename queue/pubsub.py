@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import redis.asyncio as aioredis
 from lanes.queue.backoff import Backoff
+from lanes.queue.connection import raise_if_cancelled
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
@@ -48,7 +49,7 @@ async def listen(client: aioredis.Redis | RedisCluster, channels: Sequence[str],
                 conn = node_client(cluster, *address, single_connection=False)
                 pubsub = conn.pubsub()
             await pubsub.subscribe(*channels)
-            _stop_if_cancelled()
+            raise_if_cancelled()
             if cluster is None and pubsub.connection is not None:
                 # Waiting for the next message is not a command: no command timeout on it.
                 pubsub.connection.socket_timeout = None
@@ -58,7 +59,7 @@ async def listen(client: aioredis.Redis | RedisCluster, channels: Sequence[str],
             check_at = loop.time() + OWNER_CHECK_S
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
-                _stop_if_cancelled()
+                raise_if_cancelled()
                 if message is not None and message["type"] == "message":
                     yield message["channel"], message["data"]
                 if cluster is not None and loop.time() >= check_at:
@@ -75,17 +76,6 @@ async def listen(client: aioredis.Redis | RedisCluster, channels: Sequence[str],
                 await pubsub.aclose()
             if conn is not None:
                 await conn.aclose()
-
-
-def _stop_if_cancelled() -> None:
-    """Raise the cancellation redis-py swallowed. A task cancelled while it subscribes can come
-    out of ``subscribe`` with its cancellation still requested but never delivered (seen with
-    redis-py 5.3.1 on Python 3.11, about one SIGTERM in two in an edge's first second); it then
-    waited for the next message forever, and the edge never exited. A listener is never meant
-    to run on once its task is cancelled, so a request still standing ends it here."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 async def _moved(cluster: RedisCluster, channel: str, address: tuple[str, int]) -> bool:

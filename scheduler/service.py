@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from lanes.queue.backoff import Backoff
+from lanes.queue.connection import raise_if_cancelled
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.messages import (
     DepthSnapshot,
@@ -120,6 +121,8 @@ class Scheduler:
             except QueueUnavailable as exc:
                 await asyncio.sleep(backoff.failed(exc))
                 continue
+            finally:
+                raise_if_cancelled()
             backoff.succeeded()
 
     async def _every(self, interval_s: float, step: Callable[[], Awaitable[object]], name: str) -> None:
@@ -130,6 +133,8 @@ class Scheduler:
             except QueueUnavailable as exc:
                 await asyncio.sleep(backoff.failed(exc))
                 continue
+            finally:
+                raise_if_cancelled()
             backoff.succeeded()
             await asyncio.sleep(interval_s)
 
@@ -265,6 +270,8 @@ class Scheduler:
             except QueueUnavailable as exc:
                 await asyncio.sleep(backoff.failed(exc))
                 continue
+            finally:
+                raise_if_cancelled()
             backoff.succeeded()
 
     @property

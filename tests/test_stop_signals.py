@@ -91,3 +91,32 @@ async def test_an_edge_cancelled_in_its_first_second_stops(redis_url: str, key_p
     serving.cancel()
     done, _ = await asyncio.wait([serving], timeout=scaled(5))
     assert done, f"the edge did not stop within 5 s of a cancel {after_s} s after its start"
+
+
+@pytest.mark.parametrize("after_s", [0.005, 0.01, 0.02, 0.1])
+async def test_a_scheduler_cancelled_in_its_first_round_stops(redis_url: str, key_prefix: str,
+                                                              after_s: float) -> None:
+    """The same swallowed cancellation in the scheduler's first Redis round left its loop
+    sleeping and calling again, forever (2 of 7 SIGTERMs a second after start)."""
+    import asyncio
+
+    from lanes.cli.entrypoints import check_redis
+    from lanes.queue.plane import QueuePlane
+    from lanes.scheduler.service import Scheduler
+    from lanes.scheduler.settings import SchedulerSettings
+
+    settings = SchedulerSettings(_env_file=None, redis_url=redis_url, key_prefix=key_prefix)
+    plane = QueuePlane.from_settings(settings)
+
+    async def scheduler() -> None:
+        try:
+            await check_redis(plane)
+            await Scheduler(settings, plane).serve()
+        finally:
+            await plane.close()
+
+    serving = asyncio.create_task(scheduler())
+    await asyncio.sleep(after_s)
+    serving.cancel()
+    done, _ = await asyncio.wait([serving], timeout=scaled(5))
+    assert done, f"the scheduler did not stop within 5 s of a cancel {after_s} s after its start"

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 from lanes.queue.backoff import Backoff
+from lanes.queue.connection import raise_if_cancelled
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.messages import (
     Control,
@@ -216,6 +217,7 @@ class Worker:
         backoff = Backoff("claim loop", log)
         try:
             while True:
+                raise_if_cancelled()  # after a claim has started (a stop then drains it)
                 lanes = self.lanes_now()
                 if not lanes:
                     self._slot_freed.clear()
@@ -427,6 +429,7 @@ class Worker:
         one, so batching adds no delay when Redis is idle and grows when it is busy."""
         backoff = Backoff("publish", log)
         while True:
+            raise_if_cancelled()
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
             batch = self.table.take_outbox()
@@ -448,6 +451,7 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         backoff = Backoff("heartbeat", log, min_s=self.settings.heartbeat_s)
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.settings.heartbeat_s)
             leases = self.table.leases()
             try:

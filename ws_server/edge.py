@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 from lanes.queue.backoff import Backoff
+from lanes.queue.connection import raise_if_cancelled
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import (
@@ -375,6 +376,7 @@ class Edge:
             interval_s = self.settings.predictor_poll_s
         skipped = 0  # the newest version whose weights did not load: not fetched again
         while True:
+            raise_if_cancelled()
             try:
                 published = await load_published(self.plane, max(self.predictor_version, skipped))
                 if published is not None:
