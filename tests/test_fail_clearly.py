@@ -270,3 +270,21 @@ def test_more_connections_than_the_open_files_limit_is_one_line() -> None:
     assert out.returncode == 2, out.stderr[-2000:]
     no_traceback(out)
     assert "needs about 2456 open files, but this system allows 1500" in out.stderr
+
+
+def test_a_corrupt_weights_file_exits_2_in_one_line(redis_url: str, tiny_model, tmp_path) -> None:
+    """A truncated ``model.safetensors`` (an interrupted copy or download) raised safetensors'
+    own error, which the loader did not catch: a ~200-line traceback and exit 1, which ``lanes
+    up`` restarted forever. Restarting never helps: one line, exit 2."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model.target, model)
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:4])
+    out = lanes("worker", "--model", str(model), LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"configuration error: cannot load the model {model} (--model / LANES_MODEL): "), last
+    assert "SafetensorError" in last, last
+    no_traceback(out)

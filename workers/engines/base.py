@@ -18,6 +18,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from lanes.queue.messages import ChatMessage, FinishReason, Lane
@@ -55,6 +56,21 @@ def render_chat(tokenizer: Any, messages: tuple[ChatMessage, ...] | list[ChatMes
             raise
         raise RequestRejected("invalid_request", f"the model's chat template refused these messages: "
                                                  f"{str(exc).strip() or type(exc).__name__}") from exc
+
+
+def load_failure(model: str, exc: BaseException, setting: str = "--model / LANES_MODEL") -> ConfigError:
+    """A model that did not load, as one message: its cause's words (all of them, up to ~300
+    characters: some put what is missing on the second line) and, for a hub id that looks like
+    a mistyped relative path (``models/x``), that no such directory exists either. Restarting
+    never helps (a corrupt or truncated weights file, a missing tokenizer, no GPU memory), so it
+    is a configuration error: one line and exit 2, which ``lanes up`` does not restart."""
+    words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    if len(words) > 300:
+        words = words[:297] + "..."
+    hint = ""
+    if "/" in model and not model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
+        hint = f" (no local directory {model} either: a path relative to here starts with ./)"
+    return ConfigError(f"cannot load the model {model} ({setting}): {type(exc).__name__}: {words}{hint}")
 
 
 def is_out_of_memory(error: object) -> bool:

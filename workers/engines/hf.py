@@ -25,12 +25,12 @@ from typing import Any
 from lanes.queue.messages import FinishReason
 from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from lanes.workers.engines.base import (
-    ConfigError,
     EngineDead,
     EngineDelta,
     EngineRequest,
     RequestRejected,
     is_out_of_memory,
+    load_failure,
     render_chat,
     warm_up,
 )
@@ -91,9 +91,8 @@ class HFEngine:
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=torch.float32, attn_implementation="sdpa"
             ).to(self._device)
-        except (OSError, ValueError) as exc:  # no config.json, unknown architecture, bad files
-            raise ConfigError(f"cannot load the model {self.model_dir} (--model / LANES_MODEL): "
-                              f"{str(exc).splitlines()[0]}") from exc
+        except Exception as exc:  # no config.json, unknown architecture, corrupt weights (SafetensorError)...
+            raise load_failure(self.model_dir, exc) from exc
         model.eval()
         eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos])

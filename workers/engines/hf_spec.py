@@ -29,12 +29,12 @@ from typing import Any, Literal
 import torch
 from lanes.queue.messages import FinishReason
 from lanes.workers.engines.base import (
-    ConfigError,
     EngineDead,
     EngineDelta,
     EngineError,
     EngineRequest,
     RequestRejected,
+    load_failure,
     render_chat,
     warm_up,
 )
@@ -157,9 +157,8 @@ class HFSpeculativeEngine:
             self._target = load(self.model_dir)
             if self.method == "draft_model":
                 self._draft = load(self.draft_dir)
-        except (OSError, ValueError) as exc:  # no config.json, unknown architecture, bad files
-            raise ConfigError(f"cannot load the model (--model / --draft-model): "
-                              f"{str(exc).splitlines()[0]}") from exc
+        except Exception as exc:  # no config.json, unknown architecture, corrupt weights (SafetensorError)...
+            raise load_failure(self.model_dir, exc, "--model / --draft-model") from exc
         eos = self._target.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
