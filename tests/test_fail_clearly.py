@@ -288,3 +288,22 @@ def test_a_corrupt_weights_file_exits_2_in_one_line(redis_url: str, tiny_model, 
     assert last.startswith(f"configuration error: cannot load the model {model} (--model / LANES_MODEL): "), last
     assert "SafetensorError" in last, last
     no_traceback(out)
+
+
+@pytest.mark.parametrize(("command", "env", "named"), [
+    (("edge",), {"LANES_DEFAULT_MAX_TOKENS": "99999"}, "LANES_DEFAULT_MAX_TOKENS (99999) is above LANES_MAX_TOKENS_LIMIT"),
+    (("edge",), {"LANES_MAX_TOKENS_LIMIT": "0"}, "LANES_MAX_TOKENS_LIMIT"),
+    (("edge",), {"LANES_MAX_FRAME_BYTES": "-1"}, "LANES_MAX_FRAME_BYTES"),
+    (("worker", "--engine", "sim"), {"LANES_SIM_TIME_SCALE": "0"}, "LANES_SIM_TIME_SCALE"),
+    (("worker", "--engine", "sim"), {"LANES_MAX_PREEMPTIONS": "-1"}, "LANES_MAX_PREEMPTIONS"),
+    (("worker", "--engine", "sim"), {"LANES_STARVE_AFTER_MS": "-5"}, "LANES_STARVE_AFTER_MS"),
+])
+def test_settings_that_could_never_work_exit_2_at_start(redis_url: str, command: tuple[str, ...],
+                                                        env: dict[str, str], named: str) -> None:
+    """Before, these passed validation: an edge then refused every chat, blaming the client
+    ("field 'max_tokens' must be ... in [1, 4096]" for a chat that sent none), and a worker
+    crashed later with a traceback and exit 1 (restarted forever by ``lanes up``)."""
+    out = lanes(*command, LANES_REDIS_URL=redis_url, **env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr.strip().splitlines()[-1], out.stderr[-1000:]
+    no_traceback(out)

@@ -55,7 +55,7 @@ class WorkerSettings(RedisSettings):
     #: Unset: 10 % of the slots, at least one (``live_policy.MIN_LONG_SHARE``).
     min_long_slots: int | None = Field(default=None, ge=0)
     min_medium_slots: int = Field(default=0, ge=0)
-    starve_after_ms: float = STARVE_AFTER_MS
+    starve_after_ms: float = Field(STARVE_AFTER_MS, ge=0)
     protect_after_ms: float = math.inf
     #: Let long requests use reserved slots while the shorter lanes are empty (more
     #: throughput, but a short request arriving then waits for a slot).
@@ -87,7 +87,7 @@ class WorkerSettings(RedisSettings):
     #: waited this long and no free slot may take it, hand one long-lane run back (0 = never).
     preempt_after_ms: float = 20_000.0
     #: A request is handed back at most this many times.
-    max_preemptions: int = 1
+    max_preemptions: int = Field(1, ge=0)
     #: Hand back demoted runs too (claimed from a shorter lane, past its bound), not only
     #: long-lane ones (``PreemptionConfig.hand_back_demoted``; off: unsafe with a weak predictor).
     preempt_demoted: bool = DEFAULT_PREEMPTION.hand_back_demoted
@@ -113,7 +113,7 @@ class WorkerSettings(RedisSettings):
     #: Max tokens of prompt + output the engine accepts (0 = the model's own limit).
     max_model_len: int = 0
     #: Time scale for the ``sim`` engine (10 = ten times faster than real time).
-    sim_time_scale: float = 1.0
+    sim_time_scale: float = Field(1.0, gt=0)
     sim_profile: str = "l70-h100"
     #: The ``sim`` engine models chunked prefill (vLLM V1, TensorRT-LLM, as the ``vllm`` and
     #: ``trtllm`` workers run them); off: vLLM v0's alternating prefill and decode iterations.

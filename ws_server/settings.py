@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lanes.queue.settings import RedisSettings
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
@@ -17,21 +17,21 @@ class EdgeSettings(RedisSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     edge_id: str = ""
-    max_frame_bytes: int = 256 * 1024
-    max_messages: int = 64
-    max_prompt_chars: int = 64 * 1024
-    max_tokens_limit: int = 4096
-    default_max_tokens: int = 256
+    max_frame_bytes: int = Field(256 * 1024, ge=1024)
+    max_messages: int = Field(64, ge=1)
+    max_prompt_chars: int = Field(64 * 1024, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
     #: Requests one connection may have in flight.
-    max_in_flight_per_connection: int = 64
+    max_in_flight_per_connection: int = Field(64, ge=1)
     #: Frames waiting for a client whose transport is backed up (it does not read) before it
     #: counts as too slow and is closed (4008); a burst to a client that reads never counts.
-    max_client_queue_frames: int = 4096
+    max_client_queue_frames: int = Field(4096, ge=1)
     #: After a cancel of a running request, how long to wait for the worker's final frame.
-    cancel_grace_s: float = 2.0
+    cancel_grace_s: float = Field(2.0, ge=0)
     #: A client that disconnects has this long to ``resume`` (from any connection, same key)
     #: before its requests are cancelled; 0 cancels at once.
-    resume_grace_s: float = 15.0
+    resume_grace_s: float = Field(15.0, ge=0)
     #: Lane thresholds in the predictor's units (Llama-3 tokens). For the shipped predictor, 150/750
     #: give ~12 % short, ~2 % long, with 0.9 % of truly short answers (of 213 models, on sources
     #: the predictor never saw) routed long (benchmarks/RESULTS.md, "Length predictor (issue 9)").
@@ -52,12 +52,12 @@ class EdgeSettings(RedisSettings):
             return self.follow_refreshed_routing
         return not {"short_max_tokens", "medium_max_tokens"} & self.model_fields_set
     #: Admission: most requests a lane may hold before new ones are refused (``overloaded``).
-    max_depth_short: int = 2000
-    max_depth_medium: int = 2000
-    max_depth_long: int = 1000
+    max_depth_short: int = Field(2000, ge=0)
+    max_depth_medium: int = Field(2000, ge=0)
+    max_depth_long: int = Field(1000, ge=0)
     #: Refuse a request whose predicted queueing exceeds this (ms; 0 = only the client's
     #: own ``deadline_ms``).
-    default_deadline_ms: int = 0
+    default_deadline_ms: int = Field(0, ge=0)
     #: Require an API key at the WebSocket handshake (``Authorization: Bearer <key>``).
     #: Off only for the local demo; a non-empty ``api_key_hashes`` turns it on too.
     auth_required: bool = False
@@ -80,7 +80,7 @@ class EdgeSettings(RedisSettings):
     #: (a Prometheus scraper on a private network). ``/healthz`` and the dashboard page stay open.
     protect_metrics: bool = True
     #: How long a browser's WebSocket ticket (``POST /v1/ws-ticket``) stays valid; it works once.
-    ws_ticket_ttl_s: float = 10.0
+    ws_ticket_ttl_s: float = Field(10.0, gt=0)
     #: Comma list of browser origins allowed to open the chat socket
     #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
     allowed_origins: str = ""
@@ -89,13 +89,13 @@ class EdgeSettings(RedisSettings):
     #: ``edge``: each edge process enforces a key's rate on its own (N edges: up to N x the
     #: rate); ``fleet``: one token bucket per key in Redis, shared by every edge (+1 Lua call).
     rate_limit_scope: Literal["edge", "fleet"] = "edge"
-    key_rate_per_s: float = 10.0
-    key_burst: int = 20
-    key_max_in_flight: int = 32
+    key_rate_per_s: float = Field(10.0, ge=0)
+    key_burst: int = Field(20, ge=0)
+    key_max_in_flight: int = Field(32, ge=0)
     #: Kernel send buffer per client socket (bytes; 0 = the OS default). Linux autotunes it up
     #: to 4 MiB on a fast link, so a client that stops reading would hold ~80k frames in the
     #: kernel before the edge's queue (``max_client_queue_frames``) ever filled.
-    client_send_buffer_bytes: int = 64 * 1024
+    client_send_buffer_bytes: int = Field(64 * 1024, ge=0)
     #: Routing rules for ``model: "auto"`` and API-key overrides (TOML, ``deploy/routing.toml``);
     #: empty: ``model`` names a pool, none or ``auto`` is the default pool.
     routing_file: str = ""
@@ -108,10 +108,20 @@ class EdgeSettings(RedisSettings):
     ws_compression: bool = False
     #: After closing a too-slow client (4008), how long it gets to read up to the close frame
     #: before the edge drops the TCP connection (and with it the client's requests).
-    slow_client_close_timeout_s: float = 5.0
+    slow_client_close_timeout_s: float = Field(5.0, ge=0)
     #: A connection that has not sent a whole request head (HTTP headers, or the WebSocket
     #: upgrade) this long after it opened, or after its previous response, is closed.
     header_timeout_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> EdgeSettings:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"LANES_DEFAULT_MAX_TOKENS ({self.default_max_tokens}) is above LANES_MAX_TOKENS_LIMIT "
+                             f"({self.max_tokens_limit}): every chat without max_tokens would be refused")
+        if self.medium_max_tokens < self.short_max_tokens:
+            raise ValueError(f"LANES_MEDIUM_MAX_TOKENS ({self.medium_max_tokens}) is below LANES_SHORT_MAX_TOKENS "
+                             f"({self.short_max_tokens})")
+        return self
 
     def limits(self) -> Limits:
         """The protocol parser's input limits."""
