@@ -55,6 +55,9 @@ class RequestPayload(msgspec.Struct, frozen=True):
     predicted_tokens: int = 0
     #: W3C trace context (``traceparent``/``tracestate``) of the edge's span.
     trace: dict[str, str] = {}
+    #: The enqueueing edge's ``LANES_RESUME_GRACE_S``: a worker keeps running an answer whose
+    #: edge has gone at least this long (a client may resume it on another edge until then).
+    resume_grace_s: float = 0.0
 
 
 class Usage(msgspec.Struct, frozen=True):

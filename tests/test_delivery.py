@@ -262,6 +262,11 @@ def test_caps_per_connection_and_per_key() -> None:
     assert d.open_chat(2, "k0", "key", 2, 0.0)[0] and d.open_chat(3, "k1", "key", 2, 0.0)[0]
     ok, out = d.open_chat(4, "k2", "key", 2, 0.0)
     assert not ok and "API key" in frames(out)[0]["message"]
+    # Taking over a request another connection holds counts against the cap too (it did not:
+    # a full connection could gather any number that way).
+    open_accepted(d, 5, "other")
+    out = d.resume(1, "other", -1, "", 1.0)
+    assert [f["code"] for f in frames(out)] == ["too_many_in_flight"] and d.entries["other"].conn == 5
 
 
 def test_nothing_is_left_behind_after_many_requests() -> None:

@@ -95,6 +95,16 @@ def test_an_orphan_is_cancelled_after_its_grace() -> None:
         assert flush_all(table, receivers=0, now=now)[1] == expected
 
 
+def test_an_orphan_whose_edge_lets_clients_resume_longer_is_kept_longer() -> None:
+    """A client may resume on another edge for its edge's ``LANES_RESUME_GRACE_S`` (the payload
+    carries it): with 30 s there, the worker cancelled the answer of a dead edge at 15 s."""
+    table = RunTable(orphan_grace_s=15.0)
+    table.start("r", "edge-1", 1, Lane.SHORT, orphan_grace_s=30.0 + 2 * 0.5 + 1.0)
+    for now, expected in ((0.0, []), (16.0, []), (31.0, []), (33.0, [AbortEngine("r", cancel_task_after_s=1.0)])):
+        table.submit("r", "x", (1,), None)
+        assert flush_all(table, receivers=0, now=now)[1] == expected, now
+
+
 def test_progress_counts_earlier_attempts() -> None:
     table = RunTable()
     started(table)

@@ -96,6 +96,8 @@ class Run:
     finish_flushed: bool = False
     #: Since when (monotonic s) nobody has been subscribed to this run's edge channel.
     orphan_since: float | None = None
+    #: How long it may stay so before it is cancelled (None: the table's ``orphan_grace_s``).
+    orphan_grace_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,9 +126,10 @@ class RunTable:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self, request_id: str, edge: str, attempt: int, lane: Lane, *, max_tokens: int = 0,
-              predicted_tokens: int = 0, times_preempted: int = 0, now_ms: float = 0.0) -> Run:
+              predicted_tokens: int = 0, times_preempted: int = 0, now_ms: float = 0.0,
+              orphan_grace_s: float | None = None) -> Run:
         run = Run(request_id, edge, attempt, lane, max_tokens=max_tokens, predicted_tokens=predicted_tokens,
-                  times_preempted=times_preempted, started_at_ms=now_ms)
+                  times_preempted=times_preempted, started_at_ms=now_ms, orphan_grace_s=orphan_grace_s)
         self.runs[request_id] = run
         return run
 
@@ -254,7 +257,7 @@ class RunTable:
             run.orphan_since = None
         elif run.orphan_since is None:
             run.orphan_since = now
-        elif now - run.orphan_since > self.orphan_grace_s:
+        elif now - run.orphan_since > (self.orphan_grace_s if run.orphan_grace_s is None else run.orphan_grace_s):
             run.orphan_since = None
             return self.cancel(run.id)
         return []

@@ -9,9 +9,17 @@ from typing import Literal
 
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.settings import RedisSettings
-from lanes.scheduler.live_policy import (DECODE_TOKEN_COST, DEFAULT_PREEMPTION, MAX_NUM_BATCHED_TOKENS, MAX_WAIT_MS,
-                                         PREFILL_HEAVY_SHARE, STARVE_AFTER_MS, fcfs_below_ms_for, lanes_slot_config,
-                                         wait_bound_ms)
+from lanes.scheduler.live_policy import (
+    DECODE_TOKEN_COST,
+    DEFAULT_PREEMPTION,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_WAIT_MS,
+    PREFILL_HEAVY_SHARE,
+    STARVE_AFTER_MS,
+    fcfs_below_ms_for,
+    lanes_slot_config,
+    wait_bound_ms,
+)
 from lanes.scheduler.policy import SlotConfig
 from lanes.scheduler.preemption import PreemptionConfig
 from lanes.scheduler.workmix import MAX_KEY_SHARE as PREFILL_SHARE_MAX_KEY_SHARE

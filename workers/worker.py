@@ -27,6 +27,7 @@ from lanes.queue.messages import (
     Finish,
     FinishReason,
     Lane,
+    RequestPayload,
     RequestState,
     TokenBatch,
     TokenEvent,
@@ -250,6 +251,13 @@ class Worker:
         pending, _ = await self.plane.lane_depths(0)
         return not any(pending.values())
 
+    def _orphan_grace_s(self, payload: RequestPayload) -> float:
+        """How long a run may go without a listening edge: ``LANES_ORPHAN_GRACE_S``, or longer
+        when its edge lets clients resume longer (they resume on another edge, which this worker
+        learns at its next heartbeat). Before, a resume grace above 15 s did not hold once the
+        client's edge had died: the worker cancelled the answer at 15 s."""
+        return max(self.settings.orphan_grace_s, payload.resume_grace_s + 2 * self.settings.heartbeat_s + 1.0)
+
     def _start(self, claim: Claim, lane: Lane) -> None:
         payload = claim.payload
         if payload.id in self.table.runs:
@@ -260,7 +268,7 @@ class Worker:
             return
         run = self.table.start(payload.id, claim.edge, claim.attempt, lane, max_tokens=payload.max_tokens,
                                predicted_tokens=payload.predicted_tokens, times_preempted=claim.times_preempted,
-                               now_ms=time.monotonic() * 1000)
+                               now_ms=time.monotonic() * 1000, orphan_grace_s=self._orphan_grace_s(payload))
         metrics.RUNNING.labels(lane.value).inc()
         self._tasks[run.id] = asyncio.create_task(self._execute(run, claim), name=f"run-{run.id}")
 

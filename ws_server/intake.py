@@ -78,7 +78,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         payload = RequestPayload(
             id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
             top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
-            trace=inject_context(),
+            trace=inject_context(), resume_grace_s=edge.settings.resume_grace_s,
         )
         with edge.admission.enqueueing(pool, lane):
             enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)

@@ -116,11 +116,10 @@ class Delivery:
     def resume(self, conn: int, request_id: str, last_seq: int, key: str, now: float) -> list[Action]:
         """A client wants the rest of a request after ``last_seq``."""
         entry = self.entries.get(request_id)
+        full = self.per_conn[conn] >= self.config.max_in_flight_per_connection
         if entry is None:
-            if self.per_conn[conn] >= self.config.max_in_flight_per_connection:
-                return [_send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT, f"at most "
-                                    f"{self.config.max_in_flight_per_connection} requests in flight per connection",
-                                    request_id)]
+            if full:
+                return [self._too_many(conn, request_id)]
             self._add(Entry(request_id, key, conn, Phase.RESUMING, received_at=now, next_seq=last_seq + 1,
                             last_heard_at=now))
             return [Repoint(request_id, key)]
@@ -129,6 +128,8 @@ class Delivery:
         if entry.conn == conn:
             return [_send_error(conn, ErrorCode.DUPLICATE_ID,
                                 f"{_request(request_id)} is already in flight on this connection", request_id)]
+        if full:  # taking over another connection's request counts against this one's cap too
+            return [self._too_many(conn, request_id)]
         actions = self._take_over(entry, conn)
         entry.next_seq = last_seq + 1
         entry.buffered = {s: e for s, e in entry.buffered.items() if s > last_seq or e.finish is not None}
@@ -342,6 +343,10 @@ class Delivery:
         if entry.conn is not None:
             _decrement(self.per_conn, entry.conn)
         _decrement(self.per_key, entry.key)
+
+    def _too_many(self, conn: int, request_id: str) -> Action:
+        return _send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT, f"at most {self.config.max_in_flight_per_connection} "
+                           "requests in flight per connection", request_id)
 
     def _take_over(self, entry: Entry, conn: int) -> list[Action]:
         """``conn`` now delivers ``entry``; the previous connection gets its terminal frame."""
