@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import numpy as np
 import typer
+from lanes.cli.failures import writable_file
 from lanes.queue.messages import REFRESH_WINDOW
 from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
 from lanes.scheduler.policy import RoutingCalibration
@@ -179,7 +180,8 @@ def policy(
     policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-static, priority, "
                                              "mlfq, lanes-oracle, oracle-2q, oracle-sjf).")] = DEFAULT_POLICIES,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by policy.")] = False,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.",
+                                              callback=writable_file)] = None,
     plot_loads: Annotated[str, typer.Option(help="Loads swept for --plot.")] = DEFAULT_PLOT_LOADS,
     seed: Annotated[int, typer.Option(help="Seed of the noise / random predictor.")] = 0,
     pairing_seed: Annotated[int | None, typer.Option(help="--predictor real / random: break ties between trace "
@@ -383,7 +385,7 @@ def write_plot(sweep: dict[float, dict[str, dict[str, Any]]], path: Path, title:
 # -- the live system --------------------------------------------------------------------------
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
-PlotOption = Annotated[Path | None, typer.Option(help="Write a PNG here.")]
+PlotOption = Annotated[Path | None, typer.Option(help="Write a PNG here.", callback=writable_file)]
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -544,7 +546,8 @@ def live(
     policy: Annotated[str, typer.Option(help="Policies run live (comma list of fcfs, lanes; sim_gap needs "
                                              "both).")] = "fcfs,lanes",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (or write --json-file).")] = False,
-    json_file: Annotated[Path | None, typer.Option(help="Write the JSON here (implies --json).")] = None,
+    json_file: Annotated[Path | None, typer.Option(help="Write the JSON here (implies --json).",
+                                                   callback=writable_file)] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of TTFT p50/p99, live vs simulated.")] = None,
     chunked_prefill_tokens: Annotated[int, typer.Option(min=0, help="Token budget per engine step with chunked "
                                                         "prefill, in the sim workers and the simulator alike; 0: vLLM "

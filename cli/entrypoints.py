@@ -82,6 +82,9 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
         raise ConfigFailure(f"Redis at {url} refused the login ({exc}): fix the password in "
                             "LANES_REDIS_URL (redis://:PASSWORD@host:port/db)") from None
     except (QueueUnavailable, OSError, asyncio.TimeoutError) as exc:
+        if "db index is out of range" in str(exc).lower():
+            raise ConfigFailure(f"Redis at {url} has no such database (LANES_REDIS_URL): use a number below its "
+                                "`databases` setting (16 by default: /0 to /15)") from None
         reason = _unreachable_reason(exc, timeout_s)
         if url.startswith("rediss") and "no answer" in reason:
             reason += " (a rediss:// URL waits like this on a Redis without TLS: check the scheme and port)"

@@ -19,6 +19,9 @@ Exception tree::
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import difflib
 import sys
 from collections.abc import Mapping
@@ -94,13 +97,14 @@ def safe_url(url: str) -> str:
 
 def exit_code_for(exc: BaseException) -> int | None:
     """The exit status of an expected failure, or None for anything else (a bug)."""
+    from lanes.scheduler.predictor import WeightsError
     from lanes.scheduler.router.fixed_answers import FixedAnswersError
     from lanes.scheduler.router.rules import RulesError
     from lanes.workers.engines.base import ConfigError
 
     if isinstance(exc, Failure):
         return exc.exit_code
-    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError)) or settings_error(exc) is not None:
+    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError, WeightsError)) or settings_error(exc) is not None:
         return EXIT_CONFIG
     return None
 
@@ -138,3 +142,26 @@ def report(exc: BaseException) -> int | None:
     prefix = "configuration error" if code == EXIT_CONFIG else "error"
     print(f"{prefix}: {settings_error(exc) or exc}", file=sys.stderr, flush=True)
     return code
+
+
+def writable_file(path: Path | None) -> Path | None:
+    """Typer callback for an output file: its directory must exist or be creatable, and be
+    writable, checked before the work starts (a benchmark that ran for minutes and then could
+    not write its result lost it, with a traceback)."""
+    if path is not None:
+        writable_dir(path.expanduser().absolute().parent)
+    return path
+
+
+def writable_dir(path: Path) -> Path:
+    """Typer callback for an output directory: created if missing, and writable."""
+    import typer
+
+    target = path.expanduser()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot create the directory {target}: {exc.strerror or exc}") from None
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"cannot write into {target}: no permission")
+    return path

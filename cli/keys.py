@@ -65,9 +65,11 @@ async def _records(fleet: Fleet) -> list[tuple[str, dict[str, object]]]:
 @app.command()
 def create(
     name: Annotated[str, typer.Argument(help="who the key is for (shown in list and logs)")],
-    rate_per_s: Annotated[Optional[float], typer.Option(help="requests/s (0 = unlimited; default: the edge's)")] = None,
-    burst: Annotated[Optional[int], typer.Option(help="requests at once after idling (default: the edge's)")] = None,
-    max_in_flight: Annotated[Optional[int], typer.Option(help="requests in flight (0 = unlimited)")] = None,
+    rate_per_s: Annotated[Optional[float], typer.Option(help="requests/s (0 = unlimited; default: the edge's)",
+                                                        min=0)] = None,
+    burst: Annotated[Optional[int], typer.Option(help="requests at once after idling (default: the edge's)",
+                                                 min=0)] = None,
+    max_in_flight: Annotated[Optional[int], typer.Option(help="requests in flight (0 = unlimited)", min=0)] = None,
     static: Annotated[bool, typer.Option(
         "--static", help="store nothing: print the key and its hash for LANES_API_KEY_HASHES")] = False,
 ) -> None:

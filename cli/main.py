@@ -168,9 +168,9 @@ def chat(
 @app.command()
 def chaos(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object instead of the table")] = False,
-    workers: Annotated[int, typer.Option(help="sim worker processes")] = 3,
-    slots: Annotated[int, typer.Option(help="slots per worker")] = 8,
-    time_scale: Annotated[float, typer.Option(help="sim engine speed-up over the GPU cost model")] = 3.0,
+    workers: Annotated[int, typer.Option(help="sim worker processes", min=1)] = 3,
+    slots: Annotated[int, typer.Option(help="slots per worker", min=1)] = 8,
+    time_scale: Annotated[float, typer.Option(help="sim engine speed-up over the GPU cost model", min=0.1)] = 3.0,
 ) -> None:
     """Break a local system five ways under load (worker/edge kill -9, cancels, Redis restart,
     overload) and report sent / completed / rejected / lost / duplicate and missing tokens."""

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from lanes.cli.failures import writable_dir
 from lanes.workers.models.paths import DEMO_MODEL_DIR
 
 app = typer.Typer(help="model commands", no_args_is_help=True)
@@ -18,7 +19,7 @@ app = typer.Typer(help="model commands", no_args_is_help=True)
 
 @app.command()
 def tiny(
-    out_dir: Annotated[Path, typer.Argument(help="Directory to write target/ and draft/ into.")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write target/ and draft/ into.", callback=writable_dir)],
     draft_equals_target: Annotated[
         bool, typer.Option(help="Make the draft an exact copy (speculative acceptance is then 1.0).")
     ] = False,
@@ -38,10 +39,10 @@ def tiny(
 @app.command("train-demo")
 def train_demo(
     out: Annotated[
-        Path, typer.Option(help="Output directory (default: the shipped demo model).")
+        Path, typer.Option(help="Output directory (default: the shipped demo model).", callback=writable_dir)
     ] = DEMO_MODEL_DIR,
     seconds: Annotated[float, typer.Option(help="Training time budget, turned into a step count.")] = 540.0,
-    threads: Annotated[int, typer.Option(help="torch CPU threads.")] = 1,
+    threads: Annotated[int, typer.Option(help="torch CPU threads.", min=1)] = 1,
     seed: Annotated[int, typer.Option(help="Seed for weights and batch order.")] = 0,
     steps: Annotated[
         int | None, typer.Option(help="Exact step count (overrides --seconds; repeats a run exactly).")

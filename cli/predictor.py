@@ -232,7 +232,10 @@ def build_data_command(
         counter = quicktok_counter()
     except ImportError as exc:
         raise typer.BadParameter("build-data counts tokens with quicktok-v1: pip install 'lanes[dev]'") from exc
-    examples = build_examples(raw, counter)
+    try:
+        examples = build_examples(raw, counter)
+    except FileNotFoundError as exc:  # a public copy is missing: the message names it
+        raise typer.BadParameter(str(exc), param_hint="--raw") from None
     write_examples(examples, out)
     rows = prompt_pool(examples, HELD_OUT_SOURCE)
     pool.write_text(json.dumps(rows, ensure_ascii=False, indent=0) + "\n")

@@ -113,7 +113,11 @@ def latency(
     from lanes.scheduler.router.train import PROMPTS_FILE
 
     model = ComplexityModel.load(weights)
-    prompts = [r["instruction"] for r in json.loads((shared_data / PROMPTS_FILE).read_text())]
+    try:
+        prompts = [r["instruction"] for r in json.loads((shared_data / PROMPTS_FILE).read_text())]
+    except FileNotFoundError:
+        raise typer.BadParameter(f"no {PROMPTS_FILE} under {shared_data} (docs/router-data.md names its "
+                                 "public source)", param_hint="--shared-data") from None
     wall, cpu = [], []
     for _ in range(repeats):
         for prompt in prompts:

@@ -307,3 +307,30 @@ def test_settings_that_could_never_work_exit_2_at_start(redis_url: str, command:
     assert out.returncode == 2, out.stderr[-2000:]
     assert named in out.stderr.strip().splitlines()[-1], out.stderr[-1000:]
     no_traceback(out)
+
+
+def test_tool_mistakes_are_one_line(redis_url: str, tmp_path) -> None:
+    """Each of these printed a traceback (and some only after the work was done)."""
+    rules = tmp_path / "routing.toml"
+    rules.write_bytes('pools = ["small"]'.encode("utf-16"))  # Notepad's "Unicode"
+    garbage = tmp_path / "weights.npz"
+    garbage.write_text("not weights")
+    cases = [
+        (("edge",), {"LANES_ROUTING_FILE": str(rules)}, "not UTF-8 text"),
+        (("predictor", "eval", "--weights", str(garbage), "--data", str(tmp_path / "none.json")), {}, None),
+        (("bench", "policy", "--plot", "/proc/no/such.png"), {}, "cannot create the directory /proc/no"),
+        (("model", "tiny", "/proc/nope"), {}, "cannot create the directory /proc/nope"),
+        (("scheduler",), {"LANES_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/99"}, "has no such database"),
+    ]
+    for args, env, words in cases:
+        out = lanes(*args, **{"LANES_REDIS_URL": redis_url, **env})
+        assert out.returncode == 2, (args, out.stderr[-1500:])
+        no_traceback(out)
+        if words is not None:
+            assert words in out.stderr, (args, out.stderr[-1500:])
+    data = tmp_path / "data.json"
+    data.write_text('[{"prompt": "hi", "output_tokens": 3}, {"prompt": "a poem", "output_tokens": 90}]')
+    out = lanes("predictor", "eval", "--weights", str(garbage), "--data", str(data))
+    assert out.returncode == 2 and "not a predictor weights file" in out.stderr, out.stderr[-1500:]
+    assert "allow_pickle" not in out.stderr, "numpy's advice to load untrusted pickles is not passed on"
+    no_traceback(out)

@@ -206,7 +206,9 @@ def from_weights(path: Path) -> LengthPredictor:
     except (KeyError, TypeError, ValueError, OSError) as exc:
         if isinstance(exc, WeightsError):
             raise
-        raise WeightsError(f"cannot read predictor weights {path}: {exc}") from exc
+        words = str(exc).split(". ")[0] if "allow_pickle" in str(exc) else str(exc)  # numpy's advice is not ours
+        raise WeightsError(f"cannot read predictor weights {path}: {words} (not a predictor weights file: "
+                           "give one `lanes predictor train` wrote, or leave it out for the shipped weights)") from exc
 
 
 def _load_encoder(weights: Path, name: str, sha256: str) -> Any:

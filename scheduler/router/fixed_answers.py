@@ -108,6 +108,8 @@ class FixedAnswers:
             return cls.parse(raw)
         except OSError as err:
             raise FixedAnswersError(f"{path}: {err.strerror or err}") from None
+        except UnicodeDecodeError:
+            raise FixedAnswersError(f"{path}: not UTF-8 text (saved as UTF-16 or another encoding?): save it as UTF-8") from None
         except (tomllib.TOMLDecodeError, FixedAnswersError) as err:
             raise FixedAnswersError(f"{path}: {err}") from None
 

@@ -116,6 +116,8 @@ def load_rules(path: Path) -> RoutingRules:
         raw = tomllib.loads(Path(path).read_text())
     except OSError as err:
         raise RulesError(f"{path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise RulesError(f"{path}: not UTF-8 text (saved as UTF-16 or another encoding?): save it as UTF-8") from None
     except tomllib.TOMLDecodeError as err:
         raise RulesError(f"{path}: {err}") from None
     try:
