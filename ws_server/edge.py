@@ -168,6 +168,8 @@ class Edge:
         # Another key's request must look exactly like an unknown one.
         state = None if state == "forbidden" else state
         self.carry(self.core.repointed(action.request_id, action.key, state, time.monotonic()))
+        if action.request_id not in self.core.entries:  # refused, or ended while Redis answered
+            self._pool_of.pop(action.request_id, None)
 
     async def _repoint_in(self, action: delivery.Repoint, pools: list[str]) -> tuple[str | None, str | None]:
         """The state of the first of ``pools`` that holds the request, re-pointed at this edge."""
