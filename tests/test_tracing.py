@@ -67,6 +67,9 @@ async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_pat
     assert enqueue["resource"]["attributes"]["service.name"] == "lanes-edge"
     assert generate["resource"]["attributes"]["service.name"] == "lanes-worker"
     assert generate["attributes"]["lanes.finish_reason"] in ("stop", "length")
+    assert generate["attributes"]["lanes.pool"] == "default" and generate["attributes"]["lanes.prompt_tokens"] > 0
+    (first,) = [e for e in generate["events"] if e["name"] == "lanes.first_token"]
+    assert first["attributes"]["lanes.prefill_ms"] > 0 and first["attributes"]["lanes.prompt_tokens"] > 0
 
 
 def test_exit_does_not_wait_long_for_a_collector_that_never_answers() -> None:

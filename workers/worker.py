@@ -65,6 +65,7 @@ from lanes.workers.publisher import flush
 from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.runs import AbortEngine, Complete, Release, Run, RunAction, RunTable
 from lanes.workers.settings import WorkerSettings
+from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,8 @@ class Worker:
         payload = claim.payload
         queue_ms = claim.queue_ms
         attrs = {"lanes.request_id": run.id, "lanes.lane": run.lane.value, "lanes.attempt": run.attempt,
-                 "lanes.worker": self.worker_id, "lanes.queue_ms": claim.attempt_wait_ms}
+                 "lanes.worker": self.worker_id, "lanes.queue_ms": claim.attempt_wait_ms,
+                 "lanes.pool": self.settings.pool}
         # Set once the request's end is submitted; a request interrupted by engine death,
         # Redis or shutdown is handed back to its lane instead.
         final: RequestState | None = None
@@ -341,6 +343,7 @@ class Worker:
                     await self.reporter.observation(payload.messages, finish.usage.completion_tokens, claim.owner)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
+                span.set_attribute("lanes.prompt_tokens", finish.usage.prompt_tokens)
                 final = RequestState.CANCELLED if finish.reason is FinishReason.CANCELLED else RequestState.DONE
         except EngineDead as exc:
             if not self._fatal.done():
@@ -378,6 +381,9 @@ class Worker:
                 if first_at is None and delta.token_ids:
                     first_at = time.perf_counter()
                     metrics.PREFILL.labels(run.lane.value).observe(first_at - started_at)
+                    trace.get_current_span().add_event("lanes.first_token", {
+                        "lanes.prefill_ms": round((first_at - started_at) * 1000, 3),
+                        "lanes.prompt_tokens": delta.prompt_tokens})
                 if delta.finish_reason is not None:
                     total = Usage(run.prompt_tokens, run.prior_tokens + run.completion_tokens + len(delta.token_ids))
                     finish = Finish(delta.finish_reason, total, queue_ms=queue_ms)
