@@ -120,3 +120,16 @@ async def test_a_scheduler_cancelled_in_its_first_round_stops(redis_url: str, ke
     serving.cancel()
     done, _ = await asyncio.wait([serving], timeout=scaled(5))
     assert done, f"the scheduler did not stop within 5 s of a cancel {after_s} s after its start"
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback() -> None:
+    """The console script (``lanes.cli.entry``) guards the import: a Ctrl-C in the first half
+    second printed a ``KeyboardInterrupt`` traceback from inside numpy or typer."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv = ['lanes', 'bench', '--help']; "
+                             "from lanes.cli.entry import main; main()"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=scaled(30))
+    assert proc.returncode in (130, 0), (proc.returncode, err[-2000:])  # 0: it had finished already
+    assert "Traceback" not in err, err[-2000:]
