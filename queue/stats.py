@@ -29,6 +29,8 @@ class EdgeWindow(msgspec.Struct, frozen=True):
     refusals: dict[str, dict[str, int]] = {}
     #: Lane -> requests that ended (any outcome but a refusal) on the edge that accepted them.
     finished: dict[str, int] = {}
+    #: Pool -> histogram of times to first token (ms), every lane (the lanes above add up pools).
+    pool_ttft_ms: dict[str, Histogram] = {}
 
 
 class LaneStats(msgspec.Struct, frozen=True):
@@ -56,6 +58,10 @@ class PoolStats(msgspec.Struct, frozen=True):
     workers: int
     desired_workers: int
     oldest_wait_ms: int = 0
+    #: This pool's time to first token over the sample's ``ttft_window_s``, every lane (None:
+    #: no first token in that time).
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
 
 
 class WorkerStats(msgspec.Struct, frozen=True):

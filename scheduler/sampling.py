@@ -31,14 +31,15 @@ class Sampler:
 
     def __init__(self, ttft_window_s: float = 10.0) -> None:
         self.ttft_window_s = ttft_window_s
-        self._recent: deque[tuple[int, dict[str, Histogram]]] = deque()
+        #: Per sample: its time, TTFT histograms by lane and by pool.
+        self._recent: deque[tuple[int, dict[str, Histogram], dict[str, Histogram]]] = deque()
 
     def sample(self, at_ms: int, snapshot: DepthSnapshot | None, reports: Sequence[WorkerReport],
                windows: Sequence[EdgeWindow], pools: Sequence[DepthSnapshot] = ()) -> StatsSample:
         """The fleet at ``at_ms`` (Redis clock). ``snapshot`` None: no depths known yet (zeros);
         ``pools``: each pool's own snapshot (``snapshot`` adds them up)."""
         self._remember(at_ms, windows)
-        recent = [by_lane for _, by_lane in self._recent]
+        recent = [by_lane for _, by_lane, _ in self._recent]
         lane_names = _lane_names(snapshot, windows)
         lanes = {lane: _lane(lane, snapshot, windows, recent) for lane in lane_names}
         workers = [worker_stats(report) for report in sorted(reports, key=lambda r: r.worker)]
@@ -47,14 +48,21 @@ class Sampler:
             tokens_per_s=round(sum(w.tokens_per_s for w in workers), 1), workers=workers,
             ttft_window_s=self.ttft_window_s, num_edges=len({w.edge for w in windows}),
             refusals_no_lane=_count_reasons(windows, NO_LANE),
-            pools={s.pool: PoolStats(dict(s.pending), dict(s.running), s.workers, s.desired_workers,
-                                     max(s.oldest_wait_ms.values(), default=0)) for s in pools},
+            pools={s.pool: self._pool(s) for s in pools},
         )
+
+    def _pool(self, snapshot: DepthSnapshot) -> PoolStats:
+        ttft = histogram.merge(by_pool.get(snapshot.pool, {}) for _, _, by_pool in self._recent)
+        return PoolStats(dict(snapshot.pending), dict(snapshot.running), snapshot.workers, snapshot.desired_workers,
+                         max(snapshot.oldest_wait_ms.values(), default=0),
+                         ttft_p50_ms=histogram.percentile(ttft, 0.5), ttft_p99_ms=histogram.percentile(ttft, 0.99))
 
     def _remember(self, at_ms: int, windows: Sequence[EdgeWindow]) -> None:
         merged = {lane: histogram.merge(w.ttft_ms.get(lane, {}) for w in windows)
                   for lane in {lane for w in windows for lane in w.ttft_ms}}
-        self._recent.append((at_ms, merged))
+        by_pool = {pool: histogram.merge(w.pool_ttft_ms.get(pool, {}) for w in windows)
+                   for pool in {pool for w in windows for pool in w.pool_ttft_ms}}
+        self._recent.append((at_ms, merged, by_pool))
         oldest_ms = at_ms - self.ttft_window_s * 1000
         while self._recent and self._recent[0][0] <= oldest_ms:
             self._recent.popleft()

@@ -155,6 +155,27 @@ def test_ttft_percentiles_cover_the_trailing_window_only() -> None:
     assert sampler.sample(9_000, None, [], []).lanes["short"].num_first_tokens == 0
 
 
+def test_each_pool_gets_its_own_ttft_across_edges_and_the_window() -> None:
+    """With two models side by side the lane table adds their first tokens up; each pool's row
+    has its own TTFT (through the edge's window, merged over edges and the trailing window)."""
+    edges = [EdgeStats("a", 0), EdgeStats("b", 0)]
+    for i in range(50):
+        edges[i % 2].first_token("short", 0.02, "small")
+        edges[i % 2].first_token("short", 2.0, "large")
+    edges[0].first_token("medium", 4.0, "large")
+    sampler = Sampler(ttft_window_s=5)
+    windows = [e.take(1_000) for e in edges]
+    pools = [DepthSnapshot(at_ms=900, pending={"short": 1}, running={"short": 0}, oldest_wait_ms={}, workers=1,
+                           pool=name) for name in ("small", "large")]
+    sampler.sample(1_000, None, [], [w for w in windows if w is not None], pools)
+    sample = sampler.sample(2_000, None, [], [], pools)  # no new first token: the window still holds them
+    small, large = sample.pools["small"], sample.pools["large"]
+    assert small.ttft_p50_ms == pytest.approx(20, rel=0.021) and small.ttft_p99_ms == pytest.approx(20, rel=0.021)
+    assert large.ttft_p50_ms == pytest.approx(2000, rel=0.021) and large.ttft_p99_ms == pytest.approx(4000, rel=0.021)
+    assert sample.lanes["short"].num_first_tokens == 100, "the lane table still adds the pools up"
+    assert sampler.sample(9_000, None, [], [], pools).pools["small"].ttft_p99_ms is None
+
+
 def test_no_snapshot_yet_gives_zero_depths_and_every_lane() -> None:
     sample = Sampler().sample(5_000, None, [], [])
     assert sample.depths_at_ms == 0 and sample.workers == [] and sample.tokens_per_s == 0

@@ -355,6 +355,9 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
     assert any(not slots.startswith("0 / 0 / 0") for m in matched for slots in m["slots"]), "slots in use shown"
     await tab.until("() => [...document.querySelectorAll('#lanes-now [data-field=ttft50]')]"
                     ".some(td => td.textContent !== '–')", timeout_s=60)
+    # The pool's own TTFT (with two models, the lane table adds their first tokens up).
+    await tab.until("() => [...document.querySelectorAll('#pools-now [data-field=ttft99]')]"
+                    ".some(td => td.textContent !== '–')", timeout_s=30)
     for rid in ids:
         await first_frame(client, rid)
     expected: dict[str, int] = {}

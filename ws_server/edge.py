@@ -97,9 +97,9 @@ class Edge:
                 if action.error_code is not None:
                     metrics.ERRORS.labels(action.error_code).inc()
             elif isinstance(action, delivery.FirstToken):
-                metrics.TTFT.labels(self._pool_of.get(action.request_id, metrics.NO_POOL), action.lane).observe(
-                    action.ttft_s)
-                self.stats.first_token(action.lane, action.ttft_s)
+                pool = self._pool_of.get(action.request_id, metrics.NO_POOL)
+                metrics.TTFT.labels(pool, action.lane).observe(action.ttft_s)
+                self.stats.first_token(action.lane, action.ttft_s, pool)
             elif isinstance(action, delivery.Finished):
                 pool = self._pool_of.pop(action.request_id, metrics.NO_POOL)
                 _record(action, pool)

@@ -50,13 +50,14 @@ class EdgeStats:
         self.edge_id = edge_id
         self._start_ms = now_ms
         self._ttft: dict[str, Histogram] = {}
+        self._pool_ttft: dict[str, Histogram] = {}
         self._refusals: dict[str, dict[str, int]] = {}
         self._finished: dict[str, int] = {}
 
-    def first_token(self, lane: str, ttft_s: float) -> None:
-        by_bucket = self._ttft.setdefault(lane, {})
+    def first_token(self, lane: str, ttft_s: float, pool: str = metrics.NO_POOL) -> None:
         bucket = histogram.bucket_of(ttft_s * 1000)
-        by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
+        for by_bucket in (self._ttft.setdefault(lane, {}), self._pool_ttft.setdefault(pool, {})):
+            by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
 
     def finished(self, action: Finished, pool: str = metrics.NO_POOL) -> None:
         if action.refused:
@@ -73,8 +74,8 @@ class EdgeStats:
         """The window so far (None when nothing happened); a new one starts at ``now_ms``."""
         empty = not (self._ttft or self._refusals or self._finished)
         window = None if empty else EdgeWindow(self.edge_id, self._start_ms, now_ms, self._ttft, self._refusals,
-                                               self._finished)
-        self._start_ms, self._ttft, self._refusals, self._finished = now_ms, {}, {}, {}
+                                               self._finished, self._pool_ttft)
+        self._start_ms, self._ttft, self._refusals, self._finished, self._pool_ttft = now_ms, {}, {}, {}, {}
         return window
 
     def restore(self, window: EdgeWindow) -> None:
@@ -82,6 +83,8 @@ class EdgeStats:
         self._start_ms = window.start_ms
         for lane, by_bucket in window.ttft_ms.items():
             self._ttft[lane] = histogram.merge([by_bucket, self._ttft.get(lane, {})])
+        for pool, by_bucket in window.pool_ttft_ms.items():
+            self._pool_ttft[pool] = histogram.merge([by_bucket, self._pool_ttft.get(pool, {})])
         for lane, by_reason in window.refusals.items():
             mine = self._refusals.setdefault(lane, {})
             for reason, n in by_reason.items():

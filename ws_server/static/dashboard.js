@@ -74,7 +74,8 @@ function drawTables(s) {
     tr.dataset.pool = name;
     tr.append(cell(name), cell(`${p.workers} (${p.desired_workers})`, { field: "workers" }),
               cell(bySlot(p.waiting), { field: "waiting" }), cell(bySlot(p.running), { field: "running" }),
-              cell(`${(p.oldest_wait_ms / 1000).toFixed(1)} s`, { field: "oldest" }));
+              cell(`${(p.oldest_wait_ms / 1000).toFixed(1)} s`, { field: "oldest" }),
+              cell(ms(p.ttft_p99_ms), { field: "ttft99" }));
     return tr;
   });
   $("pools-now").querySelector("tbody").replaceChildren(...pools);
