@@ -113,6 +113,12 @@ class Keys:
         """STREAM of token deltas with explicit ids ``<seq+1>-0``."""
         return f"{self.prefix}:{{r:{request_id}}}:tok"
 
+    def id_pool(self, request_id: str) -> str:
+        """STRING: the pool a request id was first enqueued into (``SET NX``, ``REQUEST_TTL_S``).
+        Request hashes are per pool but a request's stream is per id: without this, the same id
+        sent to a second pool was accepted there and streamed the first pool's answer."""
+        return f"{self.prefix}:{{r:{request_id}}}:pool"
+
     def fence(self, request_id: str) -> str:
         """STRING: the newest attempt allowed to write the stream (same slot as it)."""
         return f"{self.prefix}:{{r:{request_id}}}:fence"

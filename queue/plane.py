@@ -153,6 +153,11 @@ class QueuePlane(TokenStreams):
         the only one told an existing id's state (``existing_state`` is "" for another owner).
         """
         k = self.keys
+        # An id belongs to one pool (its stream is shared by every pool's request of that id).
+        if not await self.redis.set(k.id_pool(payload.id), self.pool, nx=True, ex=REQUEST_TTL_S):
+            first = await self.redis.get(k.id_pool(payload.id))
+            if first is not None and first.decode() != self.pool:
+                return Enqueued(False, existing_state="")  # another pool's: not even its state is told
         created, value = await self._enqueue(
             keys=[k.request(payload.id), k.pending(payload.lane), k.watch, k.arrivals],
             args=[payload.id, encode(payload), payload.lane.value, edge_id,

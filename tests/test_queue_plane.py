@@ -65,6 +65,20 @@ async def test_blocking_pop_wakes_on_enqueue(plane: QueuePlane) -> None:
     await conn.aclose()
 
 
+async def test_an_id_belongs_to_one_pool(plane: QueuePlane) -> None:
+    """Request hashes are per pool, a request's token stream per id: the same id sent to a
+    second pool was accepted there and streamed the first pool's answer (another client's,
+    without API keys). Now the second pool refuses it, also when both arrive at once."""
+    small, large = plane.for_pool("small"), plane.for_pool("large")
+    assert (await small.enqueue(payload("x"), "e")).created
+    second = await large.enqueue(payload("x"), "e")
+    assert not second.created and second.existing_state == ""
+    assert await large.redis.zcard(large.keys.pending(Lane.SHORT)) == 0
+    assert not (await small.enqueue(payload("x"), "e")).created, "its own pool: a duplicate as before"
+    both = await asyncio.gather(small.enqueue(payload("y"), "e1"), large.enqueue(payload("y"), "e2"))
+    assert sorted(e.created for e in both) == [False, True]
+
+
 async def test_enqueue_is_idempotent(plane: QueuePlane) -> None:
     assert (await plane.enqueue(payload("dup"), "e")).created
     again = await plane.enqueue(payload("dup", Lane.LONG), "e2")
