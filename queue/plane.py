@@ -89,6 +89,8 @@ class Reaped:
     action: str
     edge: str
     attempt: int
+    #: Lease expiries so far (its workers' deaths; hand-backs are not counted).
+    expired: int = 0
 
 
 #: The window of ``grant_preemption``: about two depth snapshots, after which the snapshots show
@@ -317,11 +319,12 @@ class QueuePlane(TokenStreams):
         reaped = []
         for raw in due:
             request_id = raw.decode()
-            action, edge, attempt = await self._requeue(
+            action, edge, attempt, *expired = await self._requeue(
                 keys=[k.request(request_id), k.watch, *k.pending_all()],
                 args=[request_id, self.settings.start_timeout_ms, self.settings.max_attempts, FINISHED_TTL_S, now_ms],
             )
-            reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt)))
+            reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt),
+                                 int(expired[0]) if expired else 0))
         return reaped
 
     async def queued_ids(self, limit: int = 1000) -> list[str]:

@@ -112,8 +112,11 @@ return {1, h[2] or '', tonumber(h[3] or '0')}
 
 #: KEYS: req, watch, pending:short, pending:medium, pending:long.
 #: ARGV: id, start_timeout_ms, max_attempts, finished_ttl_s, now_ms (the Redis clock, read by
-#: the caller just before). Handles one expired watch entry. Returns {action, edge, attempt}
-#: with action one of skip (renewed meanwhile), gone, finished, waiting, restored, requeued, failed.
+#: the caller just before). Handles one expired watch entry. Returns {action, edge, attempt,
+#: expired} with action one of skip (renewed meanwhile), gone, finished, waiting, restored,
+#: requeued, failed. ``expired`` counts this request's lease expiries (its workers' deaths): a
+#: request fails after ``max_attempts`` of them. Hand-backs (preemption, a drain, a busy engine)
+#: also start a new attempt but are no failure: before, they used up the same budget.
 REQUEUE = """
 local now = tonumber(ARGV[5])
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
@@ -134,16 +137,17 @@ if h[1] == 'queued' then
   redis.call('ZADD', pending, h[4], ARGV[1])
   redis.call('ZADD', KEYS[2], deadline, ARGV[1]); return {'restored', h[5], tonumber(h[3])}
 end
-if tonumber(h[3]) >= tonumber(ARGV[3]) then
+local expired = redis.call('HINCRBY', KEYS[1], 'expired', 1)
+if expired >= tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[1], 'state', 'failed')
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
-  return {'failed', h[5], tonumber(h[3])}
+  return {'failed', h[5], tonumber(h[3]), expired}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'ready_ms', now)
 redis.call('ZADD', pending, h[4], ARGV[1])
 redis.call('ZADD', KEYS[2], deadline, ARGV[1])
-return {'requeued', h[5], tonumber(h[3])}
+return {'requeued', h[5], tonumber(h[3]), expired}
 """
 
 #: Lua, shared by APPEND and APPEND_PUBLISH: appends the (seq, event) pairs ARGV[first..last]

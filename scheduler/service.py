@@ -153,10 +153,12 @@ class Scheduler:
                 num += 1
                 metrics.REAPED.labels(item.action).inc()
                 if item.action == "requeued":
-                    log.info("lease of %s expired (attempt %d): back in its lane", item.id, item.attempt)
+                    log.info("lease of %s expired (attempt %d, expiry %d): back in its lane", item.id, item.attempt,
+                             item.expired)
                 elif item.action == "failed":
-                    log.warning("%s failed after %d attempts", item.id, item.attempt)
-                    await self._notify_failed(plane, item.id, item.edge, item.attempt)
+                    log.warning("%s failed: its worker died %d times (attempt %d)", item.id, item.expired, item.attempt)
+                    await self._notify_failed(plane, item.id, item.edge, item.attempt,
+                                              message=f"the request's worker died {item.expired} times; giving up")
         return num
 
     async def _notify_failed(self, plane: QueuePlane, request_id: str, edge: str, attempt: int,

@@ -159,6 +159,24 @@ async def test_too_many_attempts_fail(plane: QueuePlane) -> None:
         expected = "failed" if attempt == plane.settings.max_attempts else "requeued"
         assert [r.action for r in reaped] == [expected]
     assert await plane.redis.hget(plane.keys.request("x"), "state") == b"failed"
+    assert reaped[0].expired == plane.settings.max_attempts
+
+
+async def test_hand_backs_do_not_use_up_the_attempts(plane: QueuePlane) -> None:
+    """Only lease expiries (a worker that died) count toward ``max_attempts``. A hand-back (a
+    drain, a preemption, a busy engine) starts a new attempt too, and counted: two drains in a
+    rolling deploy and one crash failed the request."""
+    await plane.enqueue(payload("h"), "e")
+    for attempt in range(1, 5):  # four hand-backs
+        assert await pop(plane) == ("h", Lane.SHORT)
+        assert (await plane.claim("h", "w")).attempt == attempt
+        assert await plane.release("h", attempt) == "requeued"
+    for expiry in range(1, plane.settings.max_attempts + 1):
+        assert await pop(plane) == ("h", Lane.SHORT)
+        await plane.claim("h", "w")
+        reaped = await plane.reap(await plane.server_time_ms() + plane.settings.lease_ms + 10)
+        assert [(r.action, r.expired) for r in reaped] == [
+            ("failed" if expiry == plane.settings.max_attempts else "requeued", expiry)]
 
 
 async def test_stream_append_is_fenced_and_ordered(plane: QueuePlane) -> None:
