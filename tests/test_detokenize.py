@@ -72,3 +72,20 @@ def test_a_hand_back_neither_loses_held_text_nor_misses_a_stop_across_the_seam(t
                 assert rest_stopped == whole_stopped
                 checked += 1
     assert checked > 500
+
+
+def test_tokens_pushed_together_before_a_partial_character_are_not_held() -> None:
+    """A speculative step pushes several tokens at once. When the last one starts a character,
+    the text before it is sent now: before, the whole step was held, and a resumed attempt
+    (which steps back over the partial character only) took it as sent and lost it."""
+    pieces = {1: b"N", 2: b"9", 3: b"9", 4: b"\xc3", 5: b"\xa9", 6: b"!"}
+
+    class Decoder:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    detok = IncrementalDetokenizer(Decoder())
+    assert detok.push([1, 2, 3, 4]) == "N99", "the 9s are sent; the half of é waits"
+    resumed = IncrementalDetokenizer(Decoder(), [1, 2, 3, 4])  # a hand-back here
+    assert resumed.emitted_text() == "N99"
+    assert resumed.push([5, 6]) == "é!" and detok.push([5, 6]) == "é!"

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from lanes.queue.messages import ChatMessage, FinishReason  # noqa: E402
 from lanes.workers.engines.base import Engine, EngineDelta, EngineRequest  # noqa: E402
 from lanes.workers.engines.hf_spec import (  # noqa: E402
-    HFSpeculativeEngine, IncrementalText, prompt_lookup,
+    HFSpeculativeEngine, prompt_lookup,
 )
 from lanes.workers.models.tiny import TinyModelPaths, build_tiny  # noqa: E402
 
@@ -208,6 +208,43 @@ async def test_resume_continues_identically(tiny, greedy_ref, method) -> None:
     await engine.close()
 
 
+@pytest.mark.parametrize("method", ["none", "draft_model", "prompt_lookup"])
+async def test_a_hand_back_loses_no_text_and_misses_no_stop_at_the_seam(tiny, method) -> None:
+    """What the client has after an attempt handed back mid-answer, plus what the next attempt
+    sends, is the uninterrupted answer, with or without stop strings. Before, the next attempt
+    took the text of every streamed token as sent, though the first held back a possible stop
+    string's start (or a partial character): that text was lost, and a stop string spanning the
+    seam was missed (the answer ran on to max_tokens)."""
+    engine = await started(tiny.target, draft_dir=tiny.draft, method=method)
+    whole_ids, plain = joined(await collect(engine, request(max_tokens=40)))
+    assert len(plain) > 12
+    checked = 0
+    for at in (4, len(plain) // 2):
+        # A stop string that never occurs but begins with the text there, and one that occurs.
+        for stop in ((plain[at:at + 2] + "\u2603\u2603",), (plain[at:at + 3],)):
+            whole = await collect(engine, request(max_tokens=40, stop=stop))
+            for seam in range(1, len(whole_ids) - 1, 3):
+                first_ids, first = [], ""
+                async for delta in engine.generate(request(max_tokens=40, stop=stop, id=f"s{seam}")):
+                    if delta.finish_reason is not None:
+                        break  # stopped (or ended) before the seam: nothing to hand back
+                    first_ids += delta.token_ids
+                    first += delta.text
+                    if len(first_ids) >= seam:
+                        break  # the hand-back: the consumer goes away mid-answer
+                else:
+                    continue
+                if len(first_ids) < seam:
+                    continue
+                rest = await collect(engine, request(max_tokens=40, stop=stop, id=f"s{seam}",
+                                                     resume_token_ids=tuple(first_ids)))
+                assert first + joined(rest)[1] == joined(whole)[1], (method, stop, seam)
+                assert rest[-1].finish_reason == whole[-1].finish_reason, (method, stop, seam)
+                checked += 1
+    assert checked >= 10
+    await engine.close()
+
+
 async def test_sampling_runs_without_speculation(tiny) -> None:
     engine = await started(tiny.target, draft_dir=tiny.draft, method="draft_model")
     req = EngineRequest(id="s", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=7)
@@ -216,20 +253,6 @@ async def test_sampling_runs_without_speculation(tiny) -> None:
     assert first == again and 0 < len(first) <= 16
     assert engine.stats()["spec_num_draft_tokens"] == 0
     await engine.close()
-
-
-def test_incremental_text_holds_back_partial_characters_and_stops() -> None:
-    pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b" ok", 5: b"END", 6: b"!"}
-
-    def decode(ids: list[int]) -> str:
-        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
-
-    text = IncrementalText(decode, prior_ids=[], stop=["ENDX"])
-    assert [text.push([1]), text.push([2]), text.push([3])] == ["caf", "", "é"]
-    assert text.push([4, 5]) == " ok"  # "END" may start "ENDX": held back
-    assert text.push([6]) == "END!" and not text.stopped
-    stopper = IncrementalText(decode, prior_ids=[1], stop=["ok"])
-    assert stopper.push([2, 3, 4, 6]) == "é " and stopper.stopped and stopper.flush() == ""
 
 
 def test_prompt_lookup_copies_what_followed_the_last_match() -> None:

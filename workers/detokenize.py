@@ -36,13 +36,23 @@ class IncrementalDetokenizer:
         return self._decoder.decode(self.ids[start:end], skip_special_tokens=True)
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
-        """Add tokens; return the text they complete ("" while a character is partial)."""
+        """Add tokens; return the text they complete: all of it up to a trailing partial
+        character, whose tokens wait for the rest of it.
+
+        Several tokens can come at once (a speculative step, a busy engine). If the last of
+        them starts a character, the ones before it are still emitted: holding them all would
+        hold text a resumed attempt takes as sent (it steps back over the partial character's
+        tokens only), and lose it at a hand-back."""
         self.ids.extend(new_ids)
         prefix_text = self._decode(self._prefix, self._read)
-        full_text = self._decode(self._prefix)
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        end = len(self.ids)
+        full_text = self._decode(self._prefix, end)
+        while end > self._read and full_text.endswith("\ufffd"):
+            end -= 1
+            full_text = self._decode(self._prefix, end)
+        if end <= self._read or len(full_text) <= len(prefix_text):
             return ""
-        self._prefix, self._read = self._read, len(self.ids)
+        self._prefix, self._read = self._read, end
         return full_text[len(prefix_text) :]
 
     def emitted_text(self) -> str:

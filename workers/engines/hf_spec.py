@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 from lanes.queue.messages import FinishReason
+from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from lanes.workers.engines.base import (
     EngineDead,
     EngineDelta,
@@ -42,59 +43,6 @@ from lanes.workers.engines.engine_config import SpecCounters, remaining_tokens
 from lanes.workers.settings import WorkerSettings
 
 HFSpecMethod = Literal["none", "draft_model", "prompt_lookup"]
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-class IncrementalText:
-    """Turns token ids into text deltas whose concatenation is the decoded answer.
-
-    Decodes all output ids each step and emits the new suffix, holding back a trailing U+FFFD
-    (a partial UTF-8 character whose bytes span tokens) and any tail that could start a stop
-    string. ``prior_ids`` are tokens an earlier attempt already streamed: their text is the
-    base, so the first delta continues exactly after it.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], prior_ids: Sequence[int],
-                 stop: Sequence[str] = ()) -> None:
-        self._decode = decode
-        self._ids = list(prior_ids)
-        self._base_chars = len(decode(self._ids)) if self._ids else 0
-        self._stop = tuple(s for s in stop if s)
-        self._emitted_chars = 0
-        self.stopped = False
-
-    def push(self, new_ids: Sequence[int]) -> str:
-        """Add ids; return the text now safe to emit (sets ``stopped`` on a stop string)."""
-        self._ids.extend(new_ids)
-        text = self._decode(self._ids)[self._base_chars:]
-        for stop in self._stop:
-            at = text.find(stop, max(0, self._emitted_chars - len(stop) + 1))
-            if at != -1:
-                self.stopped = True
-                text = text[:at]
-        if self.stopped:
-            return self._take(text, len(text))
-        safe = len(text.rstrip(_REPLACEMENT_CHAR))
-        for stop in self._stop:  # hold back a tail that may grow into a stop string
-            for n in range(min(len(stop) - 1, safe), 0, -1):
-                if text[safe - n:safe] == stop[:n]:
-                    safe -= n
-                    break
-        return self._take(text, safe)
-
-    def flush(self) -> str:
-        """At the end everything held back is real text."""
-        if self.stopped:
-            return ""
-        text = self._decode(self._ids)[self._base_chars:]
-        return self._take(text, len(text))
-
-    def _take(self, text: str, end: int) -> str:
-        chunk = text[self._emitted_chars:max(end, self._emitted_chars)]
-        self._emitted_chars = max(end, self._emitted_chars)
-        return chunk
-
-
 def prompt_lookup(seq: Sequence[int], num_tokens: int, max_ngram: int) -> list[int]:
     """Draft by copying what followed the latest earlier occurrence of the trailing n-gram
     (longest n first), as transformers' ``prompt_lookup_num_tokens`` and vLLM's ``ngram`` do."""
@@ -216,12 +164,18 @@ class HFSpeculativeEngine:
                         emit: Callable[[EngineDelta | BaseException], None]) -> None:
         prompt = self.prompt_ids(request)
         n_prompt, max_new = len(prompt), remaining_tokens(request)
-        text = IncrementalText(
-            lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True,
-                                               clean_up_tokenization_spaces=False),
-            request.resume_token_ids, request.stop)
+        # As the hf engine: the text of the tokens an earlier attempt streamed is the base (less
+        # a partial character it held), and what it held back as a possible stop string is held
+        # again, so it is sent (or the stop spanning the seam is cut). Before, the base counted
+        # that held text as sent: it was lost at every hand-back.
+        detok = IncrementalDetokenizer(self._tokenizer, request.resume_token_ids)
+        stops = StopMatcher(request.stop)
+        if request.resume_token_ids and request.stop:
+            stops.resume(detok.emitted_text())
         if max_new == 0:
-            emit(EngineDelta((), "", FinishReason.LENGTH, n_prompt))
+            chunk = stops.push(detok.flush())
+            emit(EngineDelta((), chunk if stops.stopped else chunk + stops.flush(),
+                             FinishReason.STOP if stops.stopped else FinishReason.LENGTH, n_prompt))
             return
         ids = prompt + list(request.resume_token_ids)
         steps = (self._greedy_steps(ids, max_new, cancel) if request.temperature <= 0
@@ -229,14 +183,16 @@ class HFSpeculativeEngine:
         produced = 0
         for new in steps:
             produced += len(new)
-            chunk = text.push(new)
+            eos = bool(self._eos_ids.intersection(new))
+            ends = eos or produced >= max_new
+            chunk = stops.push(detok.push(new) + (detok.flush() if ends else ""))
             finish = None
-            if text.stopped or self._eos_ids.intersection(new):
+            if stops.stopped or eos:
                 finish = FinishReason.STOP
-            elif produced >= max_new:
+            elif ends:
                 finish = FinishReason.LENGTH
-            if finish is not None:
-                chunk += text.flush()
+            if finish is not None and not stops.stopped:
+                chunk += stops.flush()
             with self._lock:
                 self._counts["tokens_generated"] += len(new)
             emit(EngineDelta(tuple(new), chunk, finish, n_prompt))
