@@ -53,3 +53,14 @@ def test_help_texts_keep_their_brackets() -> None:
     swallowed += [f"{path}: {command.help}" for path, command in walk(typer.main.get_command(app), "lanes")
                   if command.help and tag.search(command.help)]
     assert not swallowed, swallowed
+
+
+def test_the_demo_model_with_draft_model_speculation_takes_its_own_draft() -> None:
+    """README: ``LANES_DRAFT_MODEL`` defaults to the demo model's draft; it was refused with
+    "needs a draft model" (the settings were checked before the demo's draft was filled in)."""
+    from lanes.workers.factory import build_engine
+    from lanes.workers.models.paths import DEMO_DRAFT_DIR
+    from lanes.workers.settings import WorkerSettings
+
+    engine = build_engine(WorkerSettings(_env_file=None, spec_method="draft_model"))
+    assert str(engine.draft_dir) == str(DEMO_DRAFT_DIR)  # type: ignore[attr-defined]

@@ -24,6 +24,11 @@ def resolve_models(settings: WorkerSettings) -> WorkerSettings:
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """Validate the settings (clear ``ConfigError`` on bad combinations) and build the engine."""
+    if settings.spec_method == "draft_model" and not settings.draft_model and settings.engine != "sim":
+        # The demo model's own draft, as documented (``resolve_draft``); it was refused here.
+        from lanes.workers.models.paths import resolve_draft
+
+        settings = settings.model_copy(update={"draft_model": resolve_draft("", settings.model)})
     validate(settings)
     if settings.engine == "sim":
         from lanes.scheduler.costmodel import get_profile
