@@ -97,15 +97,29 @@ def test_sample_rules_file_loads() -> None:
 
 def _doc(**overrides: object) -> dict[str, object]:
     doc: dict[str, object] = {"default_pool": "large", "pools": ["small", "large"],
-                              "tiers": [{"pool": "small", "max_complexity": 0.25}], "keys": {"k1": "large"}}
+                              "tiers": [{"pool": "small", "max_complexity": 0.25}], "keys": {"3f9a0c12d4e5": "large"}}
     doc.update(overrides)
     return {k: v for k, v in doc.items() if v is not None}
+
+
+def test_a_key_rule_matches_the_id_lanes_keys_list_shows() -> None:
+    """``lanes keys list`` shows 12 hex digits; the edge knows a key by 16. A rule written with
+    the 12 (as deploy/routing.toml shows) never applied: only the undocumented 16 matched."""
+    from lanes.ws_server.auth import hash_key, key_id
+
+    full = hash_key("lanes_example_key")
+    for written in (full[:12], full[:16], full):
+        rules = parse_rules(_doc(keys={written: "large"}))
+        decision = route("hello", key_id(full), rules, "small")
+        assert (decision.pool, decision.reason) == ("large", RouteReason.KEY_OVERRIDE), written
+    other = hash_key("lanes_other_key")
+    assert route("hello", key_id(other), parse_rules(_doc(keys={full[:12]: "large"})), "small").pool == "small"
 
 
 def test_parse_rules_round_trip() -> None:
     rules = parse_rules(_doc())
     assert rules.tiers == (Tier("small", 0.25),)
-    assert dict(rules.key_pools) == {"k1": "large"}
+    assert dict(rules.key_pools) == {"3f9a0c12d4e5": "large"}
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -121,7 +135,9 @@ def test_parse_rules_round_trip() -> None:
     ({"tiers": [{"pool": "large", "max_complexity": 0.8}, {"pool": "small", "max_complexity": 0.2}]},
      "must not decrease"),
     ({"tiers": {"pool": "small"}}, r"\[\[tiers\]\]"),
-    ({"keys": {"k1": "nowhere"}}, "keys.k1: pool 'nowhere'"),
+    ({"keys": {"3f9a0c12d4e5": "nowhere"}}, "keys.3f9a0c12d4e5: pool 'nowhere'"),
+    ({"keys": {"k1": "large"}}, "keys.k1: a key id is the start of the key's SHA-256"),
+    ({"keys": {"3f9a0c": "large"}}, "12 to 64 lowercase hex"),
     ({"thresholds": 1}, r"unknown top-level fields \['thresholds'\]"),
 ])
 def test_bad_rules_name_the_field(overrides: dict[str, object], message: str) -> None:

@@ -55,6 +55,19 @@ class RouteDecision:
     score: float | None = None
 
 
+def key_override(key_id: str | None, rules: RoutingRules) -> str | None:
+    """The pool the rules give this key, if any. A rule names a key by the start of its SHA-256
+    (12 to 64 hex digits: ``lanes keys list`` shows 12); the edge knows a key by its first 16
+    (``auth.key_id``). A rule matches when one begins with the other: before, only 16 digits
+    matched, and a rule written as ``lanes keys list`` shows it never applied."""
+    if not key_id:
+        return None
+    for rule_id, pool in rules.key_pools.items():
+        if rule_id.startswith(key_id) or key_id.startswith(rule_id):
+            return pool
+    return None
+
+
 def route(
     prompt: str,
     key_id: str | None,
@@ -69,8 +82,9 @@ def route(
     it is needed only for ``model == "auto"`` with tiers (ValueError when missing then).
     Raises ``UnknownPoolError`` when ``model`` names a pool that ``rules.pools`` does not enable.
     """
-    if key_id and key_id in rules.key_pools:
-        return RouteDecision(rules.key_pools[key_id], RouteReason.KEY_OVERRIDE)
+    override = key_override(key_id, rules)
+    if override is not None:
+        return RouteDecision(override, RouteReason.KEY_OVERRIDE)
     if not model:
         return RouteDecision(rules.default_pool, RouteReason.DEFAULT)
     if model != AUTO:

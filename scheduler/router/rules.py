@@ -15,13 +15,15 @@ File format (``deploy/routing.toml`` is the sample)::
     max_complexity = 1.0
 
     [keys]                            # API key id -> pool, beats everything else
-    "3f9a0c12" = "large"
+    "3f9a0c12d4e5" = "large"
 
 Every error names the field that is wrong (``RulesError``). Parsing is pure; ``load_rules``
 only reads the file.
 """
 
 from __future__ import annotations
+
+import re
 
 import tomllib
 from collections.abc import Mapping
@@ -105,6 +107,10 @@ def parse_rules(raw: Mapping[str, Any]) -> RoutingRules:
     keys_raw = raw.get("keys", {})
     if not isinstance(keys_raw, dict):
         raise RulesError("keys: a table of key id = pool is required")
+    for k in keys_raw:
+        if not re.fullmatch(r"[0-9a-f]{12,64}", str(k)):
+            raise RulesError(f"keys.{k}: a key id is the start of the key's SHA-256, 12 to 64 lowercase hex "
+                             "digits (the sha256 column of `lanes keys list`)")
     key_pools = {str(k): _pool(v, f"keys.{k}", pools) for k, v in keys_raw.items()}
     return RoutingRules(default_pool, pools, tiers, key_pools)
 
