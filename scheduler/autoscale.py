@@ -74,8 +74,12 @@ def desired_workers(
     max_workers: int,
     current: int,
     down_band: float = 0.25,
+    running: float = 0.0,
 ) -> int:
     """Workers the pool should have (see the module docstring for the formula and hysteresis).
+    ``running``: requests the pool runs now. With no capacity measured (nothing claimed lately),
+    a pool where nothing arrives, waits or runs goes to ``min_workers``; one that is busy keeps
+    its count. Before, an idle pool kept whatever it had (after a scheduler restart, for good).
 
     Raises ValueError for negative or non-finite inputs, ``target_wait_s <= 0``, or
     ``min_workers > max_workers``.
@@ -87,10 +91,11 @@ def desired_workers(
     _check("target_wait_s", target_wait_s, positive=True)
     if max_workers < min_workers:
         raise ValueError(f"max_workers ({max_workers}) < min_workers ({min_workers})")
+    _check("running", running)
     busy = arrival_rps > 0 or depth > 0
     floor = max(min_workers, 1 if busy else 0)
     if service_rps_per_worker == 0:
-        return min(max(current, floor), max_workers)
+        return min(max(current, floor) if busy or running > 0 else floor, max_workers)
     need = (1.0 + headroom) * (arrival_rps + depth / target_wait_s) / service_rps_per_worker
     # A hair of tolerance so that need == 3.0000000001 from float noise does not ask for 4.
     up = math.ceil(need - 1e-9)

@@ -242,7 +242,8 @@ class Scheduler:
         # A draining worker's runs still count; the worker does not (it claims nothing more).
         workers = sum(1 for r in reports if not r.draining)
         capacity = capacity_per_worker(sum(service_rps.values()), busy, sum(r.slots for r in reports), len(reports))
-        desired = self.desired_workers(sum(arrival_rps.values()), capacity, sum(pending.values()), workers)
+        desired = self.desired_workers(sum(arrival_rps.values()), capacity, sum(pending.values()), workers,
+                                       sum(running.values()))
         for lane, n in pending.items():
             metrics.LANE_DEPTH.labels(pool, lane).set(n)
             metrics.LANE_OLDEST.labels(pool, lane).set(oldest[lane] / 1000)
@@ -253,14 +254,16 @@ class Scheduler:
                              workers=workers, service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
                              desired_workers=desired)
 
-    def desired_workers(self, arrival_rps: float, capacity_rps: float, depth: int, workers: int) -> int:
+    def desired_workers(self, arrival_rps: float, capacity_rps: float, depth: int, workers: int,
+                        running: float = 0.0) -> int:
         """Workers needed to keep the predicted lane wait under the target (Little's law with
         headroom, ``scheduler/autoscale.py``). ``capacity_rps`` is one worker's: what the pool
         claims per second, scaled from the slots in use to all of them (``capacity_per_worker``);
-        with none measured yet, the current count holds."""
+        with none measured yet, the current count holds while the pool is busy, and an idle pool
+        goes to the minimum."""
         s = self.settings
         return desired_workers(arrival_rps, capacity_rps, depth, s.target_wait_s, s.autoscale_headroom,
-                               s.min_workers, s.max_workers, workers)
+                               s.min_workers, s.max_workers, workers, running=running)
 
     async def _sample_every_second(self) -> None:
         """``sample_once`` just after each wall-clock second (one sample per second)."""
@@ -334,9 +337,12 @@ class ServiceRates:
             dt_s = (now_ms - self._last[0]) / 1000
             for lane, count in claims.items():
                 instant = max(0, count - self._last[1].get(lane, 0)) / dt_s
-                self.rps[lane] = round(_ewma(self.rps.get(lane, instant), instant, dt_s, self.half_life_s), 3)
+                # Not rounded as it goes (rounding each step held an idle rate at ~0.006 for good);
+                # a rate that has decayed below one request in 1,000 s is none.
+                rate = _ewma(self.rps.get(lane, instant), instant, dt_s, self.half_life_s)
+                self.rps[lane] = rate if rate >= 1e-3 or instant > 0 else 0.0
         self._last = (now_ms, dict(claims))
-        return dict(self.rps)
+        return {lane: round(rate, 3) for lane, rate in self.rps.items()}  # for the snapshot: 3 decimals
 
 
 
@@ -352,7 +358,8 @@ class Smoothed:
         if self._at_ms is None:
             self.value = value
         elif now_ms > self._at_ms:
-            self.value = _ewma(self.value, value, (now_ms - self._at_ms) / 1000, self.half_life_s)
+            level = _ewma(self.value, value, (now_ms - self._at_ms) / 1000, self.half_life_s)
+            self.value = level if level >= 1e-6 or value > 0 else 0.0  # no decay into denormals
         self._at_ms = now_ms
         return self.value
 

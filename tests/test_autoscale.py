@@ -73,6 +73,30 @@ def test_unmeasured_service_rate_keeps_current_or_starts_one() -> None:
     assert want(0.0, 0.0, current=0) == 0
 
 
+def test_an_idle_pool_with_nothing_measured_goes_to_the_minimum() -> None:
+    """Nothing arrives, waits or runs, and nothing was claimed lately (a scheduler just
+    restarted, or a long idle): the pool needs its minimum. Before, it kept its count (3) for
+    good; a pool still running requests keeps it."""
+    assert want(0.0, 0.0, current=3) == 0
+    assert want(0.0, 0.0, current=3, min_workers=1) == 1
+    assert want(0.0, 0.0, current=3, running=2) == 3
+
+
+def test_an_idle_pools_rates_decay_to_zero() -> None:
+    """Rounded at every step, an idle pool's smoothed rate stuck at a few thousandths; the
+    running level decayed into denormals, which made the capacity overflow."""
+    from lanes.scheduler.service import ServiceRates, Smoothed
+
+    rates, level = ServiceRates(), Smoothed()
+    rates.update({"short": 0}, 0)
+    level.update(3.0, 0)
+    rates.update({"short": 50}, 1000)
+    for second in range(2, 3600):
+        rps = rates.update({"short": 50}, second * 1000)
+        busy = level.update(0.0, second * 1000)
+    assert rps == {"short": 0.0} and busy == 0.0
+
+
 @pytest.mark.parametrize("bad", [
     dict(arrival_rps=-1.0), dict(service_rps_per_worker=math.nan), dict(depth=-1),
     dict(target_wait_s=0.0), dict(headroom=-0.1), dict(min_workers=5, max_workers=2),
