@@ -20,7 +20,8 @@ Hysteresis: with ``current`` workers the answer is ``up`` when ``up > current``,
 answer does not move, so demand hovering near a boundary does not flap; KEDA / the HPA add a
 time window on top (``deploy/keda/``). The result is clamped to ``[min_workers, max_workers]``,
 and is at least 1 when anything waits or arrives. With no measured service rate yet
-(``mu == 0``) it keeps ``current`` (or 1 from 0) rather than guess.
+(``mu == 0``) it keeps ``current`` (or 1 from 0) rather than guess while anything arrives,
+waits or runs; a pool where nothing does goes to ``min_workers``.
 
 The answer is never 0 while requests wait, but a deployment cannot scale a pool from zero on it:
 edges refuse a pool's chats while it has no live worker (``unavailable``), so nothing arrives to
