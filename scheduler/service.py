@@ -212,6 +212,7 @@ class Scheduler:
         elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self.settings.pool_names():
             await self.plane.fleet.forget_pool(pool)
             self._unserved_since.pop(pool, None)
+            metrics.forget_pool(pool)  # its gauges would export their last values for good
             log.info("pool %s has had no worker and no request for %d s: forgotten", pool, _FORGET_POOL_MS // 1000)
 
     async def _fail_unserved(self, pool: str, waited_s: float) -> None:

@@ -108,6 +108,16 @@ DESIRED_WORKERS = Gauge("lanes_desired_workers", "Workers a pool needs for its w
                         registry=SCHEDULER)
 
 
+def forget_pool(pool: str) -> None:
+    """Drop a forgotten pool's scheduler gauges (they would export their last values for good)."""
+    for gauge in (LANE_DEPTH, LANE_OLDEST, LANE_RUNNING):
+        for labels in [key for key in gauge._metrics if key and key[0] == pool]:  # (pool, lane)
+            gauge.remove(*labels)
+    for gauge in (POOL_WORKERS, DESIRED_WORKERS):
+        if (pool,) in gauge._metrics:
+            gauge.remove(pool)
+
+
 class Exported:
     """What one process serves: its role's registry, then the default one."""
 

@@ -137,6 +137,7 @@ def test_parse_rules_round_trip() -> None:
     ({"tiers": {"pool": "small"}}, r"\[\[tiers\]\]"),
     ({"keys": {"3f9a0c12d4e5": "nowhere"}}, "keys.3f9a0c12d4e5: pool 'nowhere'"),
     ({"keys": {"k1": "large"}}, "keys.k1: a key id is the start of the key's SHA-256"),
+    ({"pools": ["small", "x/y"], "default_pool": "small", "tiers": []}, "'x/y' is not a name a worker can serve"),
     ({"keys": {"3f9a0c": "large"}}, "12 to 64 lowercase hex"),
     ({"thresholds": 1}, r"unknown top-level fields \['thresholds'\]"),
 ])

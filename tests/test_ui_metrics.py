@@ -38,6 +38,19 @@ def test_each_role_registers_only_its_own_metrics() -> None:
     assert "process_cpu_seconds_total" in text or "python_info" in text, "the default registry comes along"
 
 
+def test_a_forgotten_pools_gauges_are_dropped() -> None:
+    """A pool the scheduler forgets (no worker, no request for 10 minutes) stops being exported:
+    its gauges kept their last values (desired 1) for good."""
+    from lanes.telemetry import metrics
+
+    metrics.LANE_DEPTH.labels("gone", "short").set(3)
+    metrics.DESIRED_WORKERS.labels("gone").set(1)
+    metrics.POOL_WORKERS.labels("kept").set(2)
+    metrics.forget_pool("gone")
+    text = metrics.exposition(metrics.SCHEDULER).decode()
+    assert 'pool="gone"' not in text and 'lanes_pool_workers{pool="kept"} 2.0' in text
+
+
 def test_grafana_dashboard_is_import_ready() -> None:
     dashboard = json.loads(GRAFANA.read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}

@@ -61,9 +61,16 @@ class RoutingRules:
     key_pools: Mapping[str, str] = field(default_factory=dict)
 
 
+#: What a worker's ``LANES_POOL`` may be: a pool named otherwise could never have a worker.
+POOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
 def _pool(value: Any, where: str, pools: frozenset[str]) -> str:
     if not isinstance(value, str) or not value:
         raise RulesError(f"{where}: a pool name (non-empty string) is required, got {value!r}")
+    if not POOL_NAME.fullmatch(value):
+        raise RulesError(f"{where}: pool {value!r} is not a name a worker can serve (LANES_POOL: 1 to 64 of "
+                         "letters, digits, '_', '.', '-')")
     if value not in pools:
         raise RulesError(f"{where}: pool {value!r} is not in pools {sorted(pools)}")
     return value
@@ -95,6 +102,10 @@ def parse_rules(raw: Mapping[str, Any]) -> RoutingRules:
         raise RulesError(f"pools: a non-empty list of pool names is required, got {names!r}")
     if any(n == AUTO for n in names):
         raise RulesError(f"pools: {AUTO!r} is reserved for routing")
+    for n in names:
+        if not POOL_NAME.fullmatch(n):
+            raise RulesError(f"pools: {n!r} is not a name a worker can serve (LANES_POOL: 1 to 64 of letters, "
+                             "digits, '_', '.', '-')")
     pools = frozenset(names)
     default_pool = _pool(raw.get("default_pool"), "default_pool", pools)
     tiers_raw = raw.get("tiers", [])
