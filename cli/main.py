@@ -44,11 +44,12 @@ def _given(**flags: Any) -> dict[str, Any]:
 
 @app.command()
 def up(
-    port: Annotated[int, typer.Option(min=1, max=65535, help="WebSocket/HTTP port of the edge")] = 8000,
+    port: Annotated[Optional[int], typer.Option(
+        min=1, max=65535, help="WebSocket/HTTP port of the edge (env LANES_PORT; default 8000)")] = None,
     host: Annotated[Optional[str], typer.Option(
         help="the edge's listen address (env LANES_HOST; default 127.0.0.1, 0.0.0.0 for every interface)")] = None,
     workers: Annotated[int, typer.Option(min=1, help="number of worker processes")] = 1,
-    engine: Annotated[str, typer.Option(help="hf | sim | vllm | trtllm")] = "hf",
+    engine: Annotated[Optional[str], typer.Option(help="hf | sim | vllm | trtllm (env LANES_ENGINE; default hf)")] = None,
     model: Annotated[str, typer.Option(help="model directory or Hugging Face id (default: shipped demo)")] = "",
     metrics_port: Annotated[int, typer.Option(
         help="first of the scheduler's and workers' Prometheus ports (consecutive; 0 = free ones)")] = 0,
@@ -60,11 +61,15 @@ def up(
     crashes is restarted with capped backoff.
     """
     from lanes.cli.up import up as run_up
+    from lanes.workers.settings import WorkerSettings
     from lanes.ws_server.settings import EdgeSettings
 
-    worker_args = ["--engine", engine] + (["--model", model] if model else [])
-    raise typer.Exit(run_up(port, workers, worker_args, host or EdgeSettings().host, debug=_State.debug,
-                            metrics_port=metrics_port))
+    # Flags win over LANES_* settings, as for every process (these two were always passed on,
+    # so LANES_PORT and LANES_ENGINE were ignored).
+    edge_settings = EdgeSettings()
+    worker_args = ["--engine", engine or WorkerSettings().engine] + (["--model", model] if model else [])
+    raise typer.Exit(run_up(port or edge_settings.port or 8000, workers, worker_args, host or edge_settings.host,
+                            debug=_State.debug, metrics_port=metrics_port))
 
 
 @app.command()
@@ -168,8 +173,8 @@ def chat(
 @app.command()
 def chaos(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object instead of the table")] = False,
-    workers: Annotated[int, typer.Option(help="sim worker processes", min=1)] = 3,
-    slots: Annotated[int, typer.Option(help="slots per worker", min=1)] = 8,
+    workers: Annotated[int, typer.Option(help="sim worker processes (its faults need 3)", min=3)] = 3,
+    slots: Annotated[int, typer.Option(help="slots per worker (its faults need 4)", min=4)] = 8,
     time_scale: Annotated[float, typer.Option(help="sim engine speed-up over the GPU cost model", min=0.1)] = 3.0,
 ) -> None:
     """Break a local system five ways under load (worker/edge kill -9, cancels, Redis restart,

@@ -231,7 +231,7 @@ def build_data_command(
     try:
         counter = quicktok_counter()
     except ImportError as exc:
-        raise typer.BadParameter("build-data counts tokens with quicktok-v1: pip install 'lanes[dev]'") from exc
+        raise typer.BadParameter("build-data counts tokens with quicktok-v1: pip install -e '.[dev]' in the lanes checkout") from exc
     try:
         examples = build_examples(raw, counter)
     except FileNotFoundError as exc:  # a public copy is missing: the message names it

@@ -193,7 +193,13 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
         # Scheduler and workers listen on loopback only: reach them from this machine.
         scraped = [f"edge {base}/metrics"] + [f"{name} http://127.0.0.1:{p}/metrics" for name, p in ports.items()]
         console.print("metrics: " + " · ".join(scraped))
-        key = " --api-key KEY" if os.environ.get("LANES_AUTH_REQUIRED", "").lower() in ("1", "true", "yes", "on") else ""
+        keyed = os.environ.get("LANES_AUTH_REQUIRED", "").lower() in ("1", "true", "yes", "on")
+        key = " --api-key KEY" if keyed else ""
+        if keyed:
+            # ``lanes keys`` must store the key where this edge looks: this Redis, not its 6379 default.
+            kept = ("" if embedded is None else " (the embedded Redis keeps nothing across restarts: "
+                    "for keys that outlive it, `lanes keys create NAME --static` and LANES_API_KEY_HASHES)")
+            console.print(f"API keys: LANES_REDIS_URL={redis_url} lanes keys create NAME{kept}")
         console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat{key} "Explain what a class definition does"')
         return supervisor.supervise()
     finally:

@@ -14,6 +14,22 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 
+def _check_url_options(url: str) -> None:
+    """The URL's ``?option=value`` part as redis-py will read it: an unknown option, a value of
+    the wrong kind or an ``ssl_*`` option on ``redis://`` failed only when the first connection
+    was made, with a traceback (exit 1: ``lanes up`` and honcho then stop or restart)."""
+    from redis.asyncio.connection import Connection, parse_url
+
+    try:
+        options = parse_url(url)
+        connection_class = options.pop("connection_class", Connection)
+        connection_class(**options)  # builds the object only: nothing connects
+    except (TypeError, ValueError) as exc:
+        words = str(exc).replace("AbstractConnection.__init__() got an ", "").replace("__init__() got an ", "")
+        hint = " (ssl_* options need rediss://)" if "ssl_" in words else ""
+        raise ValueError(f"the URL's options are not ones redis-py takes: {words}{hint}") from None
+
+
 def _installed(module: str) -> bool:
     """Whether ``module`` can be imported; ``find_spec`` raises, not returns None, when a parent
     package is missing (``opentelemetry.exporter`` without the ``[otlp]`` extra)."""
@@ -68,6 +84,8 @@ class RedisSettings(BaseSettings):
         if db and int(db) != 0 and parts.scheme.endswith("+cluster"):
             raise ValueError(f"the URL names database {db}, but a Redis Cluster has only database 0: "
                              "drop the /<db> part of the URL")
+        if parts.query and not parts.scheme.endswith("+cluster"):
+            _check_url_options(url)
         return url
 
     @field_validator("log_level")
@@ -81,7 +99,7 @@ class RedisSettings(BaseSettings):
     @classmethod
     def _otlp_installed(cls, exporter: str) -> str:
         if exporter == "otlp" and not _installed("opentelemetry.exporter.otlp.proto.http"):
-            raise ValueError("otlp needs the OTLP exporter: pip install 'lanes[otlp]'")
+            raise ValueError("otlp needs the OTLP exporter: pip install -e '.[otlp]' in the lanes checkout")
         return exporter
 
     @model_validator(mode="after")

@@ -42,7 +42,7 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
-            raise SystemExit("otel_exporter=otlp needs: pip install 'lanes[otlp]'") from exc
+            raise SystemExit("otel_exporter=otlp needs: pip install -e '.[otlp]' in the lanes checkout") from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     elif exporter != "none":
         raise SystemExit(f"unknown otel_exporter {exporter!r}: use none, console or otlp")

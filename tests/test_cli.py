@@ -15,8 +15,8 @@ def lanes(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--engine", "vllm"], "pip install 'lanes[vllm]'"),
-    (["--engine", "trtllm"], "pip install 'lanes[trtllm]'"),
+    (["--engine", "vllm"], "pip install -e '.[vllm]' in the lanes checkout"),
+    (["--engine", "trtllm"], "pip install -e '.[trtllm]' in the lanes checkout"),
     (["--spec-method", "draft_model", "--model", "/nonexistent"], "needs a draft model"),
 ])
 def test_bad_worker_config_exits_2_with_a_message(args: list[str], message: str) -> None:

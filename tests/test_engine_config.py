@@ -53,10 +53,13 @@ def test_validate_rejects_bad_combinations(kw: dict[str, Any], fragment: str) ->
         validate(settings(**kw), is_installed=installed)
 
 
-@pytest.mark.parametrize("engine, extra", [("vllm", "lanes[vllm]"), ("trtllm", "lanes[trtllm]")])
-def test_validate_names_the_extra_to_install(engine: str, extra: str) -> None:
-    with pytest.raises(ConfigError, match=rf"pip install '{extra.replace('[', '.').replace(']', '.')}'"):
+@pytest.mark.parametrize("engine", ["vllm", "trtllm"])
+def test_validate_names_the_extra_to_install(engine: str) -> None:
+    """In the checkout (PyPI's ``lanes`` is an unrelated package: ``pip install 'lanes[vllm]'``
+    outside this checkout's venv would fetch it)."""
+    with pytest.raises(ConfigError) as refused:
         validate(settings(engine=engine), is_installed=missing)
+    assert f"pip install -e '.[{engine}]' in the lanes checkout" in str(refused.value)
 
 
 @pytest.mark.parametrize("kw", [

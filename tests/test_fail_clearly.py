@@ -334,3 +334,32 @@ def test_tool_mistakes_are_one_line(redis_url: str, tmp_path) -> None:
     assert out.returncode == 2 and "not a predictor weights file" in out.stderr, out.stderr[-1500:]
     assert "allow_pickle" not in out.stderr, "numpy's advice to load untrusted pickles is not passed on"
     no_traceback(out)
+
+
+@pytest.mark.parametrize(("query", "words"), [
+    ("socket_timeout=abc", "Invalid value for 'socket_timeout'"),
+    ("sockettimeout=2", "unexpected keyword argument 'sockettimeout'"),
+    ("ssl_cert_reqs=none", "ssl_* options need rediss://"),
+])
+def test_a_redis_url_option_redis_py_refuses_is_one_line(redis_url: str, query: str, words: str) -> None:
+    """These failed at the first connection with a traceback and exit 1 (honcho then stopped
+    every process); the URL is checked with the other settings now."""
+    out = lanes("scheduler", LANES_REDIS_URL=f"{redis_url}?{query}")
+    assert out.returncode == 2 and words in out.stderr, out.stderr[-1500:]
+    no_traceback(out)
+
+
+def test_lanes_up_reads_lanes_port_and_lanes_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--port`` and ``--engine`` were always passed on, so LANES_PORT and LANES_ENGINE were
+    ignored (the edge came up on 8000 with the hf engine); flags still win."""
+    from typer.testing import CliRunner
+
+    from lanes.cli import main, up
+
+    started: list[tuple[int, list[str]]] = []
+    monkeypatch.setattr(up, "up", lambda port, workers, worker_args, host, **kw: started.append((port, worker_args)) or 0)
+    monkeypatch.setenv("LANES_PORT", "18123")
+    monkeypatch.setenv("LANES_ENGINE", "sim")
+    assert CliRunner().invoke(main.app, ["up"]).exit_code == 0
+    assert CliRunner().invoke(main.app, ["up", "--port", "9001", "--engine", "hf"]).exit_code == 0
+    assert started == [(18123, ["--engine", "sim"]), (9001, ["--engine", "hf"])]

@@ -27,7 +27,7 @@ NGRAM_LOOKUP_MAX = 4
 #: Longest n-gram TRT-LLM's NGram drafter matches (``max_matching_ngram_size``).
 NGRAM_MATCH_MAX = 2
 
-_PACKAGES = {"vllm": ("vllm", "lanes[vllm]"), "trtllm": ("tensorrt_llm", "lanes[trtllm]")}
+_PACKAGES = {"vllm": ("vllm", ".[vllm]"), "trtllm": ("tensorrt_llm", ".[trtllm]")}
 _NEEDS_DRAFT = ("draft_model", "eagle", "eagle3")
 #: Draft-model speculation in vLLM V1 lives here (vllm-project/vllm PR #24322). Releases
 #: without it (0.10 to at least 0.13) raise NotImplementedError for ``method=draft_model``
@@ -84,7 +84,7 @@ def validate(
         if not is_installed(module):
             raise ConfigError(
                 f"engine={engine} needs the {module} package, which is not installed: "
-                f"pip install '{extra}' (on a machine with an NVIDIA GPU)"
+                f"pip install -e '{extra}' in the lanes checkout (on a machine with an NVIDIA GPU)"
             )
     if engine == "vllm" and method == "draft_model" and not is_installed(VLLM_DRAFT_MODEL_MODULE):
         raise ConfigError(
