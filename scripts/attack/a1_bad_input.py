@@ -53,7 +53,7 @@ async def main(c, key):
     await expect_err(a, {"type": "chat", "id": "t8", "messages": msgs, "max_tokens": 5000}, "max_tokens_too_large", rid="t8", label="max_tokens 5000")
     await expect_err(a, {"type": "chat", "id": "t9", "messages": msgs, "temperature": 3}, "invalid_field", rid="t9", label="temp 3")
     await expect_err(a, {"type": "chat", "id": "t9b", "messages": msgs, "temperature": "hot"}, "invalid_field", rid="t9b", label="temp str")
-    await expect_err(a, {"type": "chat", "id": "t10", "messages": msgs, "top_p": 0}, "invalid_field", rid="t10", label="top_p 0")
+    await expect_err(a, {"type": "chat", "id": "t10", "messages": msgs, "top_p": -0.1}, "invalid_field", rid="t10", label="top_p -0.1")  # 0 is valid (OpenAI range 0..1)
     await expect_err(a, {"type": "chat", "id": "t11", "messages": msgs, "stop": ["a"] * 5}, "invalid_field", rid="t11", label="stop 5")
     await expect_err(a, {"type": "chat", "id": "t11b", "messages": msgs, "stop": ""}, "invalid_field", rid="t11b", label="stop empty")
     await expect_err(a, {"type": "chat", "id": "t11c", "messages": msgs, "stop": 5}, "invalid_field", rid="t11c", label="stop int")
