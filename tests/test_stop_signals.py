@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -63,34 +65,42 @@ def test_the_watchdog_exits_a_process_still_stopping() -> None:
     assert "still stopping 1 s after SIGINT: exiting now; still running: deaf_reader" in err, err
 
 
+async def stops_when_cancelled(settings: Any, serve: Callable[[Any], Awaitable[None]], after_s: float) -> bool:
+    """Run ``serve(plane)`` as ``lanes edge|scheduler`` do (a first Redis round trip, then the
+    process's body), cancel it ``after_s`` in (SIGTERM), and say whether it stopped within 5 s."""
+    import asyncio
+
+    from lanes.cli.entrypoints import check_redis
+    from lanes.queue.plane import QueuePlane
+
+    plane = QueuePlane.from_settings(settings)
+
+    async def process() -> None:
+        try:
+            await check_redis(plane)
+            await serve(plane)
+        finally:
+            await plane.close()
+
+    serving = asyncio.create_task(process())
+    await asyncio.sleep(after_s)
+    serving.cancel()
+    done, _ = await asyncio.wait([serving], timeout=scaled(5))
+    return bool(done)
+
+
 @pytest.mark.parametrize("after_s", [0.0, 0.01, 0.03, 0.1, 0.5])
 async def test_an_edge_cancelled_in_its_first_second_stops(redis_url: str, key_prefix: str, after_s: float) -> None:
     """SIGTERM (a cancel) while the edge subscribes came out of redis-py's ``subscribe`` with the
     cancellation requested but never delivered: the token reader then waited for its next
     message forever (about one SIGTERM in two in an edge's first second). It stops now."""
-    import asyncio
-
-    from lanes.cli.entrypoints import check_redis
     from lanes.queue.embedded import free_port
-    from lanes.queue.plane import QueuePlane
     from lanes.ws_server.edge import Edge
     from lanes.ws_server.settings import EdgeSettings
 
     settings = EdgeSettings(_env_file=None, redis_url=redis_url, key_prefix=key_prefix, port=free_port())
-    plane = QueuePlane.from_settings(settings)
-
-    async def edge() -> None:  # as ``lanes edge`` runs: a first round trip, then the edge
-        try:
-            await check_redis(plane)
-            await Edge(settings, plane).serve()
-        finally:
-            await plane.close()
-
-    serving = asyncio.create_task(edge())
-    await asyncio.sleep(after_s)
-    serving.cancel()
-    done, _ = await asyncio.wait([serving], timeout=scaled(5))
-    assert done, f"the edge did not stop within 5 s of a cancel {after_s} s after its start"
+    assert await stops_when_cancelled(settings, lambda plane: Edge(settings, plane).serve(), after_s), \
+        f"the edge did not stop within 5 s of a cancel {after_s} s after its start"
 
 
 @pytest.mark.parametrize("after_s", [0.005, 0.01, 0.02, 0.1])
@@ -98,28 +108,12 @@ async def test_a_scheduler_cancelled_in_its_first_round_stops(redis_url: str, ke
                                                               after_s: float) -> None:
     """The same swallowed cancellation in the scheduler's first Redis round left its loop
     sleeping and calling again, forever (2 of 7 SIGTERMs a second after start)."""
-    import asyncio
-
-    from lanes.cli.entrypoints import check_redis
-    from lanes.queue.plane import QueuePlane
     from lanes.scheduler.service import Scheduler
     from lanes.scheduler.settings import SchedulerSettings
 
     settings = SchedulerSettings(_env_file=None, redis_url=redis_url, key_prefix=key_prefix)
-    plane = QueuePlane.from_settings(settings)
-
-    async def scheduler() -> None:
-        try:
-            await check_redis(plane)
-            await Scheduler(settings, plane).serve()
-        finally:
-            await plane.close()
-
-    serving = asyncio.create_task(scheduler())
-    await asyncio.sleep(after_s)
-    serving.cancel()
-    done, _ = await asyncio.wait([serving], timeout=scaled(5))
-    assert done, f"the scheduler did not stop within 5 s of a cancel {after_s} s after its start"
+    assert await stops_when_cancelled(settings, lambda plane: Scheduler(settings, plane).serve(), after_s), \
+        f"the scheduler did not stop within 5 s of a cancel {after_s} s after its start"
 
 
 def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback() -> None:
