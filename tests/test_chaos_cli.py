@@ -63,5 +63,6 @@ def test_lanes_chaos_loses_nothing() -> None:
     assert totals["sent"] == totals["completed"] + totals["cancelled"] + totals["rejected"]
     faults = {f["fault"]: f for f in report["faults"]}
     assert len(faults) == 5
+    assert all(f["exercised"] for f in faults.values()), "every fault struck a loaded system"
     assert faults["overload burst 10x"]["rejected_by_reason"].get("overloaded", 0) > 0
     assert set(faults["redis restart"]["rejected_by_reason"]) <= {"unavailable", "request_lost"}

@@ -26,6 +26,9 @@ class FaultReport:
     tally: Tally
     #: Measurements and facts of this fault (seconds, ms, counts), for the table's last column.
     notes: dict[str, float | int | str] = field(default_factory=dict)
+    #: Whether the load reached the state the fault needs (answers streaming) before it struck;
+    #: a fault that struck an idle system proves nothing (the run then fails, as for a loss).
+    exercised: bool = True
 
 
 
@@ -65,7 +68,7 @@ async def worker_kill(rig: Rig) -> FaultReport:
     num_workers = cluster.num_workers()
     count = (num_workers - 1) * rig.slots_per_worker - 1
     ids = await _send(client, "wk", count, max_tokens=150)
-    await until(lambda: _streaming(ledger, ids, 3) >= count * 2 // 3, 30)
+    exercised = await until(lambda: _streaming(ledger, ids, 3) >= count * 2 // 3, 30)
     held = await _holders(rig, ids)
     victim = max(held, key=lambda w: len(held[w]))
     killed_at = time.monotonic()
@@ -80,7 +83,7 @@ async def worker_kill(rig: Rig) -> FaultReport:
     notes: dict[str, float | int | str] = {"killed_holding": len(before)}
     if recovered:
         notes |= {"recovery_first_s": round(recovered[0], 2), "recovery_last_s": round(recovered[-1], 2)}
-    return FaultReport("worker kill -9", ledger.tally(ids), notes)
+    return FaultReport("worker kill -9", ledger.tally(ids), notes, exercised)
 
 
 async def client_cancel(rig: Rig) -> FaultReport:
@@ -91,7 +94,8 @@ async def client_cancel(rig: Rig) -> FaultReport:
     leaves = await LoadClient.connect(cluster.edge_urls["edge_b"], ledger)
     ids = await _send(stays, "cc", 40, max_tokens=300)
     gone = await _send(leaves, "cd", 10, max_tokens=300)
-    await until(lambda: _streaming(ledger, ids + gone) >= 20 and all(ledger[r].accepted for r in ids + gone), 30)
+    exercised = await until(lambda: _streaming(ledger, ids + gone) >= 20
+                            and all(ledger[r].accepted for r in ids + gone), 30)
     to_cancel = ids[::2]
     running = {rid for rid in to_cancel if ledger[rid].seqs}
     sent_at: dict[str, float] = {}
@@ -111,7 +115,7 @@ async def client_cancel(rig: Rig) -> FaultReport:
     if abort_ms:
         notes |= {"cancel_to_done_p50_ms": round(statistics.median(abort_ms), 1),
                   "cancel_to_done_max_ms": round(max(abort_ms), 1)}
-    return FaultReport("client cancel/disconnect", ledger.tally(ids + gone), notes)
+    return FaultReport("client cancel/disconnect", ledger.tally(ids + gone), notes, exercised)
 
 
 async def _confirm_departed_cancelled(rig: Rig, ledger: Ledger, ids: list[str]) -> None:
@@ -132,7 +136,7 @@ async def edge_kill(rig: Rig) -> FaultReport:
     ledger = Ledger()
     first = await LoadClient.connect(cluster.edge_urls["edge_a"], ledger)
     ids = await _send(first, "ek", 40, max_tokens=200)
-    await until(lambda: all(ledger[r].accepted for r in ids) and _streaming(ledger, ids) >= 15, 30)
+    exercised = await until(lambda: all(ledger[r].accepted for r in ids) and _streaming(ledger, ids) >= 15, 30)
     cluster.kill("edge_a")
     await asyncio.wait_for(first.reader, 10)
     await asyncio.sleep(0.3)  # answers go on, and some end, while no edge listens
@@ -146,7 +150,8 @@ async def edge_kill(rig: Rig) -> FaultReport:
     await asyncio.to_thread(cluster.start_edge, "edge_a")  # back for the next faults (new port, same id)
     last_end = max((ledger[r].ended_at or resumed_at) for r in resumed) if resumed else resumed_at
     return FaultReport("edge kill -9 + resume", ledger.tally(ids),
-                       {"resumed": len(resumed), "all_ended_after_resume_s": round(last_end - resumed_at, 2)})
+                       {"resumed": len(resumed), "all_ended_after_resume_s": round(last_end - resumed_at, 2)},
+                       exercised and bool(resumed))
 
 
 async def overload(rig: Rig, capacity: int) -> FaultReport:
@@ -174,7 +179,7 @@ async def redis_restart(rig: Rig, num_workers: int, outage_s: float = 2.0) -> Fa
     ledger = Ledger()
     client = await LoadClient.connect(cluster.edge_urls["edge_a"], ledger)
     ids = await _send(client, "rr", 20, max_tokens=300)
-    await until(lambda: _streaming(ledger, ids) >= 10, 30)
+    exercised = await until(lambda: _streaming(ledger, ids) >= 10, 30)
     cluster.stop_redis()
     cpu_before = {name: cpu_s(p.pid) for name, p in cluster.procs.items() if p.poll() is None}
     during = await _send(client, "rd", 5, max_tokens=20)  # expect ``unavailable`` at once
@@ -196,7 +201,7 @@ async def redis_restart(rig: Rig, num_workers: int, outage_s: float = 2.0) -> Fa
     return FaultReport("redis restart", ledger.tally(ids + during + after), {
         "outage_s": outage_s, "max_cpu_share_down": round(max(cpu_share.values(), default=0.0), 3),
         "crashed": ",".join(crashed) or "none", "in_flight_ended_after_restart_s": round(in_flight_ended_s, 2),
-    })
+    }, exercised)
 
 
 async def run_all(rig: Rig, num_workers: int) -> list[FaultReport]:

@@ -34,7 +34,8 @@ def totals(reports: list[FaultReport]) -> Tally:
 def to_json(reports: list[FaultReport], config: dict[str, object], elapsed_s: float) -> dict[str, object]:
     return {
         "totals": totals(reports).as_dict(),
-        "faults": [{"fault": r.name, **r.tally.as_dict(), "notes": r.notes} for r in reports],
+        "faults": [{"fault": r.name, **r.tally.as_dict(), "exercised": r.exercised, "notes": r.notes}
+                   for r in reports],
         "config": config,
         "elapsed_s": round(elapsed_s, 1),
     }
@@ -42,7 +43,9 @@ def to_json(reports: list[FaultReport], config: dict[str, object], elapsed_s: fl
 
 def print_table(reports: list[FaultReport], console: Console) -> None:
     """The counts as a table, then each fault's measurements on a line of its own."""
-    table = Table(title="lanes chaos: nothing lost")
+    idle = [r.name for r in reports if not r.exercised]
+    table = Table(title="lanes chaos: nothing lost" if not idle else
+                  f"lanes chaos: NOT EXERCISED: {', '.join(idle)} (the load never reached the state the fault needs)")
     for column in ("fault", "sent", "completed", "cancelled", "rejected (reason)", "lost", "dup", "gaps"):
         table.add_column(column, justify="left" if column in ("fault", "rejected (reason)") else "right")
     for name, t in [(r.name, r.tally) for r in reports] + [("total", totals(reports))]:
@@ -55,7 +58,8 @@ def print_table(reports: list[FaultReport], console: Console) -> None:
 
 
 def run_chaos(*, as_json: bool, workers: int, slots: int, time_scale: float) -> int:
-    """Run every fault; exit status 1 if any request was lost, duplicated or gapped."""
+    """Run every fault; exit status 1 if any request was lost, duplicated or gapped, or a fault
+    struck before its load was in place (not exercised: it proved nothing)."""
     console = Console(stderr=as_json, width=110)
     log_dir = Path(tempfile.mkdtemp(prefix="lanes-chaos-"))
     rig = Rig.create(log_dir, time_scale=time_scale, slots_per_worker=slots, max_depth=2 * workers * slots)
@@ -73,4 +77,4 @@ def run_chaos(*, as_json: bool, workers: int, slots: int, time_scale: float) -> 
         print_table(reports, console)
         console.print(f"{elapsed_s:.0f} s; process logs in {log_dir}")
     t = totals(reports)
-    return 1 if t.lost or t.duplicates or t.gaps else 0
+    return 1 if t.lost or t.duplicates or t.gaps or not all(r.exercised for r in reports) else 0
