@@ -7,6 +7,7 @@ emit the suffix that is new, holding back a trailing partial character (U+FFFD).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 _WINDOW_TOKENS = 6
@@ -91,6 +92,17 @@ class StopMatcher:
         self._stop = tuple(s for s in stop if s)
         self._held = ""
         self.stopped = False
+
+    @classmethod
+    def resumed(cls, stop: tuple[str, ...] | list[str], resume_ids: tuple[int, ...] | list[int],
+                sent_text: Callable[[], str]) -> StopMatcher:
+        """The matcher of an attempt that continues after ``resume_ids`` (tokens an earlier attempt
+        streamed): it holds what that attempt held (``resume``). ``sent_text`` gives their text,
+        decoded only when there are both stop strings and tokens to continue after."""
+        matcher = cls(stop)
+        if resume_ids and matcher._stop:
+            matcher.resume(sent_text())
+        return matcher
 
     def resume(self, decoded: str) -> None:
         """Continue after an earlier attempt whose answer so far decodes to ``decoded``: hold

@@ -133,10 +133,9 @@ class HFEngine:
         resume = list(request.resume_token_ids)
         max_new = min(request.max_tokens - len(resume), self._max_model_len - len(prompt_ids) - len(resume))
         detok = IncrementalDetokenizer(self.tokenizer, resume)
-        stops = StopMatcher(request.stop)  # the CB manager knows no stop strings: we cut the text
-        if resume and request.stop:
-            # What the earlier attempt held back as a possible stop string was never sent.
-            stops.resume(detok.emitted_text())
+        # The CB manager knows no stop strings: we cut the text. What an earlier attempt held back
+        # as a possible stop string was never sent: the matcher holds it again.
+        stops = StopMatcher.resumed(request.stop, resume, detok.emitted_text)
         if max_new <= 0:
             text = stops.push(detok.flush())
             reason = FinishReason.STOP if stops.stopped else FinishReason.LENGTH

@@ -169,9 +169,7 @@ class HFSpeculativeEngine:
         # again, so it is sent (or the stop spanning the seam is cut). Before, the base counted
         # that held text as sent: it was lost at every hand-back.
         detok = IncrementalDetokenizer(self._tokenizer, request.resume_token_ids)
-        stops = StopMatcher(request.stop)
-        if request.resume_token_ids and request.stop:
-            stops.resume(detok.emitted_text())
+        stops = StopMatcher.resumed(request.stop, request.resume_token_ids, detok.emitted_text)
         if max_new == 0:
             chunk = stops.push(detok.flush())
             emit(EngineDelta((), chunk if stops.stopped else chunk + stops.flush(),

@@ -301,10 +301,8 @@ class VllmEngine:
         earlier one held (its tokens were streamed, their text was not)."""
         if not request.stop:
             return None
-        stops = StopMatcher(request.stop)
-        if request.resume_token_ids:
-            stops.resume(answer_text(self._tokenizer, prompt_ids, request.resume_token_ids))
-        return stops
+        return StopMatcher.resumed(request.stop, request.resume_token_ids,
+                                   lambda: answer_text(self._tokenizer, prompt_ids, request.resume_token_ids))
 
     async def abort(self, request_id: str) -> None:
         relay = self._relays.get(request_id)
