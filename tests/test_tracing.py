@@ -50,15 +50,19 @@ async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_pat
             assert json.loads(resp.read())["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         system.stop()  # flushes the exporters
-    edge = {s["attributes"]["lanes.request_id"]: s for s in spans(tmp_path / "edge.log") if s["name"] == "lanes.enqueue"}
+    edge_spans = spans(tmp_path / "edge.log")
+    edge = {s["attributes"]["lanes.request_id"]: s for s in edge_spans if s["name"] == "lanes.enqueue"}
+    request = {s["attributes"]["lanes.request_id"]: s for s in edge_spans if s["name"] == "lanes.request"}
     worker = {s["attributes"]["lanes.request_id"]: s for s in spans(tmp_path / "worker.log")
               if s["name"] == "lanes.generate"}
     assert len(edge) == len(worker) == 3
     failed = worker["too-long"]
     assert failed["status"]["status_code"] == "ERROR" and failed["attributes"]["lanes.error_code"] == "prompt_too_long"
     (joined,) = [s for rid, s in edge.items() if rid.startswith("chatcmpl-")]
-    assert joined["context"]["trace_id"] == "0x" + CALLER.split("-")[1], "the caller's trace"
-    assert joined["parent_id"] == "0x" + CALLER.split("-")[2]
+    outer = request[joined["attributes"]["lanes.request_id"]]
+    assert outer["context"]["trace_id"] == joined["context"]["trace_id"] == "0x" + CALLER.split("-")[1], \
+        "the caller's trace"
+    assert outer["parent_id"] == "0x" + CALLER.split("-")[2] and joined["parent_id"] == outer["context"]["span_id"]
     assert worker[joined["attributes"]["lanes.request_id"]]["context"]["trace_id"] == joined["context"]["trace_id"]
     enqueue, generate = edge["traced"], worker["traced"]
     assert enqueue["attributes"]["lanes.request_id"] == generate["attributes"]["lanes.request_id"] == "traced"
@@ -70,6 +74,17 @@ async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_pat
     assert generate["attributes"]["lanes.pool"] == "default" and generate["attributes"]["lanes.prompt_tokens"] > 0
     (first,) = [e for e in generate["events"] if e["name"] == "lanes.first_token"]
     assert first["attributes"]["lanes.prefill_ms"] > 0 and first["attributes"]["lanes.prompt_tokens"] > 0
+    # The edge's span of the whole request: the enqueue's parent, its first token and its end.
+    assert len(request) == 3
+    outer = request["traced"]
+    assert enqueue["parent_id"] == outer["context"]["span_id"] and outer["kind"] == "SpanKind.SERVER"
+    (ttft,) = [e for e in outer["events"] if e["name"] == "lanes.first_token"]
+    assert 0 < ttft["attributes"]["lanes.ttft_ms"] <= outer["attributes"]["lanes.e2e_ms"]
+    assert outer["attributes"]["lanes.outcome"] in ("stop", "length") and outer["attributes"]["lanes.pool"] == "default"
+    assert outer["status"]["status_code"] == "UNSET"
+    refused = request["too-long"]  # the client's error, not the service's: no error status
+    assert refused["attributes"]["lanes.outcome"] == "prompt_too_long" and refused["status"]["status_code"] == "UNSET"
+    assert not [e for e in refused["events"] if e["name"] == "lanes.first_token"]
 
 
 def test_exit_does_not_wait_long_for_a_collector_that_never_answers() -> None:

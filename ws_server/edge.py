@@ -46,6 +46,7 @@ from lanes.ws_server.lengths import LengthEstimator
 from lanes.ws_server.routing import PoolRouter
 from lanes.ws_server.session import Session
 from lanes.ws_server.settings import EdgeSettings
+from lanes.ws_server.spans import RequestSpans, use
 from lanes.ws_server.stats import EdgeStats, StatsRelay, ship_windows
 from starlette.datastructures import Headers
 
@@ -72,6 +73,8 @@ class Edge:
         #: The pool of each request this edge enqueued or resumed (forgotten with its end).
         self._pool_of: dict[str, str] = {}
         self.core = Delivery(self.edge_id, settings.delivery())
+        #: Each request's ``lanes.request`` span, from its frame to its end on this edge.
+        self.spans = RequestSpans(self.edge_id)
         metrics.IN_FLIGHT.set_function(lambda: len(self.core.entries))  # read at each scrape
         self.sessions: dict[int, Session] = {}
         self.shutting_down = False
@@ -100,10 +103,12 @@ class Edge:
                 pool = self._pool_of.get(action.request_id, metrics.NO_POOL)
                 metrics.TTFT.labels(pool, action.lane).observe(action.ttft_s)
                 self.stats.first_token(action.lane, action.ttft_s, pool)
+                self.spans.first_token(action)
             elif isinstance(action, delivery.Finished):
                 pool = self._pool_of.pop(action.request_id, metrics.NO_POOL)
                 _record(action, pool)
                 self.stats.finished(action, pool)
+                self.spans.finished(action, pool)
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
             elif isinstance(action, delivery.CancelRequest):
@@ -229,6 +234,7 @@ class Edge:
         while True:
             await asyncio.sleep(_TICK_S)
             self.carry(self.core.tick(time.monotonic()))
+            self.spans.prune(self.core.entries)
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -276,8 +282,10 @@ class Edge:
         else:
             # The re-point is awaited here, like a chat's enqueue: a connection's answers to its
             # control frames come back in the order it sent them.
-            actions = self.core.resume(conn, protocol.scoped_id(identity.key_id, frame.id), frame.last_seq,
-                                       identity.key_id, now)
+            request_id = protocol.scoped_id(identity.key_id, frame.id)
+            actions = self.core.resume(conn, request_id, frame.last_seq, identity.key_id, now)
+            if request_id not in self.spans and any(isinstance(a, delivery.Repoint) for a in actions):
+                self.spans.start(request_id, "lanes.resume", **{"lanes.resumed_after": frame.last_seq})
             self.carry([a for a in actions if not isinstance(a, delivery.Repoint)])
             for action in actions:
                 if isinstance(action, delivery.Repoint):
@@ -290,8 +298,12 @@ class Edge:
         self.carry(actions)
         if not registered:
             return
+        span = self.spans.start(request_id, **{"lanes.max_tokens": frame.max_tokens,
+                                              "lanes.model": frame.model or ""})
         try:
-            self.carry(await admit_and_enqueue(self, request_id, identity, frame))
+            with use(span):  # lanes.enqueue, and through it the worker's span, are its children
+                actions = await admit_and_enqueue(self, request_id, identity, frame)
+            self.carry(actions)
         except QueueUnavailable as exc:
             log.warning("redis unavailable: %s", exc)
             self.carry(self.core.refuse(request_id, ErrorCode.UNAVAILABLE, "queue unavailable; retry shortly",
@@ -416,6 +428,7 @@ class Edge:
                     # Closing connections now is a restart, not a client leaving: keep their
                     # requests running so the clients can resume on another edge.
                     self.shutting_down = True
+                    self.spans.end_all("edge_stopped")
         except BaseExceptionGroup as failed:
             if len(failed.exceptions) == 1:
                 raise failed.exceptions[0] from None
