@@ -170,6 +170,15 @@ async def test_auth_is_off_by_default(start_edge: StartEdge) -> None:
     await client.close()
 
 
+async def test_a_websocket_at_another_path_is_not_found(start_edge: StartEdge) -> None:
+    """404 as for HTTP, and the body names the chat path (a close before the accept reads 403)."""
+    base = await start_edge()
+    with pytest.raises(InvalidStatus) as refused:
+        await websockets.connect(f"{base}/v1/chats")
+    assert refused.value.response.status_code == 404
+    assert refused.value.response.body == b"no WebSocket at /v1/chats; chats are at /v1/chat\n"
+
+
 async def test_handshake_needs_a_valid_bearer_key(
         start_edge: StartEdge, create_key: Callable[..., str], cli: Callable[..., Any]) -> None:
     key = create_key("svc")

@@ -91,6 +91,20 @@ def test_lone_surrogates_are_invalid_json(content: str) -> None:
     assert code_of('{"type":"chat","messages":[{"role":"user","content":"a%sb"}]}' % content) == "invalid_json"
 
 
+def test_messages_say_what_is_wrong() -> None:
+    """A missing type and a lone surrogate escape: the message names them, not "type None" or
+    msgspec's "truncated"."""
+    with pytest.raises(ProtocolError) as no_type:
+        parse_client_frame('{"id":"a"}', LIMITS)
+    assert (no_type.value.code, no_type.value.message) == ("unknown_type", "frame has no 'type'; expected chat, cancel or resume")
+    with pytest.raises(ProtocolError) as lone:
+        parse_client_frame('{"type":"chat","messages":[{"role":"user","content":"\\ud800"}]}', LIMITS)
+    assert "not half of a surrogate pair" in lone.value.message
+    with pytest.raises(ProtocolError) as cut:  # a pair is text: a real error elsewhere keeps its reason
+        parse_client_frame('{"type":"chat","messages":[{"role":"user","content":"\\ud83d\\ude00"}]', LIMITS)
+    assert "surrogate" not in cut.value.message
+
+
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 65535, 65536, 300_000])
 def test_the_edge_frames_text_exactly_as_the_websockets_library_does(size: int) -> None:
     from websockets.frames import Frame, Opcode

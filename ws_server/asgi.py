@@ -41,7 +41,11 @@ class EdgeApp:
                 await self.edge.handle_ws(scope, receive, send)
             else:
                 await receive()  # websocket.connect
-                await send({"type": "websocket.close", "code": 1008, "reason": "no WebSocket at this path"})
+                # 404, as for HTTP (a close before the accept would read as 403 Forbidden).
+                body = f"no WebSocket at {scope['path']}; chats are at {self.edge.chat_path}\n".encode()
+                await send({"type": "websocket.http.response.start", "status": 404, "headers": [
+                    (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "websocket.http.response.body", "body": body})
         elif scope["type"] == "http":
             await self.http(scope, receive, send)
 

@@ -19,6 +19,7 @@ Refusals decided elsewhere use the same frame; every code is one ``ErrorCode`` (
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +107,7 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     try:
         obj = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeError) as exc:
-        raise ProtocolError(ErrorCode.INVALID_JSON, f"frame is not valid JSON: {exc}") from None
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"frame is not valid JSON: {_why_not_json(raw, exc)}") from None
     except RecursionError:  # msgspec's own nesting limit is the interpreter's recursion limit
         raise _too_deep(limits) from None
     if _nesting_exceeds(raw, obj, limits.max_nesting):
@@ -115,6 +116,8 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
         raise ProtocolError(ErrorCode.INVALID_FRAME, "frame must be a JSON object")
     request_id = _optional_id(obj)
     kind = obj.get("type")
+    if kind is None:  # the documented code for a missing type too; the message says which
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, "frame has no 'type'; expected chat, cancel or resume", request_id)
     if kind == "chat":
         return _parse_chat(obj, request_id, limits)
     if kind == "cancel":
@@ -124,6 +127,23 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     raise ProtocolError(
         ErrorCode.UNKNOWN_TYPE, f"unknown frame type {_describe(kind)}; expected chat, cancel or resume", request_id
     )
+
+
+#: A ``\\uXXXX`` escape of a UTF-16 surrogate (valid JSON only as half of a pair).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _why_not_json(raw: bytes, exc: Exception) -> str:
+    """The decoder's reason, or the real one where it misleads: msgspec calls a string with a
+    lone surrogate escape (``"\\ud800"``: no text) "truncated"."""
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.loads(raw)  # the standard library takes lone surrogates: then that is all it is
+        except ValueError:
+            pass
+        else:
+            return "a \\u escape in D800-DFFF that is not half of a surrogate pair (not text)"
+    return str(exc)
 
 
 def _too_deep(limits: Limits) -> ProtocolError:
