@@ -11,11 +11,15 @@ Mirrored behaviour (1.x unless noted):
 - ``GenerationExecutor`` (``tensorrt_llm/executor/executor.py``, 1.x): ``is_shutdown()`` is
   ``doing_shutdown``; ``_handle_background_error`` raises a per-request ``RequestError`` for a
   string error, and for a fatal one calls ``shutdown()`` first and re-raises the original.
-- ``GenerationResult`` (``tensorrt_llm/executor/result.py``, 1.x): one object, mutated in place
-  and yielded again per streaming step; ``CompletionOutput.text`` / ``token_ids`` cumulative with
-  ``*_diff`` views; a stop string found in the text trims the text, sets ``finish_reason='stop'``
-  and ends the request (``DetokenizedGenerationResultBase._handle_response``), after earlier steps
-  already streamed its first tokens; ``abort()`` ends it with ``'cancelled'``; ``decoding_iter``.
+- ``GenerationResult`` (``tensorrt_llm/executor/result.py`` at a678b91, 1.x): one object, mutated
+  in place and yielded again per streaming step; ``CompletionOutput.text`` / ``token_ids``
+  cumulative with ``*_diff`` views; ``abort()`` ends it with ``'cancelled'``; ``decoding_iter``.
+  Stop strings are matched as token ids (``SamplingParams._setup`` tokenizes each one alone; the
+  executor ends the request with ``FinishReason.STOP_WORDS`` when the answer's ids end with
+  them): ``_handle_sequence`` then cuts those ids from ``token_ids``, and the detokenizer, fed
+  ``token_ids_diff`` (now short of them), leaves ``text`` with the stop string's first tokens,
+  streamed in earlier steps. A stop string the model spells with other tokens is not matched.
+  With ``detokenize=False`` the text stays empty.
 - ``SchedulerConfig`` (``tensorrt_llm/llmapi/llm_args.py``): pydantic; releases whose
   ``WaitingQueuePolicy`` knows only ``fcfs`` reject ``waiting_queue_policy="priority"`` with a
   ``ValidationError`` (``priority`` exists since PR #12362).
@@ -72,6 +76,13 @@ class Script:
     #: Decoding iterations per token (speculation makes it < 1).
     iters_per_token: float = 1.0
 
+    @classmethod
+    def spelled(cls, tokenizer: Any, pieces: list[str], **kwargs: Any) -> Script:
+        """The tokens of each piece, encoded alone, one per step (their text decodes to the
+        pieces: the adapter decodes ids itself)."""
+        steps = [(i, tokenizer.decode([i])) for piece in pieces for i in tokenizer.encode(piece, add_special_tokens=False)]
+        return cls(steps, **kwargs)
+
 
 class GenerationExecutor:
     """``tensorrt_llm/executor/executor.py`` 1.x: the shutdown state and error routing."""
@@ -103,15 +114,18 @@ class GenerationExecutor:
 class RequestOutput:
     """``GenerationResult`` / ``llmapi.RequestOutput`` 1.x in streaming mode."""
 
-    def __init__(self, request_id: int, prompt_token_ids: list[int], script: Script, stop: list[str],
-                 executor: GenerationExecutor, max_tokens: int) -> None:
+    def __init__(self, request_id: int, prompt_token_ids: list[int], script: Script,
+                 stop_words: list[tuple[str, list[int]]], executor: GenerationExecutor, max_tokens: int,
+                 detokenize: bool = True) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.outputs = [CompletionOutput(0)]
         self._done = False
         self._aborted = False
-        self._script, self._stop, self._executor = script, stop, executor
+        self._script, self._stop_words, self._executor = script, stop_words, executor
         self._max_tokens = max_tokens
+        self._detokenize = detokenize
+        self._pieces = dict(script.steps)
         self.decoding_iter = 0
 
     @property
@@ -123,25 +137,24 @@ class RequestOutput:
         self._aborted = True
 
     def _apply(self, step: int) -> None:
-        """One response: ``_handle_sequence`` then the detokenizer's stop-string check."""
+        """One response: ``_handle_sequence``, then the detokenizer on ``token_ids_diff``."""
         out = self.outputs[0]
-        out._last_token_ids_len, out._last_text_len = len(out.token_ids), len(out.text)
+        out._last_token_ids_len = len(out.token_ids)
         if self._aborted:
             out.finish_reason, self._done = "cancelled", True
             return
-        token_id, piece = self._script.steps[step]
-        out.token_ids.append(token_id)
-        out.text += piece
+        out.token_ids.append(self._script.steps[step][0])
         self.decoding_iter = max(1, round((step + 1) * self._script.iters_per_token))
-        last = step + 1 >= min(len(self._script.steps), self._max_tokens)
-        for stop in self._stop:
-            if stop in out.text:  # DetokenizedGenerationResultBase._handle_response
-                out.text = out.text[: out.text.find(stop)]
-                out.finish_reason, out.stop_reason, self._done = "stop", stop, True
-                return
-        if last:
+        stopped = next(((s, ids) for s, ids in self._stop_words if ids and out.token_ids[-len(ids):] == ids), None)
+        if stopped is not None:  # FinishReason.STOP_WORDS
+            out.finish_reason, out.stop_reason, self._done = "stop", stopped[0], True
+            out.token_ids = out.token_ids[: -len(stopped[1])]
+        elif step + 1 >= min(len(self._script.steps), self._max_tokens):
             out.finish_reason = self._script.finish if step + 1 >= len(self._script.steps) else "length"
             self._done = True
+        out._last_text_len = len(out.text)
+        if self._detokenize:
+            out.text += "".join(self._pieces[i] for i in out.token_ids_diff)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         step = 0
@@ -172,6 +185,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     n: int = 1
 
 
@@ -235,7 +249,7 @@ class Package:
         self.tokenizer = tokenizer
         self.scheduler_config = scheduler_config
         self.scripts: list[Script] = []
-        self.default_script = Script([(7, " hi")], finish="stop")
+        self.default_script = Script.spelled(tokenizer, [" hi"], finish="stop")
         self.llms: list[LLM] = []
 
     def module(self) -> types.ModuleType:
@@ -282,9 +296,10 @@ class LLM:
             raise ValueError(f"SamplingParams.n ({params.n}) should not exceed max_batch_size")
         script = self.package.scripts.pop(0) if self.package.scripts else self.package.default_script
         stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        stop_words = [(s, list(self.package.tokenizer.encode(s, add_special_tokens=False))) for s in stop]
         self._next_id += 1
-        output = RequestOutput(self._next_id, list(inputs), script, stop, self._executor,
-                               params.max_tokens or 1 << 30)
+        output = RequestOutput(self._next_id, list(inputs), script, stop_words, self._executor,
+                               params.max_tokens or 1 << 30, params.detokenize)
         self.submitted.append(Submitted(list(inputs), params, priority, output))
         return output
 

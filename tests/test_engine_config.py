@@ -161,6 +161,7 @@ def test_sampling_kwargs_subtract_resumed_tokens() -> None:
                                          "seed": 3}, "stop strings are cut by the adapter"
     trt = trtllm_sampling_kwargs(req)
     assert trt["top_k"] == 1 and "temperature" not in trt and trt["max_tokens"] == 97
+    assert "stop" not in trt and trt["detokenize"] is False, "the adapter cuts stop strings and detokenizes"
     assert trtllm_sampling_kwargs(request(temperature=0.7))["temperature"] == 0.7
     assert remaining_tokens(request(resume_token_ids=tuple(range(150)))) == 0
 

@@ -4,7 +4,7 @@ behaviour (``fake_trtllm.py`` names each upstream file), and, on a GPU machine, 
 Covers the issue-10 findings: engine death read from the executor's state (not message text),
 ``RequestError`` as a per-request failure, the prompt-length check TensorRT-LLM skips with
 chunked prefill, an optional ``SchedulerConfig`` that a release rejects, and multi-token stop
-strings that must not leak their first tokens.
+strings that must not leak their first tokens (the adapter cuts them and detokenizes itself).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from lanes.workers.engines.base import (
 from lanes.workers.engines.engine_config import ClassSpec
 from lanes.workers.engines.trtllm import (
     StreamCursor, TrtllmEngine, build_class_spec, build_llm_kwargs, engine_is_dead, error_from_exception,
-    holds_stop_prefix,
 )
 from lanes.workers.settings import WorkerSettings
 
@@ -92,7 +91,7 @@ async def test_a_release_that_rejects_priority_queueing_runs_without_it(monkeypa
 async def test_streams_through_the_chat_template_with_lane_priority(monkeypatch, tiny_model, tokenizer) -> None:
     package = Package(tokenizer)
     engine = await started(monkeypatch, package, tiny_model)
-    package.scripts.append(Script([(11, "Hello"), (12, " world"), (2, "")], finish="stop"))
+    package.scripts.append(Script.spelled(tokenizer, ["Hello", " world"], finish="stop"))
     deltas = await collect(engine, request("t1", lane=Lane.SHORT))
     submitted = package.llms[0].submitted[-1]
     text = tokenizer.apply_chat_template([{"role": "user", "content": MESSAGES[0].content}], tokenize=False,
@@ -101,7 +100,8 @@ async def test_streams_through_the_chat_template_with_lane_priority(monkeypatch,
     assert submitted.priority == trtllm_priority(Lane.SHORT)
     assert submitted.sampling_params.top_k == 1, "greedy"
     assert "".join(d.text for d in deltas) == "Hello world"
-    assert [t for d in deltas for t in d.token_ids] == [11, 12, 2]
+    assert [t for d in deltas for t in d.token_ids] == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert submitted.sampling_params.detokenize is False and submitted.sampling_params.stop is None
     assert deltas[-1].finish_reason is FinishReason.STOP and deltas[-1].prompt_tokens == len(submitted.inputs)
     await engine.close()
 
@@ -109,12 +109,33 @@ async def test_streams_through_the_chat_template_with_lane_priority(monkeypatch,
 async def test_a_multi_token_stop_string_never_streams_its_start(monkeypatch, tiny_model, tokenizer) -> None:
     package = Package(tokenizer)
     engine = await started(monkeypatch, package, tiny_model)
-    pieces = ["Hello", " wor", "ld", " </", "ans", "wer>", " more"]
-    package.scripts.append(Script([(20 + i, p) for i, p in enumerate(pieces)]))
+    # " </" is not how "</answer>" tokenizes alone: TensorRT-LLM, matching stop strings as token
+    # ids, would run on past it (and where it does match, it leaves the first tokens' text).
+    pieces = ["Hello", " wor", "ld", " </", "ans", "wer>", " more", " and", " more"]
+    package.scripts.append(Script.spelled(tokenizer, pieces))
     deltas = await collect(engine, request("stop", stop=("</answer>",)))
     assert "".join(d.text for d in deltas) == "Hello world "
     assert all("<" not in d.text for d in deltas), [d.text for d in deltas]
     assert deltas[-1].finish_reason is FinishReason.STOP
+    assert package.llms[0]._executor.aborted, "the engine, still generating past the stop, was aborted"
+    await engine.close()
+
+
+async def test_a_resumed_attempt_continues_the_text_and_a_stop_across_the_seam(monkeypatch, tiny_model,
+                                                                              tokenizer) -> None:
+    """The first attempt streamed the tokens of "Hello world </" and sent "Hello world " (the
+    "</" may start the stop string). The next attempt decodes after those tokens, holds that
+    "</" again, and cuts the stop that spans the two attempts."""
+    package = Package(tokenizer)
+    engine = await started(monkeypatch, package, tiny_model)
+    sent = tokenizer.encode("Hello world </", add_special_tokens=False)
+    package.scripts.append(Script.spelled(tokenizer, ["ans", "wer>", " more"]))
+    deltas = await collect(engine, request("seam", stop=("</answer>",), resume_token_ids=tuple(sent)))
+    assert "".join(d.text for d in deltas) == "" and deltas[-1].finish_reason is FinishReason.STOP
+    assert package.llms[0].submitted[-1].inputs[-len(sent):] == sent
+    package.scripts.append(Script.spelled(tokenizer, [" you", " see"], finish="stop"))
+    deltas = await collect(engine, request("no-stop", stop=("</answer>",), resume_token_ids=tuple(sent)))
+    assert "".join(d.text for d in deltas) == "</ you see", "the held start goes out when it is no stop"
     await engine.close()
 
 
@@ -194,20 +215,23 @@ async def test_ngram_speculation_reports_acceptance(monkeypatch, tiny_model, tok
 
 # ---- pure parts -------------------------------------------------------------------------------
 
-def test_stream_cursor_holds_a_possible_stop_start_and_releases_it() -> None:
-    cursor = StreamCursor(3, ["</answer>"])
-    state = SimpleNamespace(outputs=[SimpleNamespace(text="", token_ids=[], finish_reason=None)], finished=False)
-
-    def step(text: str, ids: list[int], finish: str | None = None) -> EngineDelta | None:
-        state.outputs[0].text, state.outputs[0].token_ids = text, ids
-        state.outputs[0].finish_reason, state.finished = finish, finish is not None
-        return cursor.step(state)
-
-    assert step("Hi", [1]) == EngineDelta((1,), "Hi", None, 3)
-    assert step("Hi </", [1, 2]) is None
-    assert step("Hi </b", [1, 2, 3]) == EngineDelta((2, 3), " </b", None, 3)
-    assert step("Hi </b", [1, 2, 3, 4], "length") == EngineDelta((4,), "", FinishReason.LENGTH, 3)
-    assert holds_stop_prefix("a <", ["<x>"]) and not holds_stop_prefix("a <x>", ["<x>"])
+def test_stream_cursor_drops_what_tensorrt_llms_stop_words_cut(tokenizer) -> None:
+    """Should a release be given stop strings after all: the final state of a stop matched as
+    token ids has the ids cut (the stale text is not read). Nothing of the stop goes out."""
+    ids = tokenizer.encode("Hi</answer>", add_special_tokens=False)
+    hi = tokenizer.encode("Hi", add_special_tokens=False)
+    cursor = StreamCursor(3, tokenizer, ["</answer>"])
+    state = SimpleNamespace(outputs=[SimpleNamespace(text="stale", token_ids=[], finish_reason=None)], finished=False)
+    out: list[EngineDelta] = []
+    for n in range(1, len(ids)):
+        state.outputs[0].token_ids = ids[:n]
+        if (delta := cursor.step(state)) is not None:
+            out.append(delta)
+    state.outputs[0].token_ids, state.outputs[0].finish_reason, state.finished = hi, "stop", True
+    state.outputs[0].stop_reason = "</answer>"
+    out.append(cursor.step(state))
+    assert "".join(d.text for d in out) == "Hi" and out[-1].finish_reason is FinishReason.STOP
+    assert [t for d in out for t in d.token_ids] == ids[:-1], "each id once, none repeated after the cut"
 
 
 def test_engine_death_is_read_from_the_executor() -> None:

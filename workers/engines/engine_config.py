@@ -245,10 +245,15 @@ def vllm_sampling_kwargs(request: EngineRequest) -> dict[str, Any]:
 
 def trtllm_sampling_kwargs(request: EngineRequest, max_tokens: int | None = None) -> dict[str, Any]:
     """``tensorrt_llm.SamplingParams`` kwargs; greedy is ``top_k=1`` (no temperature 0).
-    ``max_tokens`` overrides the request's (``fit_max_tokens``)."""
+    ``max_tokens`` overrides the request's (``fit_max_tokens``).
+
+    No ``stop`` and no detokenizing: the adapter does both (``trtllm.StreamCursor``). TensorRT-LLM
+    matches stop strings as token ids (``_handle_sequence``, ``FinishReason.STOP_WORDS``), then cuts
+    their ids from ``token_ids`` after the first ones' text was streamed; its detokenizer starts
+    a resumed attempt without the tokens before it."""
     tokens = remaining_tokens(request) if max_tokens is None else max_tokens
-    kwargs: dict[str, Any] = {"max_tokens": tokens, "top_p": request.top_p,
-                              "stop": list(request.stop) or None, "seed": request.seed}
+    kwargs: dict[str, Any] = {"max_tokens": tokens, "top_p": request.top_p, "seed": request.seed,
+                              "detokenize": False}
     if request.temperature <= 0.0:
         kwargs["top_k"] = 1
     else:

@@ -3,9 +3,7 @@
 ``tensorrt_llm`` is imported only in ``start()``. ``generate_async(..., streaming=True)`` returns
 one ``RequestOutput`` that is both the async iterator and the item it yields (mutated in place
 each step; ``tensorrt_llm/executor/result.py``). ``StreamCursor`` reads its cumulative
-``text`` / ``token_ids`` and hands out what is new, holding back a tail that could be the start
-of a stop string: TensorRT-LLM trims a multi-token stop string only once it is complete, after
-its first tokens have already streamed.
+``token_ids``, detokenizes them itself and cuts stop strings itself (see there why).
 
 Checked against TensorRT-LLM 1.x (``tensorrt_llm/llmapi/llm.py``, ``executor/executor.py``):
 
@@ -54,46 +52,63 @@ from lanes.workers.engines.engine_config import (
     trtllm_sampling_kwargs,
     validate,
 )
+from lanes.workers.detokenize import Decoder, IncrementalDetokenizer, StopMatcher
 from lanes.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 
-def holds_stop_prefix(text: str, stop: Sequence[str]) -> bool:
-    """True if ``text`` ends with the beginning (not the whole) of one of ``stop``."""
-    return any(text.endswith(s[:k]) for s in stop for k in range(1, len(s)))
-
-
 class StreamCursor:
     """Turns the successive states of one streaming ``RequestOutput`` into our deltas.
 
-    Reads the cumulative ``outputs[0].text`` / ``token_ids`` and returns what follows the
-    last delta. While the text ends with the start of a stop string the whole step is held
-    (tokens and text stay together, so a resumed attempt never repeats or skips text);
-    the final state is always released, trimmed as TensorRT-LLM left it.
+    Reads the cumulative ``outputs[0].token_ids`` and hands out the ids past the last delta with
+    their text from our own detokenizer: TensorRT-LLM is asked for none (``detokenize=False``).
+    Its own starts each request from the answer's first token, so a resumed attempt's text lost
+    the space at the join with SentencePiece tokenizers; ours is primed with the tokens earlier
+    attempts streamed (``IncrementalDetokenizer``).
+
+    Stop strings are cut here too (``StopMatcher``; TensorRT-LLM is given none): it matches them
+    as token ids, so it misses one the model spells with other tokens, and where it does match,
+    it drops the last tokens from ``token_ids`` after their first ones' text has gone out. Text
+    that may start a stop string is held back while its tokens stream, and recomputed by a
+    resumed attempt (``StopMatcher.resumed``), as for vLLM. ``stopped``: the answer reached a
+    stop string TensorRT-LLM is still generating past (the caller aborts it).
     """
 
-    def __init__(self, prompt_tokens: int, stop: Sequence[str] = ()) -> None:
+    def __init__(self, prompt_tokens: int, decoder: Decoder, stop: Sequence[str] = (),
+                 resume_ids: Sequence[int] = ()) -> None:
         self.prompt_tokens = prompt_tokens
-        self._stop = tuple(s for s in stop if s)
+        self._detok = IncrementalDetokenizer(decoder, tuple(resume_ids))
+        self._stops = StopMatcher.resumed(tuple(stop), tuple(resume_ids), self._detok.emitted_text)
         self._num_ids = 0
-        self._num_chars = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
 
     def step(self, output: Any) -> EngineDelta | None:
+        if self._stops.stopped:
+            return None
         completion = output.outputs[0] if output.outputs else None
         ids = list(completion.token_ids) if completion is not None else []
-        text = completion.text if completion is not None else ""
+        new_ids = ids[self._num_ids:]
+        self._num_ids = max(self._num_ids, len(ids))
         finish = None
         if output.finished:  # 'cancelled' is set before the final response: wait for it
             raw = completion.finish_reason if completion is not None else None
             finish = map_finish_reason(raw) or FinishReason.STOP
-        elif holds_stop_prefix(text, self._stop):
+        ends = finish in (FinishReason.STOP, FinishReason.LENGTH)
+        text = self._stops.push(self._detok.push(new_ids) + (self._detok.flush() if ends else ""))
+        if self._stops.stopped:
+            finish = FinishReason.STOP
+        elif ends and not isinstance(getattr(completion, "stop_reason", None), str):
+            # Held text goes out at the answer's own end; not at a stop string TensorRT-LLM
+            # matched (were it given any: its ids are cut, their start is what is held), nor
+            # when an attempt was cancelled or failed (a resumed one recomputes it).
+            text += self._stops.flush()
+        if not new_ids and not text and finish is None:
             return None
-        new_ids, new_text = ids[self._num_ids:], text[self._num_chars:]
-        self._num_ids, self._num_chars = max(self._num_ids, len(ids)), max(self._num_chars, len(text))
-        if not new_ids and not new_text and finish is None:
-            return None
-        return EngineDelta(tuple(new_ids), new_text, finish, self.prompt_tokens)
+        return EngineDelta(tuple(new_ids), text, finish, self.prompt_tokens)
 
 
 def engine_is_dead(llm: Any) -> bool:
@@ -237,9 +252,12 @@ class TrtllmEngine:
         await warm_up(self)
         self._spec = SpecCounters()  # count served requests only
 
-    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+    def _hf_tokenizer(self) -> Any:
         tokenizer = self._llm.tokenizer
-        hf = getattr(tokenizer, "tokenizer", tokenizer)  # TransformersTokenizer wraps the HF one
+        return getattr(tokenizer, "tokenizer", tokenizer)  # TransformersTokenizer wraps the HF one
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        hf = self._hf_tokenizer()
         return list(hf.encode(render_chat(hf, request.messages), add_special_tokens=False))
 
     def _submit(self, request: EngineRequest, prompt_ids: list[int]) -> Any:
@@ -270,24 +288,25 @@ class TrtllmEngine:
         except Exception as exc:
             raise error_from_exception(exc, dead=engine_is_dead(self._llm)) from exc
         self._running[request.id] = result
-        cursor = StreamCursor(len(prompt_ids), request.stop)
-        finished = False
+        cursor = StreamCursor(len(prompt_ids), self._hf_tokenizer(), request.stop, request.resume_token_ids)
         try:
             async for output in result:
                 delta = cursor.step(output)
-                if delta is not None:
-                    finished = delta.finish_reason is not None
-                    if finished:
-                        self._observe_spec(output)
-                    yield delta
+                if delta is None:
+                    continue
+                if delta.finish_reason is not None:
+                    self._observe_spec(output)
+                yield delta
+                if delta.finish_reason is not None:
+                    return  # at a stop string of ours the engine is still generating: aborted below
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise error_from_exception(exc, dead=engine_is_dead(self._llm)) from exc
         finally:
             self._running.pop(request.id, None)
-            if not finished and not result.finished and not engine_is_dead(self._llm):
-                result.abort()  # the consumer went away: free the slot and KV blocks
+            if not result.finished and not engine_is_dead(self._llm):
+                result.abort()  # a stop string, or the consumer went away: free the slot and KV blocks
 
     def _observe_spec(self, output: Any) -> None:
         """Acceptance from a finished request: TRT-LLM reports its decoding iterations
@@ -325,4 +344,4 @@ class TrtllmEngine:
 
 
 __all__ = ["StreamCursor", "TrtllmEngine", "build_class_spec", "build_llm_kwargs", "engine_is_dead",
-           "error_from_exception", "holds_stop_prefix"]
+           "error_from_exception"]
