@@ -42,6 +42,7 @@ def request(**kw: Any) -> EngineRequest:
     ({"engine": "vllm", "spec_method": "draft_model"}, "needs a draft model"),
     ({"engine": "trtllm", "spec_method": "eagle3"}, "needs a draft model"),
     ({"engine": "hf", "spec_method": "eagle", "draft_model": "d"}, "cannot run spec_method=eagle"),
+    ({"engine": "trtllm", "spec_method": "eagle", "draft_model": "d"}, "EAGLE-3 draft heads only"),
     ({"engine": "hf", "spec_method": "mtp"}, "cannot run spec_method=mtp"),
     ({"engine": "hf", "quantization": "awq"}, "does not load awq"),
     ({"engine": "vllm", "spec_method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
@@ -139,8 +140,6 @@ def test_trtllm_kwargs_as_data() -> None:
 @pytest.mark.parametrize("kw, class_name, fields", [
     ({"spec_method": "draft_model", "draft_model": "/d"}, "DraftTargetDecodingConfig",
      {"max_draft_len": 4, "speculative_model": "/d"}),
-    ({"spec_method": "eagle", "draft_model": "/e"}, "EagleDecodingConfig",
-     {"max_draft_len": 4, "speculative_model": "/e"}),
     ({"spec_method": "eagle3", "draft_model": "/e"}, "Eagle3DecodingConfig",
      {"max_draft_len": 4, "speculative_model": "/e"}),
     ({"spec_method": "ngram"}, "NGramDecodingConfig",
@@ -236,3 +235,28 @@ def test_trtllm_kwargs_match_real_classes() -> None:
     names = supported_names(tensorrt_llm.SamplingParams)
     kept, _ = filter_supported(trtllm_sampling_kwargs(request(temperature=0.0)), names)
     tensorrt_llm.SamplingParams(**kept)
+
+
+def test_a_checkpoint_that_quantizes_the_kv_cache_is_refused_unless_asked(tmp_path) -> None:
+    """Weights only by default: a ModelOpt checkpoint declaring an FP8 KV cache would get one
+    from either engine (both adopt it at kv_cache_dtype "auto"), so it needs the setting."""
+    import json
+
+    from lanes.workers.engines.engine_config import (
+        checkpoint_kv_cache_quant, read_checkpoint_files, refuse_kv_cache_quant,
+    )
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+    files = read_checkpoint_files(str(tmp_path))
+    assert checkpoint_kv_cache_quant(files) == ("FP8", "hf_quant_config.json")
+    settings = WorkerSettings(_env_file=None, engine="hf", model=str(tmp_path))
+    with pytest.raises(ConfigError, match="LANES_KV_CACHE_QUANTIZATION=true"):
+        refuse_kv_cache_quant(settings, files)
+    refuse_kv_cache_quant(settings.model_copy(update={"kv_cache_quantization": True}), files)
+    weights_only = {"config.json": {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                            "kv_cache_quant_algo": None}}}
+    assert checkpoint_kv_cache_quant(weights_only) is None
+    assert checkpoint_kv_cache_quant({"config.json": {"quantization_config": {"quant_method": "awq"}}}) is None
+    assert checkpoint_kv_cache_quant(read_checkpoint_files("")) is None, "the demo model"

@@ -79,6 +79,22 @@ async def test_start_passes_the_adapters_arguments_and_warms_up(monkeypatch, tin
     await engine.close()
 
 
+async def test_a_checkpoint_with_a_quantized_kv_cache_is_refused_at_start(monkeypatch, tiny_model, tokenizer,
+                                                                            tmp_path) -> None:
+    import json
+    import shutil
+
+    model = tmp_path / "fp8kv"
+    shutil.copytree(tiny_model.target, model)
+    (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"kv_cache_quant_algo": "FP8"}}))
+    package = Package(tokenizer)
+    install(monkeypatch, package)
+    engine = TrtllmEngine(WorkerSettings(_env_file=None, engine="trtllm", model=str(model), max_slots=4))
+    with pytest.raises(ConfigError, match="kv_cache_quant_algo=FP8"):
+        await engine.start()
+    assert not package.llms, "refused before loading"
+
+
 async def test_a_release_that_rejects_priority_queueing_runs_without_it(monkeypatch, tiny_model, tokenizer,
                                                                         caplog) -> None:
     package = Package(tokenizer, scheduler_config=FcfsOnlySchedulerConfig)

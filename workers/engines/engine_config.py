@@ -101,6 +101,12 @@ def validate(
             f"the hf engine cannot run spec_method={method}; use draft_model or "
             "prompt_lookup, or the vllm/trtllm engine"
         )
+    if engine == "trtllm" and method == "eagle":
+        raise ConfigError(
+            "TensorRT-LLM's PyTorch backend runs EAGLE-3 draft heads only (its EagleDecodingConfig "
+            "selects an EAGLE3 mode, llmapi/llm_args.py): use --spec-method eagle3 with an EAGLE-3 "
+            "head, or engine=vllm for an EAGLE-1 head"
+        )
     if engine == "hf" and settings.quantization != "none":
         raise ConfigError(
             f"the hf engine does not load {settings.quantization} checkpoints here; "
@@ -112,6 +118,67 @@ def validate(
             "with chunked prefill every running request decodes a token in each step; raise "
             "LANES_MAX_NUM_BATCHED_TOKENS (default 2048) or lower LANES_MAX_SLOTS"
         )
+
+
+#: Files where a checkpoint may declare a quantized KV cache: ``config.json``'s
+#: ``quantization_config`` and ModelOpt's ``hf_quant_config.json`` (``quantization``).
+_QUANT_FILES = (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization"))
+
+
+def checkpoint_kv_cache_quant(files: Mapping[str, Mapping[str, Any] | None]) -> tuple[str, str] | None:
+    """The KV-cache quantization a checkpoint declares (``kv_cache_quant_algo``, ModelOpt's key),
+    with the file that says it, from its parsed JSON files by name; None when it declares none.
+
+    Both engines adopt it when given ``kv_cache_dtype="auto"``: vLLM
+    (``vllm/utils/torch_utils.py``, ``resolve_kv_cache_dtype_string``) and TensorRT-LLM
+    (``llmapi/llm_utils.py``, ``ModelLoader._update_from_hf_quant_config``, which lets no other
+    dtype override it)."""
+    for name, section in _QUANT_FILES:
+        quant = (files.get(name) or {}).get(section)
+        algo = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
+        if isinstance(algo, str) and algo.strip() and algo.strip().lower() not in ("none", "auto"):
+            return algo, name
+    return None
+
+
+def refuse_kv_cache_quant(settings: WorkerSettings, files: Mapping[str, Mapping[str, Any] | None]) -> None:
+    """``ConfigError`` when the checkpoint quantizes the KV cache and the settings do not ask for
+    it: lanes quantizes weights only unless told (``LANES_KV_CACHE_QUANTIZATION``), and neither
+    engine can be told to keep such a checkpoint's cache unquantized."""
+    if settings.kv_cache_quantization or (found := checkpoint_kv_cache_quant(files)) is None:
+        return
+    algo, name = found
+    raise ConfigError(
+        f"the checkpoint {settings.model} quantizes the KV cache ({name}: kv_cache_quant_algo={algo}), "
+        "which the engine would adopt; lanes quantizes weights only unless asked: set "
+        "LANES_KV_CACHE_QUANTIZATION=true to run it so, or use a checkpoint without a quantized KV cache"
+    )
+
+
+def read_checkpoint_files(model: str) -> dict[str, dict[str, Any] | None]:
+    """The checkpoint's files ``checkpoint_kv_cache_quant`` reads: from a local directory, else
+    from the Hugging Face hub (which the engine downloads from anyway); None where absent."""
+    import json
+    from pathlib import Path
+
+    found: dict[str, dict[str, Any] | None] = {}
+    if not model:  # the demo model
+        return found
+    for name, _ in _QUANT_FILES:
+        path: Path | None = Path(model) / name
+        if not Path(model).is_dir():
+            try:
+                from huggingface_hub import hf_hub_download
+
+                path = Path(hf_hub_download(model, name))
+            except Exception:  # noqa: BLE001 - absent, offline, gated: the engine reports those itself
+                path = None
+        try:
+            loaded = json.loads(path.read_text()) if path is not None and path.is_file() else None
+        except (OSError, ValueError):
+            loaded = None
+        found[name] = loaded if isinstance(loaded, dict) else None
+    return found
 
 
 def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
@@ -169,9 +236,7 @@ def trtllm_speculative_config(settings: WorkerSettings) -> ClassSpec | None:
     if method == "draft_model":
         return ClassSpec("DraftTargetDecodingConfig",
                          {"max_draft_len": k, "speculative_model": draft})
-    if method == "eagle":
-        return ClassSpec("EagleDecodingConfig", {"max_draft_len": k, "speculative_model": draft})
-    if method == "eagle3":
+    if method == "eagle3":  # "eagle" (EAGLE-1 heads) is refused by ``validate``: no PyTorch-backend mode
         return ClassSpec("Eagle3DecodingConfig", {"max_draft_len": k, "speculative_model": draft},
                          fallbacks=("EagleDecodingConfig",))
     assert method == "mtp", method

@@ -46,6 +46,8 @@ from lanes.workers.engines.engine_config import (
     fit_max_tokens,
     map_finish_reason,
     max_sequence_tokens,
+    read_checkpoint_files,
+    refuse_kv_cache_quant,
     remaining_tokens,
     supported_names,
     trtllm_llm_kwargs,
@@ -228,6 +230,7 @@ class TrtllmEngine:
         import tensorrt_llm
         from tensorrt_llm import llmapi
 
+        refuse_kv_cache_quant(self.settings, await asyncio.to_thread(read_checkpoint_files, self.settings.model))
         try:
             # Inside the try: a release may reject one of the config objects.
             wanted = trtllm_llm_kwargs(self.settings)

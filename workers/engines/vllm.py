@@ -37,6 +37,8 @@ from lanes.workers.engines.engine_config import (
     SpecCounters,
     filter_supported,
     map_finish_reason,
+    read_checkpoint_files,
+    refuse_kv_cache_quant,
     remaining_tokens,
     supported_names,
     validate,
@@ -202,6 +204,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        refuse_kv_cache_quant(self.settings, await asyncio.to_thread(read_checkpoint_files, self.settings.model))
         kwargs, dropped = filter_supported(vllm_engine_kwargs(self.settings),
                                            supported_names(AsyncEngineArgs))
         self.dropped_args = dropped
