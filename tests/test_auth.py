@@ -180,13 +180,17 @@ async def test_a_websocket_at_another_path_is_not_found(start_edge: StartEdge) -
 
 
 async def test_handshake_needs_a_valid_bearer_key(
-        start_edge: StartEdge, create_key: Callable[..., str], cli: Callable[..., Any]) -> None:
+        start_edge: StartEdge, create_key: Callable[..., str], cli: Callable[..., Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
     key = create_key("svc")
     base = await start_edge(auth_required=True)
     assert await handshake_status(base) == 401
     assert await handshake_status(base, generate_key()) == 401, "unknown key"
     assert await handshake_status(base, key[:-1]) == 401, "truncated key"
     assert await handshake_status(base, query=f"?api_key={key}") == 401, "keys in query strings are refused"
+    assert '"WebSocket /v1/chat?[query hidden]" 401' in caplog.text and key not in caplog.text, \
+        "uvicorn logs a handshake's query string: never the key"
     with pytest.raises(InvalidStatus) as refused:
         await connect(base)
     assert refused.value.response.headers["WWW-Authenticate"].startswith("Bearer")

@@ -267,6 +267,12 @@ def test_caps_per_connection_and_per_key() -> None:
     open_accepted(d, 5, "other")
     out = d.resume(1, "other", -1, "", 1.0)
     assert [f["code"] for f in frames(out)] == ["too_many_in_flight"] and d.entries["other"].conn == 5
+    # A request of the key new to this edge (submitted on another one) counts against the key's
+    # cap here: else a chat there and a resume here ran any number of a key's requests at once.
+    out = d.resume(6, "k-elsewhere", 3, "key", 1.0, key_max_in_flight=2)
+    assert [f["code"] for f in frames(out)] == ["too_many_in_flight"] and "k-elsewhere" not in d.entries
+    assert d.per_key["key"] == 2
+    assert [type(a).__name__ for a in d.resume(6, "k-elsewhere", 3, "key", 1.0, key_max_in_flight=3)] == ["Repoint"]
 
 
 def test_nothing_is_left_behind_after_many_requests() -> None:

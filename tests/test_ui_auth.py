@@ -67,11 +67,12 @@ async def post_ticket(host: str, key: str | None = None, origin: str | None = No
     return await asyncio.to_thread(post)
 
 
-async def open_chat(host: str, query: str = "", key: str | None = None) -> Client | int:
+async def open_chat(host: str, query: str = "", key: str | None = None, origin: str | None = None) -> Client | int:
     """A connected client, or the HTTP status the handshake was refused with."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        ws = await websockets.connect(f"ws://{host}/v1/chat{query}", additional_headers=headers)
+        ws = await websockets.connect(f"ws://{host}/v1/chat{query}", additional_headers=headers,
+                                      origin=origin)  # type: ignore[arg-type]
     except InvalidStatus as exc:
         return exc.response.status_code
     return Client(ws)
@@ -115,6 +116,17 @@ async def test_expired_forged_and_malformed_tickets_are_refused(start_edge: Star
     client = await open_chat(host, f"?ticket={fresh['ticket']}")
     assert isinstance(client, Client), "refused handshakes did not spend the good ticket"
     await client.close()
+
+
+async def test_a_ticket_shown_to_a_refused_origin_is_spent(start_edge: StartEdge,
+                                                          create_key: Callable[..., str]) -> None:
+    """A handshake refused for its Origin used its ticket up: before, the ticket stayed live for
+    a client that sends no Origin (anything that read it, from a log or a page, got in)."""
+    key = create_key("browser")
+    host = await start_edge(auth_required=True, allowed_origins="https://app.example.com")
+    _, body = await post_ticket(host, key, origin="https://app.example.com")
+    assert await open_chat(host, f"?ticket={body['ticket']}", origin="https://evil.example.net") == 403
+    assert await open_chat(host, f"?ticket={body['ticket']}") == 401, "spent by the refused handshake"
 
 
 async def test_only_a_valid_key_gets_a_ticket(start_edge: StartEdge, create_key: Callable[..., str],

@@ -78,6 +78,23 @@ class _DenialIsComplete(logging.Filter):
         return record.getMessage() != "ASGI callable returned without completing handshake."
 
 
+class _NoQueryStrings(logging.Filter):
+    """uvicorn logs each WebSocket handshake with its path *and query string* (INFO on
+    ``uvicorn.error``, ``access_log`` or not): a refused ``?api_key=`` or a ``?ticket=`` would
+    reach the log. Every path argument of a log line keeps its path and loses its query."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(_has_query(a) for a in record.args):
+            record.args = tuple(a.split("?", 1)[0] + "?[query hidden]" if _has_query(a) else a for a in record.args)
+        return True
+
+
+def _has_query(arg: object) -> bool:
+    return isinstance(arg, str) and arg.startswith("/") and "?" in arg
+
+
+for _logger in ("uvicorn.error", "uvicorn.access"):
+    logging.getLogger(_logger).addFilter(_NoQueryStrings())
 logging.getLogger("uvicorn.error").addFilter(_DenialIsComplete())
 
 

@@ -32,6 +32,8 @@ Handshake refusals (HTTP status, ``lanes_errors_total{code}``)::
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import logging
 import secrets
@@ -207,6 +209,10 @@ class Gate:
         """Who a request to ``path`` comes from, or why it is refused (origin, key). A chat
         handshake without ``Authorization`` may bring a ``ticket`` instead (browsers)."""
         if path in self.browser_paths and not origin_allowed(headers.get("Origin"), self.allowed_origins):
+            if ticket and self.enabled and path in self.key_paths and len(ticket) <= MAX_TICKET_CHARS:
+                # Spent all the same: a ticket is worthless once shown, even to a refused handshake.
+                with contextlib.suppress(QueueUnavailable):
+                    await self.plane.fleet.take_ws_ticket(hash_key(ticket))
             return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
         needs_key = path in self.key_paths or (path in METRICS_PATHS and self.settings.protect_metrics)
         if not self.enabled or not needs_key:

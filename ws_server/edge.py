@@ -283,7 +283,8 @@ class Edge:
             # The re-point is awaited here, like a chat's enqueue: a connection's answers to its
             # control frames come back in the order it sent them.
             request_id = protocol.scoped_id(identity.key_id, frame.id)
-            actions = self.core.resume(conn, request_id, frame.last_seq, identity.key_id, now)
+            actions = self.core.resume(conn, request_id, frame.last_seq, identity.key_id, now,
+                                       identity.limits.max_in_flight)
             if request_id not in self.spans and any(isinstance(a, delivery.Repoint) for a in actions):
                 self.spans.start(request_id, "lanes.resume", **{"lanes.resumed_after": frame.last_seq})
             self.carry([a for a in actions if not isinstance(a, delivery.Repoint)])

@@ -113,13 +113,19 @@ class Delivery:
             actions.append(_send_error(entry.conn, code, message, request_id, **extra))
         return actions
 
-    def resume(self, conn: int, request_id: str, last_seq: int, key: str, now: float) -> list[Action]:
-        """A client wants the rest of a request after ``last_seq``."""
+    def resume(self, conn: int, request_id: str, last_seq: int, key: str, now: float,
+               key_max_in_flight: int = 0) -> list[Action]:
+        """A client wants the rest of a request after ``last_seq``. A request new to this edge
+        counts against the key's cap here as a chat does: else submitting on one edge and
+        resuming on another ran any number of a key's requests at once."""
         entry = self.entries.get(request_id)
         full = self.per_conn[conn] >= self.config.max_in_flight_per_connection
         if entry is None:
             if full:
                 return [self._too_many(conn, request_id)]
+            if key and key_max_in_flight and self.per_key[key] >= key_max_in_flight:
+                return [_send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT,
+                                    f"this API key may have at most {key_max_in_flight} requests in flight", request_id)]
             self._add(Entry(request_id, key, conn, Phase.RESUMING, received_at=now, next_seq=last_seq + 1,
                             last_heard_at=now))
             return [Repoint(request_id, key)]
