@@ -24,9 +24,11 @@ from lanes.ws_server.auth import (
     bearer_token,
     generate_key,
     hash_key,
+    key_id,
     origin_allowed,
     parse_csv,
 )
+from lanes.ws_server.protocol import scoped_id
 from starlette.datastructures import Headers
 from typer.testing import CliRunner
 from websockets.exceptions import InvalidStatus
@@ -200,6 +202,28 @@ async def test_handshake_needs_a_valid_bearer_key(
     cli("keys", "revoke", "svc")
     assert await handshake_status(base, key) == 401, "a revoked key is refused at the next handshake"
     await client.close()
+
+
+async def test_revoking_a_key_closes_its_open_connections_and_cancels_their_requests(
+        start_edge: StartEdge, create_key: Callable[..., str], cli: Callable[..., Any], plane: Any) -> None:
+    """Before, a connection kept its handshake's identity for as long as the client held it open."""
+    leaked, other = create_key("leaked"), create_key("other")
+    base = await start_edge(auth_required=True, key_recheck_s=0.2)
+    client, bystander = await connect(base, leaked), await connect(base, other)
+    await client.chat("queued-1", "hello")  # no worker here: it stays queued
+    assert (await first_answer(client, "queued-1"))["type"] == "accepted"
+    cli("keys", "revoke", "leaked")
+    await asyncio.wait_for(client.ws.wait_closed(), 5)
+    assert (client.ws.close_code, client.ws.close_reason) == (4003, "API key revoked")
+    request_id = plane.keys.request(scoped_id(key_id(hash_key(leaked)), "queued-1"))
+    for _ in range(50):  # the edge cancels it at once: nobody may resume it
+        if await plane.redis.hget(request_id, "state") == b"cancelled":
+            break
+        await asyncio.sleep(0.1)
+    assert await plane.redis.hget(request_id, "state") == b"cancelled"
+    await bystander.chat("still-fine", "hello")
+    assert (await first_answer(bystander, "still-fine"))["type"] == "accepted", "other keys' connections stay"
+    await bystander.close()
 
 
 async def test_lanes_chat_sends_its_api_key_and_model(start_edge: StartEdge, create_key: Callable[..., str]) -> None:

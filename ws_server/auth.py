@@ -159,6 +159,8 @@ class Identity:
     #: Human name from ``lanes keys create NAME`` (for logs and metrics).
     name: str
     limits: KeyLimits
+    #: The key's SHA-256 when it lives in Redis (where it can be revoked); "" for static keys.
+    key_hash: str = ""
 
 
 #: Every connection when auth is off: no per-key limits (the per-connection cap still holds).
@@ -288,4 +290,4 @@ class Gate:
         except msgspec.DecodeError:
             log.warning("malformed API key record %s…; refusing it", key_hash[:8])
             return None
-        return Identity(key_id(key_hash), record.name, limits_for(record, self.settings))
+        return Identity(key_id(key_hash), record.name, limits_for(record, self.settings), key_hash)

@@ -44,7 +44,7 @@ from lanes.ws_server.intake import NO_WORKER_RETRY_MS, admit_and_enqueue, known_
 from lanes.ws_server.keyguard import KeyGuard
 from lanes.ws_server.lengths import LengthEstimator
 from lanes.ws_server.routing import PoolRouter
-from lanes.ws_server.session import Session
+from lanes.ws_server.session import KEY_REVOKED_CLOSE_CODE, Session
 from lanes.ws_server.settings import EdgeSettings
 from lanes.ws_server.spans import RequestSpans, use
 from lanes.ws_server.stats import EdgeStats, StatsRelay, ship_windows
@@ -77,6 +77,8 @@ class Edge:
         self.spans = RequestSpans(self.edge_id)
         metrics.IN_FLIGHT.set_function(lambda: len(self.core.entries))  # read at each scrape
         self.sessions: dict[int, Session] = {}
+        #: The identity each open WebSocket authenticated as (checked again: ``recheck_keys``).
+        self._ws_identity: dict[int, Identity] = {}
         self.shutting_down = False
         self.chat_path = CHAT_PATH
         self.gate = Gate(settings, plane, frozenset({CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH}))
@@ -236,6 +238,32 @@ class Edge:
             self.carry(self.core.tick(time.monotonic()))
             self.spans.prune(self.core.entries)
 
+    async def recheck_keys(self) -> None:
+        """Every ``LANES_KEY_RECHECK_S``, look up the keys of the open WebSockets again; close
+        those of a revoked key (4003) and cancel their requests. Before, a connection kept the
+        identity of its handshake for as long as the client held it open."""
+        if not self.gate.enabled or self.settings.key_recheck_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.settings.key_recheck_s)
+            for key_hash in {i.key_hash for i in self._ws_identity.values() if i.key_hash}:
+                try:
+                    live = await self.gate.lookup(key_hash)
+                except QueueUnavailable:
+                    break  # the key store is down: the next round asks again
+                raise_if_cancelled()
+                if live is None:
+                    self.close_revoked(key_hash)
+
+    def close_revoked(self, key_hash: str) -> None:
+        now = time.monotonic()
+        for conn in [c for c, i in self._ws_identity.items() if i.key_hash == key_hash]:
+            del self._ws_identity[conn]
+            log.info("closing connection %d: its API key (%s…) was revoked", conn, key_hash[:8])
+            self.carry(self.core.disconnected(conn, now, grace_s=0))  # nobody may resume them
+            if (session := self.sessions.get(conn)) is not None:
+                session.close(KEY_REVOKED_CLOSE_CODE, "API key revoked")
+
     # -- socket side ---------------------------------------------------------------------
 
     async def handle_ws(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -251,6 +279,7 @@ class Edge:
         session = Session(send, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s,
                           self.settings.client_send_buffer_bytes)
         self.sessions[conn] = session
+        self._ws_identity[conn] = verdict
         writer = asyncio.create_task(session.writer())
         metrics.CONNECTIONS.inc()
         try:
@@ -258,6 +287,8 @@ class Edge:
                 message = await receive()
                 if message["type"] != "websocket.receive":
                     break  # websocket.disconnect
+                if session.closed:
+                    continue  # closed by us (a revoked key, a slow client): read to the client's close
                 text = message.get("text")
                 await self.on_frame(conn, verdict, text if text is not None else message.get("bytes") or b"")
         finally:
@@ -266,6 +297,7 @@ class Edge:
             if not self.shutting_down:  # an edge restart keeps requests resumable elsewhere
                 self.carry(self.core.disconnected(conn, time.monotonic()))
             del self.sessions[conn]
+            self._ws_identity.pop(conn, None)
             writer.cancel()
 
     async def on_frame(self, conn: int, identity: Identity, data: str | bytes) -> None:
@@ -412,7 +444,8 @@ class Edge:
         try:
             async with asyncio.TaskGroup() as group:
                 for loop in (self.read_tokens(), self.tick(), self.reload_predictor(),
-                             ship_windows(self.stats, self.plane), self.stats_relay.run()):
+                             ship_windows(self.stats, self.plane), self.stats_relay.run(),
+                             self.recheck_keys()):
                     group.create_task(loop)
                 await self._ready.wait()  # subscribed before the first connection is accepted
                 log.info("edge %s listening on ws://%s:%d%s", self.edge_id, self.settings.host, self.port,

@@ -29,6 +29,8 @@ from websockets.protocol import State
 log = logging.getLogger(__name__)
 
 SLOW_CLIENT_CLOSE_CODE = 4008
+#: The connection's API key was revoked since its handshake.
+KEY_REVOKED_CLOSE_CODE = 4003
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -67,9 +69,7 @@ class Session:
             return
         if len(self.pending) >= self.max_queue_frames and self._backed_up():
             metrics.SLOW_CLIENTS.inc()
-            self.closed = True
-            self.pending = []
-            asyncio.get_running_loop().create_task(self._close_slow())
+            self.close(SLOW_CLIENT_CLOSE_CODE, "client too slow: output buffer full")
             return
         self.pending.append(frame)
         self._wake.set()
@@ -116,26 +116,42 @@ class Session:
         out += [_text_header(len(frame)) + frame for frame in frames]
         proto.transport.write(b"".join(out))
 
-    async def _close_slow(self) -> None:
-        """Close with 4008; drop the TCP connection if the client has not read up to the close
-        frame in time (a client that stopped reading never would, and its requests would live
-        on until the keepalive ping gave up)."""
-        reason = "client too slow: output buffer full"
+    def close(self, code: int, reason: str) -> None:
+        """Close the connection now with ``code``, dropping what is still unsent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pending = []
+        self._wake.set()
+        asyncio.get_running_loop().create_task(self._close(code, reason))
+
+    async def _close(self, code: int, reason: str) -> None:
+        """Send the close frame; drop the TCP connection if the client has not read up to it in
+        time (a client that stopped reading never would, and its requests would live on until
+        the keepalive ping gave up)."""
         proto = self._proto
         if proto is None:
             try:
-                await asyncio.wait_for(self._send({"type": "websocket.close", "code": SLOW_CLIENT_CLOSE_CODE,
-                                                   "reason": reason}), self.close_timeout_s)
+                await asyncio.wait_for(self._send({"type": "websocket.close", "code": code, "reason": reason}),
+                                       self.close_timeout_s)
             except (TimeoutError, OSError, RuntimeError):
                 pass
             return
         if not proto.close_sent and not proto.transport.is_closing():
-            proto.conn.send_close(SLOW_CLIENT_CLOSE_CODE, reason)
+            proto.conn.send_close(code, reason)
             proto.transport.write(b"".join(proto.conn.data_to_send()))
             proto.close_sent = True
-        await asyncio.sleep(self.close_timeout_s)
+        # uvicorn closes the transport on the client's echo only for a close it sent itself: a
+        # client that reads gets its TCP close once it echoes, one that does not at the timeout.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.close_timeout_s
+        while not proto.disconnected and proto.conn.close_rcvd is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         if not proto.disconnected:
-            proto.transport.abort()
+            if proto.conn.close_rcvd is not None:
+                proto.transport.close()
+            else:
+                proto.transport.abort()
 
 
 def _sansio_protocol(send: Send) -> Any | None:
