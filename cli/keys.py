@@ -70,6 +70,8 @@ def create(
     burst: Annotated[Optional[int], typer.Option(help="requests at once after idling (default: the edge's)",
                                                  min=0)] = None,
     max_in_flight: Annotated[Optional[int], typer.Option(help="requests in flight (0 = unlimited)", min=0)] = None,
+    max_connections: Annotated[Optional[int], typer.Option(
+        help="WebSockets open at once per edge (0 = unlimited; default: the edge's)", min=0)] = None,
     static: Annotated[bool, typer.Option(
         "--static", help="store nothing: print the key and its hash for LANES_API_KEY_HASHES")] = False,
 ) -> None:
@@ -83,7 +85,8 @@ def create(
     async def store(fleet: Fleet) -> bool:
         if any(record.get("name") == name for _, record in await _records(fleet)):
             return False
-        await fleet.put_api_key(key_hash, encode_record(new_record(name, key, rate_per_s, burst, max_in_flight)))
+        await fleet.put_api_key(key_hash, encode_record(new_record(name, key, rate_per_s, burst, max_in_flight,
+                                                                max_connections=max_connections)))
         return True
 
     if not _with_store(store):
@@ -97,7 +100,8 @@ def create(
 def list_keys() -> None:
     """Show stored keys (name, hash prefix, hint, limits); never the keys themselves."""
     records = _with_store(_records)
-    typer.echo(f"{'name':<24} {'sha256':<14} {'hint':<12} {'rate/s':>7} {'burst':>6} {'in-flight':>9}  created")
+    typer.echo(f"{'name':<24} {'sha256':<14} {'hint':<12} {'rate/s':>7} {'burst':>6} {'in-flight':>9} "
+               f"{'conns':>7}  created")
     for key_hash, r in records:
         created = datetime.datetime.fromtimestamp(float(r.get("created_at_s") or 0.0), datetime.UTC)  # type: ignore[arg-type]
 
@@ -105,7 +109,8 @@ def list_keys() -> None:
             return "default" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
         typer.echo(f"{str(r.get('name')):<24} {key_hash[:12]:<14} {str(r.get('hint', '')):<12} "
-                   f"{show(r.get('rate_per_s')):>7} {show(r.get('burst')):>6} {show(r.get('max_in_flight')):>9}  "
+                   f"{show(r.get('rate_per_s')):>7} {show(r.get('burst')):>6} {show(r.get('max_in_flight')):>9} "
+                   f"{show(r.get('max_connections')):>7}  "
                    f"{created:%Y-%m-%d %H:%M}Z")
 
 

@@ -280,6 +280,30 @@ async def test_origin_allowlist(start_edge: StartEdge, create_key: Callable[...,
 # -- per-key limits ------------------------------------------------------------------
 
 
+async def test_a_key_may_hold_only_so_many_websockets_open(start_edge: StartEdge,
+                                                          create_key: Callable[..., str]) -> None:
+    """One tenant could open connections until the edge ran out of file descriptors."""
+    key = create_key("pool", "--max-connections", "2")
+    base = await start_edge(auth_required=True)
+    first, second = await connect(base, key), await connect(base, key)
+    with pytest.raises(InvalidStatus) as refused:
+        await connect(base, key)
+    assert refused.value.response.status_code == 429 and refused.value.response.headers["Retry-After"] == "1"
+    assert b"at most 2 WebSockets" in refused.value.response.body
+    other = await connect(base, create_key("other"))  # another key is not counted with it
+    await first.close()
+    for _ in range(50):  # the edge sees the close
+        try:
+            third = await connect(base, key)
+            break
+        except InvalidStatus:
+            await asyncio.sleep(0.05)
+    await third.chat("after", "hello")
+    assert (await first_answer(third, "after"))["type"] == "accepted"
+    for client in (second, third, other):
+        await client.close()
+
+
 async def test_rate_limited_frame_carries_retry_after(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
     key = create_key("bursty", "--rate-per-s", "1", "--burst", "2", "--max-in-flight", "0")
     base = await start_edge(auth_required=True)

@@ -131,6 +131,7 @@ class KeyRecord(msgspec.Struct, frozen=True):
     rate_per_s: float | None = None
     burst: int | None = None
     max_in_flight: int | None = None
+    max_connections: int | None = None
     #: The first characters of the key (``lanes_Ab3x``) so people can tell keys apart.
     hint: str = ""
 
@@ -145,9 +146,11 @@ def decode_record(raw: bytes) -> KeyRecord:
 
 
 def new_record(name: str, key: str, rate_per_s: float | None, burst: int | None,
-               max_in_flight: int | None, now_s: float | None = None) -> KeyRecord:
+               max_in_flight: int | None, now_s: float | None = None,
+               max_connections: int | None = None) -> KeyRecord:
     return KeyRecord(name=name, created_at_s=time.time() if now_s is None else now_s, rate_per_s=rate_per_s,
-                     burst=burst, max_in_flight=max_in_flight, hint=key[: len(KEY_PREFIX) + 4])
+                     burst=burst, max_in_flight=max_in_flight, max_connections=max_connections,
+                     hint=key[: len(KEY_PREFIX) + 4])
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,9 @@ def limits_for(record: KeyRecord | None, settings: EdgeSettings) -> KeyLimits:
     rate = record.rate_per_s if record and record.rate_per_s is not None else settings.key_rate_per_s
     burst = record.burst if record and record.burst is not None else settings.key_burst
     cap = record.max_in_flight if record and record.max_in_flight is not None else settings.key_max_in_flight
-    return KeyLimits(rate_per_s=float(rate), burst=int(burst), max_in_flight=int(cap))
+    conns = record.max_connections if record and record.max_connections is not None \
+        else settings.key_max_connections
+    return KeyLimits(rate_per_s=float(rate), burst=int(burst), max_in_flight=int(cap), max_connections=int(conns))
 
 
 @dataclass(frozen=True)
@@ -185,13 +190,19 @@ class Refusal:
     message: str
 
     def headers(self) -> dict[str, str]:
-        extra = {"WWW-Authenticate": 'Bearer realm="lanes"'} if self.status is HTTPStatus.UNAUTHORIZED else {}
+        extra = {"WWW-Authenticate": 'Bearer realm="lanes"'} if self.status is HTTPStatus.UNAUTHORIZED \
+            else {"Retry-After": "1"} if self.status is HTTPStatus.TOO_MANY_REQUESTS else {}
         return {"Cache-Control": "no-store", **extra}
 
 
 def _refusal(status: HTTPStatus, code: str, text: str) -> Refusal:
     metrics.ERRORS.labels(code).inc()
     return Refusal(status, code, text)
+
+
+def too_many_connections(limit: int) -> Refusal:
+    return _refusal(HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections",
+                    f"this API key may have at most {limit} WebSockets open on this edge; close one first")
 
 
 class Gate:

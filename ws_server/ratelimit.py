@@ -31,6 +31,8 @@ class KeyLimits:
     burst: int = 1
     #: Requests of this key in flight at once, over all its connections on this edge.
     max_in_flight: int = 0
+    #: WebSocket connections of this key open at once on this edge.
+    max_connections: int = 0
 
 
 UNLIMITED = KeyLimits()

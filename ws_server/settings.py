@@ -95,6 +95,9 @@ class EdgeSettings(RedisSettings):
     key_rate_per_s: float = Field(10.0, ge=0)
     key_burst: int = Field(20, ge=0)
     key_max_in_flight: int = Field(32, ge=0)
+    #: WebSockets one key may hold open on one edge (0 = unlimited): one tenant cannot take
+    #: every file descriptor of an edge.
+    key_max_connections: int = Field(256, ge=0)
     #: Kernel send buffer per client socket (bytes; 0 = the OS default). Linux autotunes it up
     #: to 4 MiB on a fast link, so a client that stops reading would hold ~80k frames in the
     #: kernel before the edge's queue (``max_client_queue_frames``) ever filled.
