@@ -317,6 +317,24 @@ async def test_rate_limited_frame_carries_retry_after(start_edge: StartEdge, cre
     await client.chat("rl-after-wait", "hello")
     assert (await first_answer(client, "rl-after-wait"))["type"] == "accepted"
     await client.close()
+    # A resume reads a stream back (a finished answer could be replayed without end): it costs
+    # the key's rate too.
+    again = await connect(base, key)
+    ids = ["rl-0", "rl-1", "rl-after-wait"]
+    for request_id in ids:  # three at once: the bucket holds two at most
+        await again.send({"type": "resume", "id": request_id, "last_seq": -1})
+    answers = [await first_answer(again, request_id) for request_id in ids]
+    refused = [a for a in answers if a.get("code") == "rate_limited"]
+    assert refused and all(a["retry_after_ms"] > 0 for a in refused), answers
+    await asyncio.sleep(max(a["retry_after_ms"] for a in refused) / 1000 + 0.05)
+    retried = refused[0]["id"]
+    await again.send({"type": "resume", "id": retried, "last_seq": -1})
+    for _ in range(200):
+        if len(again.frames[retried]) > 1:
+            break
+        await asyncio.sleep(0.01)
+    assert again.frames[retried][1]["type"] == "resumed", "after the wait it goes through"
+    await again.close()
 
 
 async def test_in_flight_cap_spans_the_keys_connections(start_edge: StartEdge, create_key: Callable[..., str]) -> None:

@@ -325,6 +325,12 @@ class Edge:
             # The re-point is awaited here, like a chat's enqueue: a connection's answers to its
             # control frames come back in the order it sent them.
             request_id = protocol.scoped_id(identity.key_id, frame.id)
+            # A resume reads a whole stream back (a finished answer, again and again): it costs
+            # the key's rate as a chat does.
+            if (refusal := await self.keys.rate_refusal(identity)) is not None:
+                extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
+                self._send_error(conn, ErrorCode(refusal.code.value), refusal.message, frame.id, **extra)
+                return
             actions = self.core.resume(conn, request_id, frame.last_seq, identity.key_id, now,
                                        identity.limits.max_in_flight)
             if request_id not in self.spans and any(isinstance(a, delivery.Repoint) for a in actions):
@@ -392,11 +398,12 @@ class Edge:
         """What ``GET /v1/models`` lists: the pools with live workers (and ``auto`` with rules)."""
         return self.router.model_names(await self.live_pools())
 
-    def _send_error(self, conn: int, code: ErrorCode, message: str, request_id: str | None) -> None:
+    def _send_error(self, conn: int, code: ErrorCode, message: str, request_id: str | None,
+                    **extra: object) -> None:
         metrics.ERRORS.labels(code.value).inc()
         session = self.sessions.get(conn)
         if session is not None:
-            session.send(protocol.error_frame(code, message, request_id))
+            session.send(protocol.error_frame(code, message, request_id, **extra))
 
     # -- predictor refresh ---------------------------------------------------------------
 
