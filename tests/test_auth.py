@@ -258,9 +258,11 @@ async def test_http_paths_healthz_open_metrics_protected(start_edge: StartEdge, 
         "metrics": http_get(base, "/metrics"), "depths": http_get(base, "/v1/depths"),
         "metrics+key": http_get(base, "/metrics", key), "depths+key": http_get(base, "/v1/depths", key),
         "metrics+bad": http_get(base, "/metrics", generate_key()),
+        # A pool name becomes part of a Redis key: braces (a cluster hash tag), newlines refused.
+        "depths+bad-pool": http_get(base, "/v1/depths?pool=evil%7D%0A:x", key),
     })
     assert statuses == {"healthz": 200, "dashboard": 200, "metrics": 401, "depths": 401,
-                        "metrics+key": 200, "depths+key": 200, "metrics+bad": 401}
+                        "metrics+key": 200, "depths+key": 200, "metrics+bad": 401, "depths+bad-pool": 400}
     open_metrics = await start_edge(auth_required=True, protect_metrics=False)
     assert await asyncio.to_thread(http_get, open_metrics, "/metrics") == 200
 

@@ -254,6 +254,17 @@ def test_a_body_that_is_not_json_is_400(system: System) -> None:
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{base(system)}/chat/completions", timeout=10)
     assert refused.value.code == 405
+    # Valid JSON nested too deep: refused as on the WebSocket, by a limit that names itself (it
+    # was accepted to 500 levels, and from ~2,000 called "not valid JSON": a recursion limit).
+    for depth in (40, 5000):
+        deep = ('{"model": "default", "messages": [{"role": "user", "content": "hi"}], "metadata": '
+                + "[" * depth + "]" * depth + "}")
+        post = urllib.request.Request(f"{base(system)}/chat/completions", data=deep.encode(),
+                                      headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=10)
+        body = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400 and body["message"] == "the body is nested deeper than 32 levels", depth
 
 
 def test_an_oversized_body_is_413_even_when_chunked(system: System) -> None:

@@ -24,6 +24,7 @@ from lanes.queue.errors import QueueUnavailable
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import caller_context
 from lanes.ws_server import openai_compat as oai
+from lanes.ws_server.protocol import nesting_exceeds
 from lanes.ws_server.auth import Identity, Refusal
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -120,10 +121,17 @@ def routes(edge: Edge) -> list[BaseRoute]:
             # the connection after the answer, or the server would parse it as the next request.
             response.headers["Connection"] = "close"
             return response
+        too_deep = oai.APIError(400, f"the body is nested deeper than {edge.limits.max_nesting} levels",
+                                code="invalid_json")
         try:
-            parsed = oai.parse_request(msgspec.json.decode(raw), edge.limits)
-        except (msgspec.DecodeError, RecursionError, UnicodeError):
-            return _refused_request(oai.APIError(400, "the body is not valid JSON", code="invalid_json"))
+            body = msgspec.json.decode(raw)
+            if nesting_exceeds(raw, body, edge.limits.max_nesting):  # as for a WebSocket frame
+                return _refused_request(too_deep)
+            parsed = oai.parse_request(body, edge.limits)
+        except RecursionError:  # deeper than the interpreter's recursion limit: valid JSON still
+            return _refused_request(too_deep)
+        except (msgspec.DecodeError, UnicodeError) as exc:
+            return _refused_request(oai.APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json"))
         except oai.APIError as error:
             return _refused_request(error)
         return await _complete(edge, request, verdict, parsed)

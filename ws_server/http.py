@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from lanes.queue.errors import QueueUnavailable
 from lanes.queue.keys import DEFAULT_POOL, STATS_HISTORY_LEN
+from lanes.scheduler.router.rules import POOL_NAME
 from lanes.telemetry import metrics
 from lanes.ws_server import pages
 from lanes.ws_server.auth import Refusal
@@ -60,8 +61,11 @@ def routes(edge: Edge) -> list[BaseRoute]:
     async def depths(request: Request) -> Response:
         if refusal := await guarded(request):
             return refusal_response(refusal)
+        pool = request.query_params.get("pool", DEFAULT_POOL)
+        if not POOL_NAME.fullmatch(pool):  # it becomes part of a Redis key (a hash tag's braces, newlines)
+            return _json(msgspec.json.encode({"error": "pool must be 1 to 64 of letters, digits, '_', '.', '-'"}), 400)
         try:
-            return _json(await edge.plane.fleet.depths_json(request.query_params.get("pool", DEFAULT_POOL)) or b"{}")
+            return _json(await edge.plane.fleet.depths_json(pool) or b"{}")
         except QueueUnavailable:
             return _json(b'{"error":"redis unreachable"}', 503)
 

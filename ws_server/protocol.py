@@ -110,7 +110,7 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
         raise ProtocolError(ErrorCode.INVALID_JSON, f"frame is not valid JSON: {_why_not_json(raw, exc)}") from None
     except RecursionError:  # msgspec's own nesting limit is the interpreter's recursion limit
         raise _too_deep(limits) from None
-    if _nesting_exceeds(raw, obj, limits.max_nesting):
+    if nesting_exceeds(raw, obj, limits.max_nesting):
         raise _too_deep(limits)
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.INVALID_FRAME, "frame must be a JSON object")
@@ -150,7 +150,7 @@ def _too_deep(limits: Limits) -> ProtocolError:
     return ProtocolError(ErrorCode.INVALID_JSON, f"frame is nested deeper than {limits.max_nesting} levels")
 
 
-def _nesting_exceeds(raw: bytes, obj: object, max_nesting: int) -> bool:
+def nesting_exceeds(raw: bytes, obj: object, max_nesting: int) -> bool:
     """Whether ``obj`` (decoded from ``raw``) nests containers deeper than ``max_nesting``.
 
     Counting brackets in the raw bytes (C speed) settles ordinary frames at once; only a frame
