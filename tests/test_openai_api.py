@@ -104,7 +104,7 @@ def test_arguments_passed_as_none_take_their_defaults(system: System, greedy_ref
     assert answer.choices[0].message.content == ref.text
 
 
-@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"temperature": 5}, "temperature"),
+@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"n": True}, "n"), ({"temperature": 5}, "temperature"),
                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                                          ({"max_tokens": 10**6}, "max_tokens"), ({"logprobs": True}, "logprobs"),
                                          ({"response_format": {"type": "json_object"}}, "response_format")])

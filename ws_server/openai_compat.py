@@ -86,7 +86,7 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
             allowed = " or send " + " or ".join(_enc.encode(v).decode() for v in nothing_asked[1:]) if nothing_asked[1:] else ""
             raise APIError(400, f"'{name}' is not supported: this server serves plain text chat completions; "
                            f"leave it out{allowed}", param=name, code="unsupported_parameter")
-    if body.get("n", 1) != 1:
+    if (n := body.get("n", 1)) != 1 or isinstance(n, bool):  # true == 1 in Python
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     if "max_completion_tokens" in body and "max_tokens" in body:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
