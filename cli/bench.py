@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import numpy as np
 import typer
+from lanes.cli import jsonout
 from lanes.cli.failures import writable_file
 from lanes.queue.messages import REFRESH_WINDOW
 from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
@@ -301,7 +302,7 @@ def policy(
     kwargs: dict[str, Any] = dict(num_workers=workers, capacity_rps=capacity_rps, tuning=tuning)
     results = compare(requests, engine, load, names, predictions, **kwargs)
     if as_json:
-        typer.echo(json.dumps(results, indent=2))
+        typer.echo(jsonout.dumps(results, indent=2))
     else:
         typer.echo(f"FCFS capacity {capacity_rps:.3f} req/s; offered {load:.2f} x = {load * capacity_rps:.3f} req/s; "
                    f"predictor {predictions.source}, realised tau {predictions.tau:.3f}")
@@ -356,11 +357,14 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     head = (f"{'policy':<13} {'short TTFT p50/p99 s':>21} {'<=1/5/30 s':>14} {'short E2E p99':>13} "
             f"{'long E2E p99':>12} {'mean E2E':>8} {'req/s':>6} {'max wait':>8} {'starved':>7} {'preempt':>7}")
     rows = [head]
+    def num(value: float | None, spec: str) -> str:  # a class with no requests has no figures
+        return "-" if value is None else format(value, spec)
+
     for name, r in results.items():
         s, lg, al = r["short"], r["long"], r["all"]
-        within = "/".join(f"{s[f'ttft_within_{b}s']:.2f}" for b in (1, 5, 30))
-        rows.append(f"{name:<13} {s['ttft_s_p50']:>10.2f} / {s['ttft_s_p99']:<8.1f} {within:>14} "
-                    f"{s['e2e_s_p99']:>13.1f} {lg['e2e_s_p99']:>12.1f} {al['e2e_s_mean']:>8.1f} "
+        within = "/".join(num(s[f"ttft_within_{b}s"], ".2f") for b in (1, 5, 30))
+        rows.append(f"{name:<13} {num(s['ttft_s_p50'], '.2f'):>10} / {num(s['ttft_s_p99'], '.1f'):<8} {within:>14} "
+                    f"{num(s['e2e_s_p99'], '.1f'):>13} {num(lg['e2e_s_p99'], '.1f'):>12} {al['e2e_s_mean']:>8.1f} "
                     f"{r['throughput_rps']:>6.3f} {al['max_wait_s']:>8.0f} {r.get('num_starved_vs_fcfs', 0):>7} "
                     f"{r['num_preemptions']:>7}")
     return "\n".join(rows)
@@ -374,7 +378,8 @@ def write_plot(sweep: dict[float, dict[str, dict[str, Any]]], path: Path, title:
     with figure(path, 2, width=10.0, sharey=True) as (fig, axes):
         for ax, group in zip(axes, ("short", "long"), strict=True):
             for name in sweep[loads[0]]:
-                ax.plot(loads, [sweep[x][name][group]["ttft_s_p99"] for x in loads], marker="o", label=name)
+                p99 = [sweep[x][name][group]["ttft_s_p99"] for x in loads]
+                ax.plot(loads, [float("nan") if v is None else v for v in p99], marker="o", label=name)
             ax.set(title=f"{group} requests", xlabel="offered load (x FCFS capacity)", yscale="log")
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("P99 TTFT (s)")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from lanes.cli import jsonout
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor import DEFAULT_WEIGHTS_PATH, WEIGHTS_DIR, from_weights, load_default
@@ -191,7 +192,7 @@ def generalization_report(
     if scores_out is not None:
         out = {f"{name}_tokens": np.expm1(lexical[name]).round(1).tolist() for name in groups}
         out.update({f"{name}_encoder_tokens": np.expm1(encoded[name]).round(1).tolist() for name in encoded})
-        scores_out.write_text(json.dumps(out))
+        scores_out.write_text(jsonout.dumps(out))
     return report
 
 
@@ -303,7 +304,7 @@ def cv_command(
     """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
     if encoder:
         _require_train_extra()
-    typer.echo(json.dumps(generalization_report(read_observations(data), folds, scores, encoder), indent=2))
+    typer.echo(jsonout.dumps(generalization_report(read_observations(data), folds, scores, encoder), indent=2))
 
 
 @app.command("refresh-curve")
@@ -323,7 +324,7 @@ def refresh_curve_command(
     observations = read_observations(data)
     _require_source(observations, source, data)
     kept = [o for o in observations if o.source == source or o.source not in HELD_OUT_SOURCES]
-    typer.echo(json.dumps(refresh_curve(kept, source, window, test_size, level=chat_level(data)), indent=2))
+    typer.echo(jsonout.dumps(refresh_curve(kept, source, window, test_size, level=chat_level(data)), indent=2))
 
 
 @app.command("eval")
@@ -349,7 +350,7 @@ def eval_command(
         LaneThresholds(short_max_tokens, medium_max_tokens),
     ).as_dict()
     if as_json:
-        typer.echo(json.dumps(report))
+        typer.echo(jsonout.dumps(report))
     else:
         for key, value in report.items():
             typer.echo(f"{key:28s} {value:.4f}" if isinstance(value, float) else f"{key:28s} {value}")

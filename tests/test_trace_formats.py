@@ -85,3 +85,13 @@ def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:
     failed.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,0\n")
     with pytest.raises(ValueError, match=r"no requests \(1 failed rows without an answer\)"):
         load_trace(failed)
+    # Every row at one time: no rate to scale to a load (the simulator looped forever on NaN
+    # arrivals); a length beyond a float's range is a bad value, not a traceback.
+    burst = tmp_path / "burst.jsonl"
+    burst.write_text("".join('{"timestamp": 0, "input_length": 5, "output_length": 3}\n' for _ in range(3)))
+    with pytest.raises(ValueError, match="all 3 request.s. arrive at one time"):
+        load_trace(burst)
+    huge = tmp_path / "huge.csv"
+    huge.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,1e400\n1,ChatGPT,12,3\n")
+    with pytest.raises(ValueError, match="huge.csv, line 2"):
+        load_trace(huge)

@@ -18,8 +18,10 @@ TTFT_WITHIN_S = (1, 5, 30)
 
 def _latency(result: SimResult, mask: np.ndarray) -> dict[str, Any]:
     ttft, e2e, wait = result.ttft_s[mask], result.e2e_s[mask], result.wait_s[mask]
-    if not mask.any():
-        return {}
+    if not mask.any():  # a class with no requests (no answer above the trace's p90): the same keys, empty
+        return {"num_requests": 0, "ttft_s_p50": None, "ttft_s_p99": None, "e2e_s_p50": None, "e2e_s_p99": None,
+                "e2e_s_mean": None, **{f"ttft_within_{s}s": None for s in TTFT_WITHIN_S}, "max_wait_s": None,
+                "num_wait_over_60s": 0, "num_preempted": 0}
     return {
         "num_requests": int(mask.sum()),
         "ttft_s_p50": float(np.percentile(ttft, 50)),

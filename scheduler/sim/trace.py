@@ -48,6 +48,8 @@ class Trace:
 
     def time_scaled(self, factor: float) -> Trace:
         """Arrivals ``factor`` times faster (``factor`` > 1 raises the load); tokens unchanged."""
+        if not 0 < factor < float("inf"):  # a trace without a rate: every arrival would be NaN
+            raise ValueError(f"cannot scale a trace's time by {factor} (it needs two distinct arrival times)")
         return Trace(self.arrival_s / factor, self.prompt_tokens, self.output_tokens)
 
     def all_at_once(self) -> Trace:
@@ -116,7 +118,7 @@ def _read_rows(path: str | Path, reader: csv.DictReader, time_col: str, parse_ti
             arrival.append(float(parse_time(row[time_col])))
             prompt.append(int(float(row[prompt_col])))
             output.append(tokens)
-        except (TypeError, ValueError) as exc:  # a short row gives None, a bad one text
+        except (TypeError, ValueError, OverflowError) as exc:  # a short row gives None, a bad one text, 1e400 inf
             raise ValueError(f"{path}, line {line}: {exc}") from None
     return arrival, prompt, output, skipped
 
@@ -131,7 +133,7 @@ def _read_mooncake(path: str | Path, lines: Iterable[str]) -> tuple[list[float],
             arrival.append(float(row["timestamp"]) / 1000.0)
             prompt.append(int(row["input_length"]))
             output.append(int(row["output_length"]))
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"{path}, line {line}: {exc!r}") from None
     return arrival, prompt, output, 0
 
@@ -144,6 +146,9 @@ def _finish(path: str | Path, fmt: str, arrival: list[float], prompt: list[int],
     bad = np.flatnonzero(~np.isfinite(times) | (np.asarray(prompt) < 0) | (np.asarray(output) < 0))
     if len(bad):
         raise ValueError(f"{path}: request {bad[0] + 1} has a time that is not a number or a negative token count")
+    if len(np.unique(times)) < 2:
+        raise ValueError(f"{path}: all {len(times)} request(s) arrive at one time: a trace needs two arrival times "
+                         "at least, for a rate to scale to --load")
     order = np.argsort(times, kind="stable")
     times = times[order]
     num_tied = int(np.count_nonzero(np.diff(times) == 0))
