@@ -177,7 +177,7 @@ def policy(
     predictor: Annotated[str, typer.Option(help="real (the shipped predictor on paired prompts), noise "
                          "(true x lognormal at --tau), random (the real outputs shuffled), oracle.")] = "real",
     profile: Annotated[str, typer.Option(callback=_known_profile, help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
-    load: Annotated[float, typer.Option(min=0.01, help="Offered load as a fraction of FCFS capacity.")] = 0.88,
+    load: Annotated[float, typer.Option(min=0.01, max=100.0, help="Offered load as a fraction of FCFS capacity.")] = 0.88,
     policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-static, priority, "
                                              "mlfq, lanes-oracle, oracle-2q, oracle-sjf).")] = DEFAULT_POLICIES,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by policy.")] = False,
@@ -259,8 +259,9 @@ def policy(
 
     names = [n.strip() for n in policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICY_NAMES]
-    if unknown:
-        raise typer.BadParameter(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}")
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}" if unknown
+                                 else f"name one policy at least: {', '.join(POLICY_NAMES)}", param_hint="--policy")
     loads = _loads(plot_loads) if plot is not None else []  # checked before the runs, not after
     if predictor not in PREDICTORS:
         raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
@@ -285,6 +286,11 @@ def policy(
         predictions = preds.oracle(true)
     else:
         model = _load_predictor(weights)
+        if refresh_every_s > 0 and refresh_memory_weight > 0 and model.encoder is None:
+            raise typer.BadParameter(
+                f"{weights} has no encoder, and the neighbour memory indexes the encoder's embeddings: set 0, or "
+                "use weights trained with the encoder (lanes predictor train without --lexical)",
+                param_hint="--refresh-memory-weight")
         predictions, row_prompts = _pool_predictions(prompts, true, model, prompt_source,
                                                      "shipped" if weights is None else weights.name, pairing_seed)
         if refresh_every_s > 0:
@@ -540,7 +546,7 @@ def live(
                        "Default: benchmarks/data/prompt_pool.json.")] = None,
     requests: Annotated[int, typer.Option("--requests", help="Rows of the trace replayed (the slice).")] = 400,
     start: Annotated[int, typer.Option(min=0, help="First row of the slice.")] = 0,
-    load: Annotated[float, typer.Option(min=0.01, help="Offered load as a fraction of the slice's FCFS capacity "
+    load: Annotated[float, typer.Option(min=0.01, max=100.0, help="Offered load as a fraction of the slice's FCFS capacity "
                                              "on --workers.")] = 0.9,
     workers: Annotated[int, typer.Option(min=1, help="Sim-engine worker processes.")] = 2,
     slots: Annotated[int, typer.Option(min=1, help="Slots per worker (max_num_seqs, here and in the simulator).")] = 16,

@@ -149,6 +149,10 @@ def writable_file(path: Path | None) -> Path | None:
     writable, checked before the work starts (a benchmark that ran for minutes and then could
     not write its result lost it, with a traceback)."""
     if path is not None:
+        if path.expanduser().is_dir():
+            import typer
+
+            raise typer.BadParameter(f"{path} is a directory; give a file name")
         writable_dir(path.expanduser().absolute().parent)
     return path
 

@@ -22,6 +22,7 @@ import numpy as np
 import typer
 
 from lanes.cli import jsonout
+from lanes.cli.failures import writable_dir, writable_file
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor import DEFAULT_WEIGHTS_PATH, WEIGHTS_DIR, from_weights, load_default
@@ -67,7 +68,19 @@ def load_observations(data: Path) -> list[Observation]:
     records = json.loads(data.read_text())
     if records and "instruction" in records[0]:
         return _alpaca_observations(data)
-    return [Observation(r["prompt"], int(r["output_tokens"]), str(r.get("source", ""))) for r in records]
+    return [_observation(r, i) for i, r in enumerate(records)]
+
+
+def _observation(row: dict[str, object], index: int) -> Observation:
+    """One ``{"prompt", "output_tokens"}`` row; ``ValueError`` naming the row for a prompt that is no
+    text or a length that is no non-negative whole number (as the .jsonl.gz reader refuses)."""
+    prompt, tokens = row["prompt"], row["output_tokens"]
+    if not isinstance(prompt, str):
+        raise ValueError(f"row {index}: 'prompt' must be a string, not {type(prompt).__name__}")
+    whole = isinstance(tokens, int) or (isinstance(tokens, float) and tokens.is_integer())
+    if isinstance(tokens, bool) or not whole or tokens < 0:  # type: ignore[operator]
+        raise ValueError(f"row {index}: 'output_tokens' must be a non-negative whole number, not {tokens!r}")
+    return Observation(prompt, int(tokens), str(row.get("source", "")))  # type: ignore[arg-type]
 
 
 def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
@@ -75,7 +88,7 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     that names the flag, the file and the formats it may hold (no traceback)."""
     try:
         observations = load_observations(data)
-    except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError, OverflowError) as exc:
         raise typer.BadParameter(f"{data}: expected a JSON list [{{'prompt', 'output_tokens'}}], AlpacaEval "
                                  f"model_outputs.json or a .jsonl.gz data set from build-data "
                                  f"({type(exc).__name__}: {exc})", param_hint=flag) from exc
@@ -108,7 +121,8 @@ def _require_source(observations: list[Observation], source: str, data: Path, fl
     """``flag`` must name a source of the data set: else a usage error listing them."""
     found = sorted({o.source for o in observations})
     if source not in found:
-        raise typer.BadParameter(f"{data} has no source {source!r} (it has: {', '.join(found)})", param_hint=flag)
+        has = f"it has: {', '.join(found)}" if any(found) else "its rows name no source"
+        raise typer.BadParameter(f"{data} has no source {source!r} ({has})", param_hint=flag)
 
 
 def chat_level(data: Path) -> float:
@@ -222,8 +236,8 @@ def refresh_curve(
 @app.command("build-data")
 def build_data_command(
     raw: Path = typer.Option(..., exists=True, file_okay=False, help="folder of public copies: RAW/<owner>/<repo>/<path> (docs/predictor-data.md)"),
-    out: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set to write (.jsonl.gz)"),
-    pool: Path = typer.Option(DEFAULT_POOL_PATH, help="held-out prompt pool to write (JSON)"),
+    out: Path = typer.Option(DEFAULT_DATASET_PATH, help="data set to write (.jsonl.gz)", callback=writable_file),
+    pool: Path = typer.Option(DEFAULT_POOL_PATH, help="held-out prompt pool to write (JSON)", callback=writable_file),
 ) -> None:
     """Rebuild the predictor's data set and the simulator's held-out prompt pool (needs quicktok-v1)."""
     from lanes.scheduler.predictor.data import write_examples
@@ -247,7 +261,7 @@ def build_data_command(
 @app.command("train")
 def train_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) written by build-data"),
-    out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights"),
+    out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights", callback=writable_dir),
     leave_out: list[str] = typer.Option([], help="also leave this source out (repeatable): a base for "
                                         "`lanes bench policy --weights --prompt-source --refresh-every-s`"),
     encoder: bool = typer.Option(True, "--encoder/--lexical", help="fine-tune the encoder blended with the lexical "
@@ -295,8 +309,9 @@ def train_command(
 @app.command("cv")
 def cv_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) or a JSON list with sources"),
-    folds: int = typer.Option(5, help="in-source CV folds"),
-    scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)"),
+    folds: int = typer.Option(5, min=2, help="in-source CV folds"),
+    scores: Path | None = typer.Option(None, help="also write the out-of-fold predicted tokens here (JSON)",
+                                       callback=writable_file),
     encoder: bool = typer.Option(False, "--encoder/--lexical", help="cross-validate the shipped blend: fine-tune "
                                  "an encoder per fold too (needs pip install -e '.\\[train]'; about an hour on two "
                                  "cores) instead of the lexical model alone (minutes)"),
@@ -331,13 +346,16 @@ def refresh_curve_command(
 def eval_command(
     data: Path = typer.Option(..., exists=True, dir_okay=False, help="JSON file: [{prompt, output_tokens}], AlpacaEval outputs or a data set"),
     weights: Path | None = typer.Option(None, exists=True, dir_okay=False, help="weights .npz (default: the committed model)"),
-    short_max_tokens: int = typer.Option(DEFAULT_ROUTING.short_max_tokens,
+    short_max_tokens: int = typer.Option(DEFAULT_ROUTING.short_max_tokens, min=1,
                                          help="misroute rates at the edges' default thresholds (LANES_SHORT_MAX_TOKENS)"),
-    medium_max_tokens: int = typer.Option(DEFAULT_ROUTING.medium_max_tokens, help="LANES_MEDIUM_MAX_TOKENS"),
+    medium_max_tokens: int = typer.Option(DEFAULT_ROUTING.medium_max_tokens, min=1, help="LANES_MEDIUM_MAX_TOKENS"),
     source: str | None = typer.Option(None, help="only this source's prompts (a data set from build-data, e.g. ifeval)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Kendall tau, Spearman, misroute rates and p50/p99 latency of a model on ``--data``."""
+    if medium_max_tokens < short_max_tokens:
+        raise typer.BadParameter(f"{medium_max_tokens} is below --short-max-tokens {short_max_tokens}",
+                                 param_hint="--medium-max-tokens")
     observations = read_observations(data)
     if source is not None:
         _require_source(observations, source, data)

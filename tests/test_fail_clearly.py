@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from lanes.cli.failures import safe_url
+from lanes.scheduler.predictor import DEFAULT_WEIGHTS_PATH
 
 REFUSED_REDIS = "redis://:hunter2@127.0.0.1:1/0"
 
@@ -315,7 +316,22 @@ def test_tool_mistakes_are_one_line(redis_url: str, tmp_path) -> None:
     rules.write_bytes('pools = ["small"]'.encode("utf-16"))  # Notepad's "Unicode"
     garbage = tmp_path / "weights.npz"
     garbage.write_text("not weights")
+    negative, null_prompt, ok = tmp_path / "negative.json", tmp_path / "null.json", tmp_path / "ok.json"
+    negative.write_text('[{"prompt": "hi", "output_tokens": -5}]')
+    null_prompt.write_text('[{"prompt": null, "output_tokens": 5}]')
+    ok.write_text('[{"prompt": "hi", "output_tokens": 3, "source": "a"}, {"prompt": "yo", "output_tokens": 9, "source": "b"}]')
+    burst = tmp_path / "burst.jsonl"
+    burst.write_text('{"timestamp": 0, "input_length": 5, "output_length": 3}\n' * 3)
     cases = [
+        # Accepted before (a tau of -1 for a negative length) or a traceback (a null prompt).
+        (("predictor", "eval", "--data", str(negative)), {}, "must be a non-negative whole number, not -5"),
+        (("predictor", "eval", "--data", str(null_prompt)), {}, "'prompt' must be a string"),
+        (("predictor", "eval", "--data", str(ok), "--short-max-tokens", "800", "--medium-max-tokens", "100"), {},
+         "is below --short-max-tokens"),
+        # After the whole cross-validation, a traceback; the taus were lost.
+        (("predictor", "cv", "--data", str(ok), "--scores", "/proc/nope/oof.json"), {}, "cannot create the directory"),
+        (("predictor", "cv", "--data", str(ok), "--folds", "1"), {}, "--folds"),
+        (("bench", "policy", "--trace", str(burst)), {}, "arrive at one time"),  # looped forever
         (("edge",), {"LANES_ROUTING_FILE": str(rules)}, "not UTF-8 text"),
         (("predictor", "eval", "--weights", str(garbage), "--data", str(tmp_path / "none.json")), {}, None),
         (("bench", "policy", "--plot", "/proc/no/such.png"), {}, "cannot create the directory /proc/no"),
@@ -334,6 +350,15 @@ def test_tool_mistakes_are_one_line(redis_url: str, tmp_path) -> None:
     assert out.returncode == 2 and "not a predictor weights file" in out.stderr, out.stderr[-1500:]
     assert "allow_pickle" not in out.stderr, "numpy's advice to load untrusted pickles is not passed on"
     no_traceback(out)
+    # A truncated archive (zipfile's BadZipFile was a traceback) and a JSON file (numpy called it
+    # "pickled data"): one line each.
+    truncated, as_json = tmp_path / "truncated.npz", tmp_path / "weights.json"
+    truncated.write_bytes(DEFAULT_WEIGHTS_PATH.read_bytes()[:300_000])
+    as_json.write_text('{"weights": [1, 2]}')
+    for weights, words in ((truncated, "File is not a zip file"), (as_json, "not an .npz archive")):
+        out = lanes("predictor", "eval", "--weights", str(weights), "--data", str(data))
+        assert out.returncode == 2 and words in out.stderr and "pickled" not in out.stderr, out.stderr[-1500:]
+        no_traceback(out)
 
 
 @pytest.mark.parametrize(("query", "words"), [

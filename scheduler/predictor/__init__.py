@@ -187,6 +187,11 @@ def from_weights(path: Path) -> LengthPredictor:
     Raises ``WeightsError`` on a bad file.
     """
     try:
+        with open(path, "rb") as head:
+            if head.read(4) != b"PK\x03\x04":  # not a zip: numpy would call it pickled data
+                raise WeightsError(f"cannot read predictor weights {path}: not an .npz archive (not a predictor "
+                                   "weights file: give one `lanes predictor train` wrote, or leave it out for "
+                                   "the shipped weights)")
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["header_json"]))
             arrays = {key: data[key] for key in data.files if key != "header_json"}
@@ -203,7 +208,7 @@ def from_weights(path: Path) -> LengthPredictor:
         memory = NeighbourMemory.from_arrays(meta["memory"], arrays) if "memory" in meta else None
         return LengthPredictor(model, info, encoder, float(named["weight"]), memory,
                                float(meta["memory"]["weight"]) if memory is not None else 0.0)
-    except (KeyError, TypeError, ValueError, OSError) as exc:
+    except (KeyError, TypeError, ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:  # a truncated archive
         if isinstance(exc, WeightsError):
             raise
         words = str(exc).split(". ")[0] if "allow_pickle" in str(exc) else str(exc)  # numpy's advice is not ours
