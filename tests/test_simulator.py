@@ -263,6 +263,25 @@ def test_pairing_reuses_each_prompt_evenly_and_keeps_rank() -> None:
         predictions.pair_prompts(trace_tokens, np.array([]))
 
 
+def test_fewer_rows_than_prompts_get_the_closest_distinct_prompts() -> None:
+    """Rank matching spread a slice's rows over the pool's quantiles: rows of 300-320 tokens got
+    prompts of 7, 261 and 460 though prompts of exactly their lengths were there. Checked against
+    every assignment of distinct prompts on small random cases."""
+    import itertools
+
+    pool = np.array([7, 173, 261, 300, 310, 320, 423, 460, 561] * 3)
+    assert list(pool[predictions.pair_prompts(np.array([320, 300, 310]), pool)]) == [320, 300, 310]
+    assert sorted(pool[predictions.pair_prompts(np.array([100] * 5), pool)]) == [7] * 2 + [173] * 3
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 5))
+        rows, prompts = rng.integers(0, 60, n), rng.integers(0, 60, int(rng.integers(n + 1, 8)))
+        paired = predictions.pair_prompts(rows, prompts)
+        assert len(set(paired.tolist())) == n, "each prompt at most once"
+        best = min(np.abs(rows - prompts[list(c)]).sum() for c in itertools.permutations(range(len(prompts)), n))
+        assert np.abs(rows - prompts[paired]).sum() == best
+
+
 def test_a_pairing_seed_breaks_length_ties_at_random_and_keeps_the_pairing_as_close() -> None:
     trace_tokens = np.array([10] * 6 + [500] * 6)
     pool = np.array([10, 10, 10, 500, 500, 500])

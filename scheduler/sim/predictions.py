@@ -44,8 +44,16 @@ class Predictions:
 
 
 def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray, seed: int | None = None) -> np.ndarray:
-    """Index into the pool for each trace row: rank-matched, each prompt used evenly
-    (``floor`` or ``ceil`` of rows / prompts times). Raises ``ValueError`` on an empty pool.
+    """Index into the pool for each trace row: the prompt whose known length is closest, each
+    prompt used evenly (``floor`` or ``ceil`` of rows / prompts times). Raises ``ValueError`` on
+    an empty pool.
+
+    With at least as many rows as prompts, rank matching is the closest even pairing. With fewer
+    (a ``--requests`` slice, the live benchmark's 400 rows) each prompt is used at most once, and
+    rank matching would spread the rows over the pool's quantiles (three rows of 300-320 tokens
+    got prompts of 7, 261 and 460 where prompts of 300, 310 and 320 exist): the rows then take the
+    order-preserving choice of distinct prompts with the least total length difference
+    (``_closest_distinct``).
 
     Rows and prompts of equal length keep their order; with ``seed``, ties on both sides are
     broken at random instead (another pairing just as close, to measure what the choice among
@@ -61,8 +69,39 @@ def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray, seed: int | 
         rng = np.random.default_rng(seed)
         rows, pool_order = (np.lexsort((rng.random(len(x)), x)) for x in (trace_tokens, pool_tokens))
     paired = np.empty(n, dtype=np.int64)
-    paired[rows] = pool_order[(np.arange(n) * m) // n]
+    if n >= m:
+        paired[rows] = pool_order[(np.arange(n) * m) // n]
+    else:
+        chosen = _closest_distinct(np.asarray(trace_tokens, float)[rows], np.asarray(pool_tokens, float)[pool_order])
+        paired[rows] = pool_order[chosen]
     return paired
+
+
+def _closest_distinct(rows: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """For sorted ``rows`` (n) and sorted ``pool`` (m > n): increasing pool positions, one per
+    row, minimizing the sum of ``|row - prompt|`` (for sorted sequences an order-preserving
+    matching is optimal). Dynamic programme over each row's m - n + 1 feasible positions."""
+    n, width = len(rows), len(pool) - len(rows) + 1
+    offsets = np.arange(width)
+    best = np.abs(rows[0] - pool[offsets])  # row 0 at position k
+    came_from = np.zeros((n, width), dtype=np.int32)
+    for i in range(1, n):
+        # Row i at position i + k: row i - 1 at some i - 1 + k' with k' <= k.
+        prefix_min = np.minimum.accumulate(best)
+        came_from[i] = _running_argmin(best)
+        best = prefix_min + np.abs(rows[i] - pool[i + offsets])
+    chosen = np.empty(n, dtype=np.int64)
+    k = int(np.argmin(best))
+    for i in range(n - 1, -1, -1):
+        chosen[i] = i + k
+        k = int(came_from[i][k]) if i else k
+    return chosen
+
+
+def _running_argmin(values: np.ndarray) -> np.ndarray:
+    """Index of the minimum of ``values[:k + 1]`` for each k (the first, on ties)."""
+    is_new = np.concatenate(([True], values[1:] < np.minimum.accumulate(values)[:-1]))
+    return np.maximum.accumulate(np.where(is_new, np.arange(len(values)), 0))
 
 
 def predict_prompts(predict: Callable[[Sequence[ChatMessage], int], int], prompts: Sequence[str], max_tokens: int,
