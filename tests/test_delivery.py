@@ -262,6 +262,11 @@ def test_caps_per_connection_and_per_key() -> None:
     assert d.open_chat(2, "k0", "key", 2, 0.0)[0] and d.open_chat(3, "k1", "key", 2, 0.0)[0]
     ok, out = d.open_chat(4, "k2", "key", 2, 0.0)
     assert not ok and "API key" in frames(out)[0]["message"]
+    # Counted with the other refusals (they reached no metric and no dashboard before).
+    assert [(a.outcome, a.refused) for a in out if isinstance(a, Finished)] == [("too_many_in_flight", True)]
+    ok, out = d.open_chat(5, "k0", "other-key", 0, 0.0)  # the id is in flight here: a duplicate
+    assert not ok and [(a.request_id, a.outcome) for a in out if isinstance(a, Finished)] == [("k0", "duplicate_id")]
+    assert "k0" in d.entries
     # Taking over a request another connection holds counts against the cap too (it did not:
     # a full connection could gather any number that way).
     open_accepted(d, 5, "other")

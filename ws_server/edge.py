@@ -110,10 +110,14 @@ class Edge:
                 self.stats.first_token(action.lane, action.ttft_s, pool)
                 self.spans.first_token(action)
             elif isinstance(action, delivery.Finished):
-                pool = self._pool_of.pop(action.request_id, metrics.NO_POOL)
+                # A chat refused as a duplicate of a request still in flight here: that one's
+                # pool and span are not this refusal's.
+                live = action.refused and action.request_id in self.core.entries
+                pool = metrics.NO_POOL if live else self._pool_of.pop(action.request_id, metrics.NO_POOL)
                 _record(action, pool)
                 self.stats.finished(action, pool)
-                self.spans.finished(action, pool)
+                if not live:
+                    self.spans.finished(action, pool)
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
             elif isinstance(action, delivery.CancelRequest):

@@ -78,7 +78,10 @@ class Delivery:
             refusal = (ErrorCode.TOO_MANY_IN_FLIGHT,
                        f"this API key may have at most {key_max_in_flight} requests in flight")
         if refusal is not None:
-            return False, [_send_error(conn, refusal[0], refusal[1], request_id)]
+            # Counted with the other refusals (metrics, the dashboard); a duplicate's id is still
+            # in flight here, which the shell must not take for this refusal's end.
+            return False, [Finished(request_id, NO_LANE, refusal[0].value, refused=True),
+                           _send_error(conn, refusal[0], refusal[1], request_id)]
         self._add(Entry(request_id, key, conn, Phase.OPENING, received_at=now, last_heard_at=now))
         return True, []
 
