@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from lanes.queue.backoff import Backoff
 from lanes.queue.connection import raise_if_cancelled
@@ -90,7 +91,7 @@ class Scheduler:
         while True:
             worker = ArqWorker(
                 functions=[],
-                cron_jobs=[cron(refresh_predictor, minute=set(range(0, 60, every)), unique=True, timeout=300)],
+                cron_jobs=[refresh_cron(self.settings.key_prefix, every, cron)],
                 redis_settings=_arq_redis_settings(ArqRedisSettings, self.settings.redis_url),
                 queue_name=f"{self.settings.key_prefix}:arq",
                 ctx=self._refresh_ctx(),
@@ -379,3 +380,12 @@ def _arq_redis_settings(cls: type, url: str) -> object:
             value = values[-1]
             extra[name] = {"true": True, "false": False}.get(value.lower(), value)
     return replace(settings, **extra) if extra else settings
+
+
+def refresh_cron(key_prefix: str, every_minutes: int, cron: Callable[..., Any]) -> Any:
+    """arq's cron job for the predictor refresh, named for the deployment: arq's job keys
+    (``arq:job:``, ``arq:in-progress:``) are not under our prefix, and a unique cron job's id is
+    its name and tick, so two deployments sharing one Redis by ``LANES_KEY_PREFIX`` took each
+    other's ticks, and one of them never refreshed."""
+    return cron(refresh_predictor, name=f"cron:refresh_predictor:{key_prefix}", minute=set(range(0, 60, every_minutes)),
+                unique=True, timeout=300)

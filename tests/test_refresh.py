@@ -230,3 +230,36 @@ async def test_observations_are_read_in_pages(plane: QueuePlane) -> None:
     newest = await plane.fleet.observations(fleet.MAX_OBSERVATIONS)
     assert [o.output_tokens for o in newest] == list(range(2499, -1, -1)), "every entry once, newest first"
     assert [o.output_tokens for o in await plane.fleet.observations(1500)] == list(range(2499, 999, -1))
+
+
+async def test_two_deployments_on_one_redis_each_take_their_refresh_tick(redis_url: str) -> None:
+    """arq's job keys are not under LANES_KEY_PREFIX and a unique cron job's id is its name and
+    tick: with one name for every deployment, the second to enqueue a tick found the first's job
+    and skipped it, so one of two deployments sharing a Redis never refreshed."""
+    import datetime
+    import uuid
+
+    from arq.connections import RedisSettings as ArqRedisSettings
+    from arq.connections import create_pool
+    from arq.cron import cron
+    from arq.worker import Worker as ArqWorker
+    from lanes.scheduler.service import refresh_cron
+
+    tick = datetime.datetime(2030, 1, 1, 0, 5, tzinfo=datetime.UTC)  # the same tick for both
+    pool = await create_pool(ArqRedisSettings.from_dsn(redis_url))
+    queues = []
+    try:
+        for prefix in (f"alpha{uuid.uuid4().hex[:6]}", f"beta{uuid.uuid4().hex[:6]}"):
+            queue = f"{prefix}:arq"
+            worker = ArqWorker(functions=[], cron_jobs=[refresh_cron(prefix, 5, cron)], redis_pool=pool,
+                               queue_name=queue, handle_signals=False)
+            worker.cron_jobs[0].next_run = tick
+            await worker.run_cron(tick, delay=0.5)
+            queues.append(queue)
+        assert [await pool.zcard(q) for q in queues] == [1, 1], "each deployment queued its own refresh"
+    finally:
+        for queue in queues:
+            for job in await pool.zrange(queue, 0, -1):
+                await pool.delete(b"arq:job:" + job)
+            await pool.delete(queue)
+        await pool.aclose()
