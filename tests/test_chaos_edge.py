@@ -129,10 +129,20 @@ async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
         response = conn.getresponse()
         whole.append((response.status, response.getheader("Retry-After"), json.loads(response.read())))
 
+    dashboard: list[bytes] = []
+
+    def stats_stream() -> None:  # the dashboard's stream must end too (it held the shutdown 2 s, then an ERROR)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=scaled(60))
+        conn.request("GET", "/v1/stats/stream")
+        response = conn.getresponse()
+        dashboard.extend(response)
+
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     completer = threading.Thread(target=complete, daemon=True)
     completer.start()
+    watcher = threading.Thread(target=stats_stream, daemon=True)
+    watcher.start()
     deadline = time.monotonic() + scaled(60)
     while len(ws.deltas(rid)) < 3 or sum('"content":"' in line for line in lines) < 3:
         assert time.monotonic() < deadline, "the answers did not start streaming"
@@ -146,6 +156,7 @@ async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
         await asyncio.to_thread(reader.join, scaled(30))
         ended_s = time.monotonic() - stopped_at
         await asyncio.to_thread(completer.join, scaled(30))
+        await asyncio.to_thread(watcher.join, scaled(5))
         await asyncio.wait_for(ws._reader, scaled(10))
         await asyncio.sleep(1.0)  # past the 0.3 s grace
     finally:
@@ -154,6 +165,10 @@ async def test_sigterm_ends_openai_streams_clearly_and_keeps_websocket_requests(
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["code"] == "unavailable" and "shutting down" in error["message"], error
     assert ended_s < scaled(1.5), ended_s
+    assert not watcher.is_alive() and dashboard and dashboard[0].startswith(b"retry:"), "the stats stream ended"
+    assert sys_.log_dir is not None
+    edge_log = (sys_.log_dir / "edge_d.log").read_text()
+    assert "ERROR" not in edge_log and "Traceback" not in edge_log, edge_log[-2000:]
     # The whole-answer request gets a 503 that says when to retry (before: no Retry-After).
     assert whole and whole[0][0] == 503 and whole[0][2]["error"]["code"] == "unavailable", whole
     assert whole[0][1] is not None and int(whole[0][1]) >= 1, whole

@@ -388,6 +388,7 @@ class Edge:
         no resume: each ends now with ``unavailable`` (a stream: an error event and ``[DONE]``;
         before, it was cut mid-answer when the graceful shutdown ran out), its request cancelled."""
         self.shutting_down = True
+        self.stats_relay.close()  # the dashboard's streams end (it reconnects to another edge)
         for session in list(self.sessions.values()):
             if (interrupt := getattr(session, "interrupt", None)) is not None:
                 interrupt("the edge is shutting down; retry (another edge will take it)")

@@ -117,13 +117,20 @@ class StatsRelay:
     def __init__(self, plane: QueuePlane) -> None:
         self.plane = plane
         self._queues: set[asyncio.Queue[bytes]] = set()
+        self.closed = False
 
     async def run(self) -> None:
         async for _, data in listen(self.plane.redis, [self.plane.keys.stats_channel], Backoff("stats channel", log)):
             for queue in self._queues:
-                if queue.full():  # a client that does not read loses its oldest samples, not the edge
-                    queue.get_nowait()
-                queue.put_nowait(data)
+                _put(queue, data)
+
+    def close(self) -> None:
+        """The edge is stopping: every open stream ends now (the dashboard reconnects to another
+        edge). Before, each held the graceful shutdown up to its timeout, which then cancelled it
+        with an ERROR and a traceback."""
+        self.closed = True
+        for queue in self._queues:
+            _put(queue, _END)
 
     @contextlib.contextmanager
     def subscription(self) -> Iterator[asyncio.Queue[bytes]]:
@@ -133,6 +140,16 @@ class StatsRelay:
             yield queue
         finally:
             self._queues.discard(queue)
+
+
+#: Put in a stream's queue by ``StatsRelay.close``: the stream ends.
+_END = b""
+
+
+def _put(queue: asyncio.Queue[bytes], data: bytes) -> None:
+    if queue.full():  # a client that does not read loses its oldest samples, not the edge
+        queue.get_nowait()
+    queue.put_nowait(data)
 
 
 def sse_event(at_ms: int, data: bytes) -> bytes:
@@ -152,12 +169,14 @@ async def sse_stream(relay: StatsRelay, plane: QueuePlane, after_ms: int) -> Asy
         for at_ms, data in await plane.fleet.stats_history(after_ms):
             newest_ms = at_ms
             yield sse_event(at_ms, data)
-        while True:
+        while not relay.closed:
             try:
                 data = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
             except TimeoutError:
                 yield b": keep-alive\n\n"
                 continue
+            if data is _END:
+                return
             try:
                 at_ms = sample_time_ms(data)
             except msgspec.DecodeError:
