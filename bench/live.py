@@ -6,7 +6,8 @@ Method
 ------
 1. **The slice.** ``--requests`` rows of the trace from row ``--start``. Each row is paired
    with a prompt of ``--prompts`` exactly as ``lanes bench policy`` does
-   (``sim.predictions.pair_prompts``: rank-matched by known answer length), and the shipped
+   (``sim.predictions.pair_prompts``: the closest known answer length, each prompt used
+   evenly; a slice shorter than the pool uses each prompt at most once), and the shipped
    predictor's output on that prompt (with ``max_tokens`` 4096, ``SIM_MAX_TOKENS``) is the
    prediction the simulator uses; the live edges run the same predictor on the same text.
 2. **Prompt and answer lengths.** A request carries a system message of filler before the
@@ -31,9 +32,11 @@ Method
    the default of ``lanes bench policy``). ``--chunked-prefill-tokens 0`` runs vLLM v0's
    iterations on both sides instead (8,192 prompt tokens a prefill, the 8 s FCFS-below bound),
    as every table before stop 35 did.
-   ``lanes`` runs with the simulator's tuning (``sim.policies.LanesTuning``): the routing
-   threshold the simulator calibrates on the slice (``LANES_SHORT_MAX_TOKENS`` =
-   ``LANES_MEDIUM_MAX_TOKENS``: two lanes) and the shipped defaults for the rest
+   ``lanes`` runs with the simulator's tuning (``sim.policies.LanesTuning``): a routing
+   threshold fitted, as the scheduler's refresh fits it, on (prediction, length) pairs of
+   prompts the requests do not use, the pool's unused ones (the slice's own first rows when it
+   uses the whole pool), shared by both sides (``LANES_SHORT_MAX_TOKENS`` =
+   ``LANES_MEDIUM_MAX_TOKENS``: two lanes), and the shipped defaults for the rest
    (``live_policy``: long / medium + long slot shares 75 % / 95 %, 10 % of slots guaranteed
    to the long lane after 20 s, FCFS across lanes while the short lane waited < 4 s (the bound
    for engines that chunk prefill), demotion
@@ -78,6 +81,7 @@ from lanes.scheduler.live_policy import (
     fcfs_below_ms_for,
     share_of_slots,
 )
+from lanes.scheduler.policy import NO_BOUND_TOKENS, LaneThresholds, RoutingCalibration, routing_from_observations
 from lanes.scheduler.sim.engine import EngineConfig
 from lanes.scheduler.sim.noise import kendall_tau
 from lanes.scheduler.sim.policies import SIM_MAX_TOKENS, LanesTuning, make_policy
@@ -110,6 +114,10 @@ class Plan:
     tuning: LanesTuning
     routing_max_tokens: int
     share_long_lane: float
+    #: Where the lanes' threshold was fitted: the pool's prompts the slice does not use
+    #: (``held-out``), or the slice's own first rows (``in-slice``: the pool is all used).
+    calibrated_on: str = "in-slice"
+    num_calibration: int = 0
 
 
 def engine_config(profile: str, slots: int, chunked_prefill_tokens: int = MAX_NUM_BATCHED_TOKENS) -> EngineConfig:
@@ -138,9 +146,28 @@ def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict
     sliced = Trace(trace.arrival_s - trace.arrival_s[0], prompt_tokens, trace.output_tokens)
     capacity = fcfs_capacity_rps(sliced, engine, workers)
     scaled = sliced.time_scaled(load * capacity / sliced.rate_rps)
-    lanes = make_policy("lanes", scaled, predicted, engine.max_num_seqs, predictor_ms=predictor_ms, tuning=tuning)
+    # The threshold, as the scheduler's refresh fits it on finished requests it does not route:
+    # on the pool's prompts the slice leaves unused, with their known lengths. Fitted on the
+    # slice's own first 20 % (80 rows of 400: some 40 short answers for a 0.5 % budget), it sent
+    # 11 of the slice's 208 short answers long, and those set the short P99 (stop 39).
+    held_out = sorted(set(range(len(pool_prompts))) - set(used))
+    routing = None
+    if len(held_out) >= len(trace):
+        held_tokens, _ = predict_prompts(predict, [pool_prompts[i] for i in held_out], SIM_MAX_TOKENS)
+        fitted = routing_from_observations(np.rint(held_tokens).tolist(), pool_tokens[held_out].astype(int).tolist(),
+                                           RoutingCalibration(tuning.max_short_to_long, tuning.short_quantile, 1))
+        routing = [fitted or LaneThresholds(NO_BOUND_TOKENS, NO_BOUND_TOKENS)] * len(trace)
+    lanes = make_policy("lanes", scaled, predicted, engine.max_num_seqs, predictor_ms=predictor_ms, tuning=tuning,
+                        routing=routing)
+    short_max = routing[0].short_max_tokens if routing else int(lanes.info["routing_short_max"])
     return Plan(scaled, prompts, pad, predicted, predictor_ms, kendall_tau(trace.output_tokens, predicted), engine,
-                workers, load, capacity, tuning, int(lanes.info["routing_short_max"]), lanes.info["share_long_lane"])
+                workers, load, capacity, tuning, int(short_max), lanes.info["share_long_lane"],
+                "held-out" if routing else "in-slice", len(held_out) if routing else 0)
+
+
+def routing_of(p: Plan) -> list[LaneThresholds]:
+    """The lanes' thresholds of every request of the plan (what the live edges are given)."""
+    return [LaneThresholds(p.routing_max_tokens, p.routing_max_tokens)] * len(p.trace)
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -171,7 +198,7 @@ def simulate(p: Plan) -> dict[str, dict[str, Any]]:
     out = {}
     for name in POLICIES:
         policy = make_policy(name, p.trace, p.predicted, p.engine.max_num_seqs, predictor_ms=p.predictor_ms,
-                             tuning=p.tuning)
+                             tuning=p.tuning, routing=routing_of(p) if name == "lanes" else None)
         result = run_policy(p.trace, policy, p.engine, p.workers)
         out[name] = metrics(result.arrival_s, result.first_token_s, result.finish_s, p.trace.output_tokens)
         out[name]["num_preemptions"] = int(result.num_preemptions.sum())
@@ -378,4 +405,5 @@ def run(p: Plan, *, time_scale: float, num_edges: int = 2, num_clients: int = 32
                        "time_scale": time_scale, "edges": num_edges, "clients": num_clients,
                        "trace_span_s": span_s, "predictor_tau": p.tau, "routing_long_above_tokens":
                        p.routing_max_tokens, "share_long_lane": p.share_long_lane,
+                       "routing_calibrated_on": p.calibrated_on, "routing_num_calibration": p.num_calibration,
                        "times": "trace time (wall x time_scale), ms"}}

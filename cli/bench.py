@@ -586,7 +586,9 @@ def live(
     typer.echo(f"slice rows {start}..{start + requests - 1}: FCFS capacity {plan.capacity_rps:.3f} req/s on {workers} x {slots} "
                f"slots; offered {plan.trace.rate_rps:.3f} req/s over {plan.trace.duration_s:.0f} s of trace time "
                f"(~{plan.trace.duration_s / time_scale:.0f} s wall per policy); predictor tau {plan.tau:.2f}, "
-               f"long lane above {plan.routing_max_tokens} tokens ({plan.share_long_lane:.0%})", err=True)
+               f"long lane above {plan.routing_max_tokens} tokens ({plan.share_long_lane:.1%}; fitted on "
+               + (f"{plan.num_calibration} pool prompts the slice does not use)" if plan.calibrated_on == "held-out"
+                  else "the slice's first rows: the slice uses the whole pool)"), err=True)
     result = bench_live.run(plan, time_scale=time_scale, num_edges=edges, num_clients=clients, policies=names)
     if as_json or json_file is not None:
         write_json(json_file, result)
