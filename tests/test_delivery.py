@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import Finish, FinishReason, TokenEvent, Usage
 from lanes.ws_server.delivery import (
     CancelRequest,
@@ -323,3 +324,23 @@ def test_two_keys_may_use_the_same_id_and_frames_carry_the_clients_id() -> None:
     assert d.entries == {} and not d.per_key
     # Without auth (key id "") the id is used as sent: one anonymous namespace.
     assert scoped_id("", "q1") == client_id("q1") == "q1"
+
+
+def test_a_chat_whose_connection_leaves_without_grace_during_its_enqueue_is_cancelled_once_enqueued() -> None:
+    """An HTTP client gone, or a revoked key's connection closed, while the chat is being
+    admitted: forgotten at once, the request was enqueued all the same and ran with nobody
+    listening (the cancel sent first found nothing in Redis). It is cancelled once accepted."""
+    d = core()
+    assert d.open_chat(1, "r", "k", 0, 0.0)[0]
+    assert d.disconnected(1, 0.1, grace_s=0) == [] and "r" in d.entries
+    assert d.tick(5.0) == [], "the enqueue settles it, not the timers"
+    out = d.accepted("r", "short", 10, 0.2)
+    assert out == [CancelRequest("r", report=True)], "cancelled, and nothing sent to nobody"
+    ended = d.cancel_result("r", "queued", 0.3)
+    assert [(a.request_id, a.outcome) for a in ended if isinstance(a, Finished)] == [("r", "cancelled")]
+    assert not d.entries and not d.per_key
+    # Refused instead: it just ends.
+    assert d.open_chat(2, "q", "k", 0, 1.0)[0]
+    d.disconnected(2, 1.1, grace_s=0)
+    out = d.refuse("q", ErrorCode.OVERLOADED, "busy")
+    assert [type(a).__name__ for a in out] == ["Finished"] and not d.entries

@@ -273,7 +273,13 @@ class Delivery:
             entry.grace_until = now + grace_s
             entry.buffered = {s: e for s, e in entry.buffered.items() if e.finish is not None}
             if grace_s <= 0:
-                actions += self._expire(entry)
+                if entry.phase is Phase.OPENING:
+                    # Its enqueue is under way: forgotten now, it would be enqueued all the same
+                    # and run with nobody listening (a cancel sent first finds nothing to cancel).
+                    # ``accepted`` cancels it; ``refuse`` ends it.
+                    entry.cancel_pending = True
+                else:
+                    actions += self._expire(entry)
         self.per_conn.pop(conn, None)
         return actions
 
@@ -282,6 +288,8 @@ class Delivery:
         actions: list[Action] = []
         quiet: list[str] = []
         for entry in list(self.entries.values()):
+            if entry.phase is Phase.OPENING:
+                continue  # its enqueue settles it (``accepted`` or ``refuse``), then the timers run
             if entry.grace_until is not None and now >= entry.grace_until:
                 actions += self._expire(entry)
             elif entry.cancel_until is not None and now >= entry.cancel_until:

@@ -54,7 +54,8 @@ class Entry:
     grace_until: float | None = None
     cancel_until: float | None = None
     refill_at: float | None = None
-    #: A cancel arrived before the enqueue finished: cancel once accepted.
+    #: A cancel arrived before the enqueue finished (or the connection left with no grace, or
+    #: its key was revoked): cancel once accepted.
     cancel_pending: bool = False
     #: The request's state in Redis when last looked up (re-point or check), "" before.
     redis_state: str = ""
