@@ -401,3 +401,33 @@ async def test_fleet_rate_limit_is_shared_by_every_edge(start_edge: StartEdge, c
     assert (await first_answer(b, "f-4"))["type"] == "accepted"
     for client in (a, b):
         await client.close()
+
+
+async def test_a_resume_whose_fleet_rate_check_finds_redis_down_is_refused_not_a_dead_socket() -> None:
+    """With the rate in Redis (LANES_RATE_LIMIT_SCOPE=fleet), the resume's new rate check raised
+    out of the frame handler: the WebSocket died (1011) with a traceback, every request on it with
+    it. Now the resume gets ``unavailable``, as a chat does. (Nothing listens at the Redis port.)"""
+    from lanes.queue.plane import QueuePlane
+    from lanes.ws_server.auth import Identity
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.ratelimit import KeyLimits
+    from lanes.ws_server.settings import EdgeSettings
+
+    class Recorder:
+        closed = False
+
+        def __init__(self) -> None:
+            self.frames: list[dict[str, Any]] = []
+
+        def send(self, frame: bytes) -> None:
+            self.frames.append(json.loads(frame))
+
+    settings = EdgeSettings(redis_url="redis://127.0.0.1:1/0", auth_required=True, rate_limit_scope="fleet", port=0)
+    edge = Edge(settings, QueuePlane.from_settings(settings))
+    identity = Identity(key_id("cd" * 32), "k", KeyLimits(rate_per_s=10, burst=20, max_in_flight=8), "cd" * 32)
+    edge.sessions[1] = session = Recorder()  # type: ignore[assignment]
+    await edge.on_frame(1, identity, '{"type":"chat","id":"c1","messages":[{"role":"user","content":"hi"}]}')
+    await edge.on_frame(1, identity, '{"type":"resume","id":"c1","last_seq":3}')
+    assert [(f["code"], f["id"]) for f in session.frames] == [("unavailable", "c1"), ("unavailable", "c1")]
+    assert "retry the resume" in session.frames[1]["message"] and session.frames[1]["retry_after_ms"] > 0
+    await edge.plane.close()

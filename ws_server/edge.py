@@ -331,10 +331,19 @@ class Edge:
             request_id = protocol.scoped_id(identity.key_id, frame.id)
             # A resume reads a whole stream back (a finished answer, again and again): it costs
             # the key's rate as a chat does.
-            if (refusal := await self.keys.rate_refusal(identity)) is not None:
+            try:
+                refusal = await self.keys.rate_refusal(identity)
+            except QueueUnavailable as exc:  # the fleet-wide bucket lives in Redis
+                log.warning("redis unavailable: %s", exc)
+                self._send_error(conn, ErrorCode.UNAVAILABLE, "queue unavailable; retry the resume shortly",
+                                 frame.id, retry_after_ms=NO_WORKER_RETRY_MS)
+                return
+            if refusal is not None:
                 extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
                 self._send_error(conn, ErrorCode(refusal.code.value), refusal.message, frame.id, **extra)
                 return
+            if (session := self.sessions.get(conn)) is None or session.closed:
+                return  # closed meanwhile (its key revoked): nothing to resume onto
             actions = self.core.resume(conn, request_id, frame.last_seq, identity.key_id, now,
                                        identity.limits.max_in_flight)
             if request_id not in self.spans and any(isinstance(a, delivery.Repoint) for a in actions):
