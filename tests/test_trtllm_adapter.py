@@ -152,6 +152,11 @@ async def test_a_resumed_attempt_continues_the_text_and_a_stop_across_the_seam(m
     package.scripts.append(Script.spelled(tokenizer, [" you", " see"], finish="stop"))
     deltas = await collect(engine, request("no-stop", stop=("</answer>",), resume_token_ids=tuple(sent)))
     assert "".join(d.text for d in deltas) == "</ you see", "the held start goes out when it is no stop"
+    # The first attempt spent the whole budget (handed back after its last token, before the end
+    # was written): the held "</" goes out with the end (it was lost).
+    spent = await collect(engine, request("spent", max_tokens=len(sent), stop=("</answer>",),
+                                          resume_token_ids=tuple(sent)))
+    assert [(d.text, d.finish_reason) for d in spent] == [("</", FinishReason.LENGTH)]
     await engine.close()
 
 

@@ -88,6 +88,15 @@ class StreamCursor:
     def stopped(self) -> bool:
         return self._stops.stopped
 
+    def out_of_tokens(self) -> EngineDelta:
+        """The end of an answer whose earlier attempts spent its whole budget: what they held
+        back (a possible stop string's start, a partial character) goes out now, or a stop
+        string in it ends the answer there (as the hf engines do)."""
+        text = self._stops.push(self._detok.flush())
+        if self._stops.stopped:
+            return EngineDelta((), text, FinishReason.STOP, self.prompt_tokens)
+        return EngineDelta((), text + self._stops.flush(), FinishReason.LENGTH, self.prompt_tokens)
+
     def step(self, output: Any) -> EngineDelta | None:
         if self._stops.stopped:
             return None
@@ -281,8 +290,8 @@ class TrtllmEngine:
         if engine_is_dead(self._llm):
             raise EngineDead("TensorRT-LLM engine is not running")
         prompt_ids = self._prompt_ids(request)
-        if remaining_tokens(request) == 0:
-            yield EngineDelta((), "", FinishReason.LENGTH, len(prompt_ids))
+        if remaining_tokens(request) == 0:  # a resumed request that had already used its budget
+            yield StreamCursor(len(prompt_ids), self._hf_tokenizer(), request.stop, request.resume_token_ids).out_of_tokens()
             return
         try:
             result = self._submit(request, prompt_ids)  # inside the loop (see module doc)
