@@ -34,8 +34,8 @@ Method
    as every table before stop 35 did.
    ``lanes`` runs with the simulator's tuning (``sim.policies.LanesTuning``): a routing
    threshold fitted, as the scheduler's refresh fits it, on (prediction, length) pairs of
-   prompts the requests do not use, the pool's unused ones (the slice's own first rows when it
-   uses the whole pool), shared by both sides (``LANES_SHORT_MAX_TOKENS`` =
+   prompts the requests do not use, the pool's unused ones (the slice's own first rows when
+   fewer than ``MIN_CALIBRATION_PROMPTS``, 200, are unused), shared by both sides (``LANES_SHORT_MAX_TOKENS`` =
    ``LANES_MEDIUM_MAX_TOKENS``: two lanes), and the shipped defaults for the rest
    (``live_policy``: long / medium + long slot shares 75 % / 95 %, 10 % of slots guaranteed
    to the long lane after 20 s, FCFS across lanes while the short lane waited < 4 s (the bound
@@ -94,6 +94,9 @@ CLASSES = ("short", "long", "all")
 #: Characters per prompt token in the sim engine (``workers.engines.sim.prompt_token_count``).
 CHARS_PER_TOKEN = 4
 SIM_GAP_GOAL = 0.2
+#: Unused pool prompts the lanes' threshold is fitted on, at least; with fewer, the slice's own
+#: first rows (``LanesTuning.calibration_share``).
+MIN_CALIBRATION_PROMPTS = 200
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def plan(trace: Trace, pool_prompts: list[str], pool_tokens: np.ndarray, predict
     # 11 of the slice's 208 short answers long, and those set the short P99 (stop 39).
     held_out = sorted(set(range(len(pool_prompts))) - set(used))
     routing = None
-    if len(held_out) >= len(trace):
+    if len(held_out) >= MIN_CALIBRATION_PROMPTS:
         held_tokens, _ = predict_prompts(predict, [pool_prompts[i] for i in held_out], SIM_MAX_TOKENS)
         fitted = routing_from_observations(np.rint(held_tokens).tolist(), pool_tokens[held_out].astype(int).tolist(),
                                            RoutingCalibration(tuning.max_short_to_long, tuning.short_quantile, 1))

@@ -588,7 +588,7 @@ def live(
                f"(~{plan.trace.duration_s / time_scale:.0f} s wall per policy); predictor tau {plan.tau:.2f}, "
                f"long lane above {plan.routing_max_tokens} tokens ({plan.share_long_lane:.1%}; fitted on "
                + (f"{plan.num_calibration} pool prompts the slice does not use)" if plan.calibrated_on == "held-out"
-                  else "the slice's first rows: the slice uses the whole pool)"), err=True)
+                  else "the slice's first rows: the slice leaves too few of the pool's prompts unused)"), err=True)
     result = bench_live.run(plan, time_scale=time_scale, num_edges=edges, num_clients=clients, policies=names)
     if as_json or json_file is not None:
         write_json(json_file, result)
