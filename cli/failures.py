@@ -169,3 +169,22 @@ def writable_dir(path: Path) -> Path:
     if not os.access(target, os.W_OK | os.X_OK):
         raise typer.BadParameter(f"cannot write into {target}: no permission")
     return path
+
+
+def creatable_dir(path: Path) -> Path:
+    """Typer callback for an output directory made only once the work succeeds: it exists and is
+    writable, or the nearest folder above it that exists is (nothing is created now)."""
+    import typer
+
+    target = path.expanduser().absolute()
+    existing = next((p for p in (target, *target.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise typer.BadParameter(f"cannot create the directory {target}: {existing} is not a directory")
+    try:  # os.access says yes to root everywhere (/proc too): try it
+        import tempfile
+
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot create the directory {target}: {exc.strerror or exc}") from None
+    return path

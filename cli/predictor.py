@@ -22,7 +22,7 @@ import numpy as np
 import typer
 
 from lanes.cli import jsonout
-from lanes.cli.failures import writable_dir, writable_file
+from lanes.cli.failures import creatable_dir, writable_file
 from lanes.scheduler.live_policy import DEFAULT_ROUTING
 from lanes.scheduler.policy import LaneThresholds
 from lanes.scheduler.predictor import DEFAULT_WEIGHTS_PATH, WEIGHTS_DIR, from_weights, load_default
@@ -261,7 +261,7 @@ def build_data_command(
 @app.command("train")
 def train_command(
     data: Path = typer.Option(DEFAULT_DATASET_PATH, exists=True, dir_okay=False, help="data set (.jsonl.gz) written by build-data"),
-    out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights", callback=writable_dir),
+    out: Path = typer.Option(WEIGHTS_DIR, help="folder for the .npz weights", callback=creatable_dir),
     leave_out: list[str] = typer.Option([], help="also leave this source out (repeatable): a base for "
                                         "`lanes bench policy --weights --prompt-source --refresh-every-s`"),
     encoder: bool = typer.Option(True, "--encoder/--lexical", help="fine-tune the encoder blended with the lexical "

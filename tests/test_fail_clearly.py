@@ -331,6 +331,8 @@ def test_tool_mistakes_are_one_line(redis_url: str, tmp_path) -> None:
         # After the whole cross-validation, a traceback; the taus were lost.
         (("predictor", "cv", "--data", str(ok), "--scores", "/proc/nope/oof.json"), {}, "cannot create the directory"),
         (("predictor", "cv", "--data", str(ok), "--folds", "1"), {}, "--folds"),
+        (("predictor", "train", "--lexical", "--data", str(ok), "--out", "/proc/nope/w"), {},
+         "cannot create the directory /proc/nope/w"),
         (("bench", "policy", "--trace", str(burst)), {}, "arrive at one time"),  # looped forever
         (("edge",), {"LANES_ROUTING_FILE": str(rules)}, "not UTF-8 text"),
         (("predictor", "eval", "--weights", str(garbage), "--data", str(tmp_path / "none.json")), {}, None),
