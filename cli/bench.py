@@ -282,6 +282,9 @@ def policy(
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)
     if predictor == "noise":
         predictions = preds.noisy(true, tau, seed)
+        if abs(predictions.tau - tau) > 0.05:  # multiplicative noise cannot rank worse than about 0.1
+            typer.echo(f"note: the noise model reached tau {predictions.tau:.3f}, not the --tau {tau:g} asked for",
+                       err=True)
     elif predictor == "oracle":
         predictions = preds.oracle(true)
     else:

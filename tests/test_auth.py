@@ -302,6 +302,9 @@ async def test_a_key_may_hold_only_so_many_websockets_open(start_edge: StartEdge
             await asyncio.sleep(0.05)
     await third.chat("after", "hello")
     assert (await first_answer(third, "after"))["type"] == "accepted"
+    # A dashboard stream holds a connection too: it counts against the same cap.
+    status = await asyncio.to_thread(http_get, base, "/v1/stats/stream", key)
+    assert status == 429
     for client in (second, third, other):
         await client.close()
 
@@ -337,6 +340,19 @@ async def test_rate_limited_frame_carries_retry_after(start_edge: StartEdge, cre
         await asyncio.sleep(0.01)
     assert again.frames[retried][1]["type"] == "resumed", "after the wait it goes through"
     await again.close()
+    # A WebSocket ticket (one Redis key each) costs a token too.
+    codes = [await asyncio.to_thread(post_status, base, "/v1/ws-ticket", key) for _ in range(4)]
+    assert 429 in codes and codes[0] in (200, 429), codes
+
+
+def post_status(base: str, path: str, key: str) -> int:
+    request = urllib.request.Request(base.replace("ws://", "http://") + path, data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 async def test_in_flight_cap_spans_the_keys_connections(start_edge: StartEdge, create_key: Callable[..., str]) -> None:

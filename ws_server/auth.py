@@ -38,7 +38,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
@@ -250,9 +250,11 @@ class Gate:
 
     # -- browser tickets -------------------------------------------------------------------
 
-    async def issue_ticket(self, headers: HeaderLookup) -> str | None | Refusal:
+    async def issue_ticket(self, headers: HeaderLookup,
+                           admit: Callable[[Identity], Awaitable[str | None]] | None = None) -> str | None | Refusal:
         """A new single-use ticket for the bearer key in ``headers`` (None when auth is off:
-        a page then connects without one), or why not (401 without a valid key)."""
+        a page then connects without one), or why not (401 without a valid key; 429 when
+        ``admit`` says why the key may not have one now: its rate)."""
         if not origin_allowed(headers.get("Origin"), self.allowed_origins):
             return _refusal(HTTPStatus.FORBIDDEN, "forbidden_origin", "origin not allowed")
         if not self.enabled:
@@ -265,6 +267,13 @@ class Gate:
         identity = await self._identify(key_hash, "invalid or revoked API key")
         if isinstance(identity, Refusal):
             return identity
+        try:
+            why_not = await admit(identity) if admit is not None else None
+        except QueueUnavailable as exc:
+            log.warning("ticket rate check failed: %s", exc)
+            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "auth_unavailable", "key store unavailable; retry")
+        if why_not is not None:
+            return _refusal(HTTPStatus.TOO_MANY_REQUESTS, "rate_limited", why_not)
         ticket = secrets.token_urlsafe(32)
         try:
             await self.plane.fleet.store_ws_ticket(hash_key(ticket), key_hash,

@@ -80,8 +80,8 @@ class Edge:
         self.sessions: dict[int, Session] = {}
         #: The identity each open WebSocket authenticated as (checked again: ``recheck_keys``).
         self._ws_identity: dict[int, Identity] = {}
-        #: Open WebSockets per API key (``key_max_connections``).
-        self._conns_per_key: Counter[str] = Counter()
+        #: Open WebSockets and dashboard streams per API key (``key_max_connections``).
+        self.conns_per_key: Counter[str] = Counter()
         self.shutting_down = False
         self.chat_path = CHAT_PATH
         self.gate = Gate(settings, plane, frozenset({CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH}))
@@ -279,14 +279,14 @@ class Edge:
         if (await receive())["type"] != "websocket.connect":
             return
         if isinstance(verdict, Identity) and verdict.key_id and verdict.limits.max_connections \
-                and self._conns_per_key[verdict.key_id] >= verdict.limits.max_connections:
+                and self.conns_per_key[verdict.key_id] >= verdict.limits.max_connections:
             verdict = too_many_connections(verdict.limits.max_connections)
         if isinstance(verdict, Refusal):  # an HTTP answer instead of 101 (401, 403, 429, 503)
             await _deny(send, verdict)
             return
         await send({"type": "websocket.accept"})
         conn = next(self._conn_ids)
-        self._conns_per_key[verdict.key_id] += 1
+        self.conns_per_key[verdict.key_id] += 1
         session = Session(send, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s,
                           self.settings.client_send_buffer_bytes)
         self.sessions[conn] = session
@@ -309,9 +309,9 @@ class Edge:
                 self.carry(self.core.disconnected(conn, time.monotonic()))
             del self.sessions[conn]
             self._ws_identity.pop(conn, None)
-            self._conns_per_key[verdict.key_id] -= 1
-            if self._conns_per_key[verdict.key_id] <= 0:
-                del self._conns_per_key[verdict.key_id]
+            self.conns_per_key[verdict.key_id] -= 1
+            if self.conns_per_key[verdict.key_id] <= 0:
+                del self.conns_per_key[verdict.key_id]
             writer.cancel()
 
     async def on_frame(self, conn: int, identity: Identity, data: str | bytes) -> None:

@@ -6,6 +6,7 @@ static files. A path answers the methods it serves and 405 (with ``Allow``) to t
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -14,7 +15,7 @@ from lanes.queue.keys import DEFAULT_POOL, STATS_HISTORY_LEN
 from lanes.scheduler.router.rules import POOL_NAME
 from lanes.telemetry import metrics
 from lanes.ws_server import pages
-from lanes.ws_server.auth import Refusal
+from lanes.ws_server.auth import Refusal, too_many_connections
 from lanes.ws_server.stats import sse_stream
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -92,19 +93,34 @@ def routes(edge: Edge) -> list[BaseRoute]:
         return _json(head + b",".join(data for _, data in stored) + b"]}")
 
     async def stats_stream(request: Request) -> Response:
-        if refusal := await guarded(request):
-            return refusal_response(refusal)
+        verdict = await edge.gate.check(request.url.path, request.headers)
+        if isinstance(verdict, Refusal):
+            return refusal_response(verdict)
+        # A stream holds a connection as a WebSocket does: it counts against the same cap.
+        if verdict.key_id and verdict.limits.max_connections \
+                and edge.conns_per_key[verdict.key_id] >= verdict.limits.max_connections:
+            return refusal_response(too_many_connections(verdict.limits.max_connections))
         # ``Last-Event-ID``: the browser's own reconnection (or ours) says which sample it has.
         last = request.headers.get("last-event-id") or request.query_params.get("after_ms") or "0"
         try:
             after_ms = int(last)
         except ValueError:
             return PlainTextResponse("Last-Event-ID / after_ms must be an integer (ms since the epoch)\n", 400)
-        return StreamingResponse(sse_stream(edge.stats_relay, edge.plane, after_ms), media_type="text/event-stream",
-                                 headers={**_NO_STORE, "X-Accel-Buffering": "no"})
+        return StreamingResponse(counted(verdict.key_id, sse_stream(edge.stats_relay, edge.plane, after_ms)),
+                                 media_type="text/event-stream", headers={**_NO_STORE, "X-Accel-Buffering": "no"})
+
+    async def counted(key_id: str, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        edge.conns_per_key[key_id] += 1
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            edge.conns_per_key[key_id] -= 1
+            if edge.conns_per_key[key_id] <= 0:
+                del edge.conns_per_key[key_id]
 
     async def ws_ticket(request: Request) -> Response:
-        issued = await edge.gate.issue_ticket(request.headers)
+        issued = await edge.gate.issue_ticket(request.headers, admit=edge.keys.ticket_refusal)
         if isinstance(issued, Refusal):
             return refusal_response(issued)
         body = {"ticket": issued, "expires_in_s": edge.settings.ws_ticket_ttl_s, "auth_required": edge.gate.enabled}

@@ -30,3 +30,9 @@ class KeyGuard:
             return Refusal(RefusalCode.RATE_LIMITED,
                            f"over {identity.limits.rate_per_s:g} requests/s for this key", retry_after_ms=wait_ms)
         return None
+
+    async def ticket_refusal(self, identity: Identity) -> str | None:
+        """Why this key may not have another WebSocket ticket now (its rate: each ticket is a
+        key in Redis), or None."""
+        refusal = await self.rate_refusal(identity)
+        return None if refusal is None else refusal.message
