@@ -16,7 +16,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
@@ -38,7 +37,7 @@ from lanes.telemetry import metrics
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.asgi import EdgeApp, listen_socket, serve_app
-from lanes.ws_server.auth import Gate, Identity, Refusal, ticket_param, too_many_connections
+from lanes.ws_server.auth import Gate, Identity, Refusal, ticket_param
 from lanes.ws_server.completions import COMPLETIONS_PATH, MODELS_PATH
 from lanes.ws_server.delivery import Delivery
 from lanes.ws_server.intake import NO_WORKER_RETRY_MS, admit_and_enqueue, known_pools
@@ -80,8 +79,6 @@ class Edge:
         self.sessions: dict[int, Session] = {}
         #: The identity each open WebSocket authenticated as (checked again: ``recheck_keys``).
         self._ws_identity: dict[int, Identity] = {}
-        #: Open WebSockets and dashboard streams per API key (``key_max_connections``).
-        self.conns_per_key: Counter[str] = Counter()
         self.shutting_down = False
         self.chat_path = CHAT_PATH
         self.gate = Gate(settings, plane, frozenset({CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH}))
@@ -278,15 +275,14 @@ class Edge:
         verdict = await self.gate.check(scope["path"], Headers(scope=scope), ticket_param(scope["query_string"]))
         if (await receive())["type"] != "websocket.connect":
             return
-        if isinstance(verdict, Identity) and verdict.key_id and verdict.limits.max_connections \
-                and self.conns_per_key[verdict.key_id] >= verdict.limits.max_connections:
-            verdict = too_many_connections(verdict.limits.max_connections)
+        if isinstance(verdict, Identity):
+            verdict = self.keys.connection_refusal(verdict) or verdict
         if isinstance(verdict, Refusal):  # an HTTP answer instead of 101 (401, 403, 429, 503)
             await _deny(send, verdict)
             return
         await send({"type": "websocket.accept"})
         conn = next(self._conn_ids)
-        self.conns_per_key[verdict.key_id] += 1
+        self.keys.connections.opened(verdict.key_id)
         session = Session(send, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s,
                           self.settings.client_send_buffer_bytes)
         self.sessions[conn] = session
@@ -309,9 +305,7 @@ class Edge:
                 self.carry(self.core.disconnected(conn, time.monotonic()))
             del self.sessions[conn]
             self._ws_identity.pop(conn, None)
-            self.conns_per_key[verdict.key_id] -= 1
-            if self.conns_per_key[verdict.key_id] <= 0:
-                del self.conns_per_key[verdict.key_id]
+            self.keys.connections.closed(verdict.key_id)
             writer.cancel()
 
     async def on_frame(self, conn: int, identity: Identity, data: str | bytes) -> None:
@@ -339,8 +333,7 @@ class Edge:
                                  frame.id, retry_after_ms=NO_WORKER_RETRY_MS)
                 return
             if refusal is not None:
-                extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
-                self._send_error(conn, ErrorCode(refusal.code.value), refusal.message, frame.id, **extra)
+                self._send_error(conn, ErrorCode(refusal.code.value), refusal.message, frame.id, **refusal.extra())
                 return
             if (session := self.sessions.get(conn)) is None or session.closed:
                 return  # closed meanwhile (its key revoked): nothing to resume onto

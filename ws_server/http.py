@@ -15,7 +15,7 @@ from lanes.queue.keys import DEFAULT_POOL, STATS_HISTORY_LEN
 from lanes.scheduler.router.rules import POOL_NAME
 from lanes.telemetry import metrics
 from lanes.ws_server import pages
-from lanes.ws_server.auth import Refusal, too_many_connections
+from lanes.ws_server.auth import Refusal
 from lanes.ws_server.stats import sse_stream
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -97,9 +97,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
         if isinstance(verdict, Refusal):
             return refusal_response(verdict)
         # A stream holds a connection as a WebSocket does: it counts against the same cap.
-        if verdict.key_id and verdict.limits.max_connections \
-                and edge.conns_per_key[verdict.key_id] >= verdict.limits.max_connections:
-            return refusal_response(too_many_connections(verdict.limits.max_connections))
+        if too_many := edge.keys.connection_refusal(verdict):
+            return refusal_response(too_many)
         # ``Last-Event-ID``: the browser's own reconnection (or ours) says which sample it has.
         last = request.headers.get("last-event-id") or request.query_params.get("after_ms") or "0"
         try:
@@ -110,14 +109,12 @@ def routes(edge: Edge) -> list[BaseRoute]:
                                  media_type="text/event-stream", headers={**_NO_STORE, "X-Accel-Buffering": "no"})
 
     async def counted(key_id: str, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        edge.conns_per_key[key_id] += 1
+        edge.keys.connections.opened(key_id)
         try:
             async for chunk in stream:
                 yield chunk
         finally:
-            edge.conns_per_key[key_id] -= 1
-            if edge.conns_per_key[key_id] <= 0:
-                del edge.conns_per_key[key_id]
+            edge.keys.connections.closed(key_id)
 
     async def ws_ticket(request: Request) -> Response:
         issued = await edge.gate.issue_ticket(request.headers, admit=edge.keys.ticket_refusal)

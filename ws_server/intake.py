@@ -33,8 +33,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
                              frame: protocol.ChatFrame) -> list[delivery.Action]:
     refusal = await edge.keys.rate_refusal(identity)
     if refusal is not None:
-        extra = {} if refusal.retry_after_ms is None else {"retry_after_ms": refusal.retry_after_ms}
-        return edge.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **extra)
+        return edge.core.refuse(request_id, ErrorCode(refusal.code.value), refusal.message, **refusal.extra())
     try:
         # The snapshots say which pools have live workers (without a scheduler nobody knows).
         serving = edge.admission.live_pools() if edge.admission.pools() else None

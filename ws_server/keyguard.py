@@ -1,11 +1,14 @@
-"""Whether an API key may start one more request now (its rate, per edge or fleet-wide). The
-in-flight cap is counted by the delivery core, which owns every request (``delivery/``)."""
+"""Whether an API key may start one more request now (its rate, per edge or fleet-wide), and
+open one more connection on this edge. The in-flight cap is counted by the delivery core, which
+owns every request (``delivery/``)."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from lanes.queue.plane import QueuePlane
+from lanes.ws_server import auth
 from lanes.ws_server.auth import ANONYMOUS, Identity
 from lanes.ws_server.ratelimit import KeyLimiter, Refusal, RefusalCode
 
@@ -16,6 +19,15 @@ class KeyGuard:
         #: True: a key's rate is one token bucket in Redis shared by every edge.
         self.fleet_rate = fleet_rate
         self.limiter = KeyLimiter()
+        #: Open WebSockets and dashboard streams per key on this edge (``max_connections``).
+        self.connections = ConnectionCounts()
+
+    def connection_refusal(self, identity: Identity) -> auth.Refusal | None:
+        """429 when the key already holds ``max_connections`` open here, else None."""
+        limit = identity.limits.max_connections
+        if identity.key_id and limit and self.connections.open[identity.key_id] >= limit:
+            return auth.too_many_connections(limit)
+        return None
 
     async def rate_refusal(self, identity: Identity) -> Refusal | None:
         """Why this key may not start another request now (over its rate), or None."""
@@ -36,3 +48,18 @@ class KeyGuard:
         key in Redis), or None."""
         refusal = await self.rate_refusal(identity)
         return None if refusal is None else refusal.message
+
+
+class ConnectionCounts:
+    """Connections open per key id; a key with none is forgotten."""
+
+    def __init__(self) -> None:
+        self.open: Counter[str] = Counter()
+
+    def opened(self, key_id: str) -> None:
+        self.open[key_id] += 1
+
+    def closed(self, key_id: str) -> None:
+        self.open[key_id] -= 1
+        if self.open[key_id] <= 0:
+            del self.open[key_id]

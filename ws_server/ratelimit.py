@@ -50,6 +50,10 @@ class Refusal:
     #: When a retry can succeed (ms); None when that depends on other requests finishing.
     retry_after_ms: int | None = None
 
+    def extra(self) -> dict[str, int]:
+        """The error frame's fields beyond code and message."""
+        return {} if self.retry_after_ms is None else {"retry_after_ms": self.retry_after_ms}
+
 
 @dataclass(frozen=True)
 class TokenBucket:
