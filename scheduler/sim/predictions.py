@@ -88,7 +88,7 @@ def _closest_distinct(rows: np.ndarray, pool: np.ndarray) -> np.ndarray:
     for i in range(1, n):
         # Row i at position i + k: row i - 1 at some i - 1 + k' with k' <= k.
         prefix_min = np.minimum.accumulate(best)
-        came_from[i] = _running_argmin(best)
+        came_from[i] = _running_argmin(best, prefix_min)
         best = prefix_min + np.abs(rows[i] - pool[i + offsets])
     chosen = np.empty(n, dtype=np.int64)
     k = int(np.argmin(best))
@@ -98,9 +98,10 @@ def _closest_distinct(rows: np.ndarray, pool: np.ndarray) -> np.ndarray:
     return chosen
 
 
-def _running_argmin(values: np.ndarray) -> np.ndarray:
-    """Index of the minimum of ``values[:k + 1]`` for each k (the first, on ties)."""
-    is_new = np.concatenate(([True], values[1:] < np.minimum.accumulate(values)[:-1]))
+def _running_argmin(values: np.ndarray, prefix_min: np.ndarray) -> np.ndarray:
+    """Index of the minimum of ``values[:k + 1]`` for each k (the first, on ties), given
+    ``prefix_min = np.minimum.accumulate(values)``."""
+    is_new = np.concatenate(([True], values[1:] < prefix_min[:-1]))
     return np.maximum.accumulate(np.where(is_new, np.arange(len(values)), 0))
 
 
