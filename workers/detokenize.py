@@ -131,3 +131,11 @@ class StopMatcher:
         """At the end, held-back text was not a stop string after all."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+def end_without_tokens(detok: IncrementalDetokenizer, stops: StopMatcher) -> tuple[str, bool]:
+    """The last text of an answer that ends with no new token (its earlier attempts spent the
+    budget): what they held back (a partial character, a possible stop string's start), cut at
+    a stop string in it; and whether one was there."""
+    text = stops.push(detok.flush())
+    return (text, True) if stops.stopped else (text + stops.flush(), False)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 from lanes.queue.messages import FinishReason
-from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
+from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher, end_without_tokens
 from lanes.workers.engines.base import (
     EngineDead,
     EngineDelta,
@@ -171,9 +171,8 @@ class HFSpeculativeEngine:
         detok = IncrementalDetokenizer(self._tokenizer, request.resume_token_ids)
         stops = StopMatcher.resumed(request.stop, request.resume_token_ids, detok.emitted_text)
         if max_new == 0:
-            chunk = stops.push(detok.flush())
-            emit(EngineDelta((), chunk if stops.stopped else chunk + stops.flush(),
-                             FinishReason.STOP if stops.stopped else FinishReason.LENGTH, n_prompt))
+            text, stopped = end_without_tokens(detok, stops)
+            emit(EngineDelta((), text, FinishReason.STOP if stopped else FinishReason.LENGTH, n_prompt))
             return
         ids = prompt + list(request.resume_token_ids)
         steps = (self._greedy_steps(ids, max_new, cancel) if request.temperature <= 0

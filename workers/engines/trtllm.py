@@ -54,7 +54,7 @@ from lanes.workers.engines.engine_config import (
     trtllm_sampling_kwargs,
     validate,
 )
-from lanes.workers.detokenize import Decoder, IncrementalDetokenizer, StopMatcher
+from lanes.workers.detokenize import Decoder, IncrementalDetokenizer, StopMatcher, end_without_tokens
 from lanes.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class StreamCursor:
     as token ids, so it misses one the model spells with other tokens, and where it does match,
     it drops the last tokens from ``token_ids`` after their first ones' text has gone out. Text
     that may start a stop string is held back while its tokens stream, and recomputed by a
-    resumed attempt (``StopMatcher.resumed``), as for vLLM. ``stopped``: the answer reached a
-    stop string TensorRT-LLM is still generating past (the caller aborts it).
+    resumed attempt (``StopMatcher.resumed``), as for vLLM. At our own stop, TensorRT-LLM is still
+    generating past it: the caller aborts it.
     """
 
     def __init__(self, prompt_tokens: int, decoder: Decoder, stop: Sequence[str] = (),
@@ -84,18 +84,11 @@ class StreamCursor:
         self._stops = StopMatcher.resumed(tuple(stop), tuple(resume_ids), self._detok.emitted_text)
         self._num_ids = 0
 
-    @property
-    def stopped(self) -> bool:
-        return self._stops.stopped
-
     def out_of_tokens(self) -> EngineDelta:
-        """The end of an answer whose earlier attempts spent its whole budget: what they held
-        back (a possible stop string's start, a partial character) goes out now, or a stop
-        string in it ends the answer there (as the hf engines do)."""
-        text = self._stops.push(self._detok.flush())
-        if self._stops.stopped:
-            return EngineDelta((), text, FinishReason.STOP, self.prompt_tokens)
-        return EngineDelta((), text + self._stops.flush(), FinishReason.LENGTH, self.prompt_tokens)
+        """The end of an answer whose earlier attempts spent its whole budget (as the hf engines
+        end one: ``end_without_tokens``)."""
+        text, stopped = end_without_tokens(self._detok, self._stops)
+        return EngineDelta((), text, FinishReason.STOP if stopped else FinishReason.LENGTH, self.prompt_tokens)
 
     def step(self, output: Any) -> EngineDelta | None:
         if self._stops.stopped:
@@ -291,7 +284,8 @@ class TrtllmEngine:
             raise EngineDead("TensorRT-LLM engine is not running")
         prompt_ids = self._prompt_ids(request)
         if remaining_tokens(request) == 0:  # a resumed request that had already used its budget
-            yield StreamCursor(len(prompt_ids), self._hf_tokenizer(), request.stop, request.resume_token_ids).out_of_tokens()
+            cursor = StreamCursor(len(prompt_ids), self._hf_tokenizer(), request.stop, request.resume_token_ids)
+            yield cursor.out_of_tokens()
             return
         try:
             result = self._submit(request, prompt_ids)  # inside the loop (see module doc)
