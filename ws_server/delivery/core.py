@@ -74,9 +74,8 @@ class Delivery:
         elif self.per_conn[conn] >= self.config.max_in_flight_per_connection:
             refusal = (ErrorCode.TOO_MANY_IN_FLIGHT,
                        f"at most {self.config.max_in_flight_per_connection} requests in flight per connection")
-        elif key and key_max_in_flight and self.per_key[key] >= key_max_in_flight:
-            refusal = (ErrorCode.TOO_MANY_IN_FLIGHT,
-                       f"this API key may have at most {key_max_in_flight} requests in flight")
+        elif self._key_full(key, key_max_in_flight):
+            refusal = (ErrorCode.TOO_MANY_IN_FLIGHT, _key_cap_message(key_max_in_flight))
         if refusal is not None:
             # Counted with the other refusals (metrics, the dashboard); a duplicate's id is still
             # in flight here, which the shell must not take for this refusal's end.
@@ -126,9 +125,8 @@ class Delivery:
         if entry is None:
             if full:
                 return [self._too_many(conn, request_id)]
-            if key and key_max_in_flight and self.per_key[key] >= key_max_in_flight:
-                return [_send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT,
-                                    f"this API key may have at most {key_max_in_flight} requests in flight", request_id)]
+            if self._key_full(key, key_max_in_flight):
+                return [_send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT, _key_cap_message(key_max_in_flight), request_id)]
             self._add(Entry(request_id, key, conn, Phase.RESUMING, received_at=now, next_seq=last_seq + 1,
                             last_heard_at=now))
             return [Repoint(request_id, key)]
@@ -361,6 +359,9 @@ class Delivery:
             _decrement(self.per_conn, entry.conn)
         _decrement(self.per_key, entry.key)
 
+    def _key_full(self, key: str, key_max_in_flight: int) -> bool:
+        return bool(key and key_max_in_flight and self.per_key[key] >= key_max_in_flight)
+
     def _too_many(self, conn: int, request_id: str) -> Action:
         return _send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT, f"at most {self.config.max_in_flight_per_connection} "
                            "requests in flight per connection", request_id)
@@ -470,6 +471,10 @@ class Delivery:
         """The grace ran out with nobody resuming: stop the request."""
         self._remove(entry)
         return [CancelRequest(entry.id), Finished(entry.id, entry.lane, DISCONNECTED)]
+
+
+def _key_cap_message(key_max_in_flight: int) -> str:
+    return f"this API key may have at most {key_max_in_flight} requests in flight"
 
 
 def _decrement(counter: Counter[int] | Counter[str], key: object) -> None:
