@@ -3,12 +3,14 @@
 Hostile input must never escape as anything but a ``ProtocolError`` whose code is one of the
 codes documented in ``docs/protocol.md``: any other exception would end the connection
 handler on the edge with no ``error`` frame for the client. Each property runs a bounded
-number of examples (``_FUZZ``) so the whole file stays within a few seconds on a slow VM.
+number of examples (``_FUZZ``) so the whole file stays within a few seconds on a slow VM;
+``LANES_FUZZ_EXAMPLES=20000`` runs a long search.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import string
 from pathlib import Path
@@ -24,7 +26,7 @@ from lanes.ws_server.protocol import (
 LIMITS = Limits(max_frame_bytes=16 * 1024, max_messages=8, max_prompt_chars=4096, max_tokens_limit=1024)
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 _ID_CHARS = string.ascii_letters + string.digits + "_.:-"
-_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+_FUZZ = settings(max_examples=int(os.environ.get("LANES_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 
 

@@ -105,6 +105,16 @@ def test_messages_say_what_is_wrong() -> None:
     assert "surrogate" not in cut.value.message
 
 
+def test_a_deep_frame_with_a_lone_surrogate_escape_is_refused_as_invalid_json() -> None:
+    """Found by the fuzz test in CI: the lone-surrogate explanation re-parses the frame with the
+    standard library, which raised RecursionError past ~1,000 levels instead of refusing it."""
+    deep = '[' * 1500 + ']' * 1500
+    # msgspec stops at the raw surrogate (invalid UTF-8) before the depth; the escape sends the
+    # explanation to the standard library, which walks the whole frame.
+    frame = '{"\ud800type":"chat","x":%s,"id":{"\\ud800": null}}' % deep
+    assert code_of(frame) == "invalid_json"
+
+
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 65535, 65536, 300_000])
 def test_the_edge_frames_text_exactly_as_the_websockets_library_does(size: int) -> None:
     from websockets.frames import Frame, Opcode

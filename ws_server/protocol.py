@@ -139,7 +139,7 @@ def _why_not_json(raw: bytes, exc: Exception) -> str:
     if _SURROGATE_ESCAPE.search(raw):
         try:
             json.loads(raw)  # the standard library takes lone surrogates: then that is all it is
-        except ValueError:
+        except (ValueError, RecursionError):  # another fault, or nested past the interpreter's limit
             pass
         else:
             return "a \\u escape in D800-DFFF that is not half of a surrogate pair (not text)"
