@@ -169,6 +169,21 @@ class QueuePlane(TokenStreams):
             return Enqueued(True, enqueued_at_ms=int(value))
         return Enqueued(False, existing_state=value.decode() if isinstance(value, bytes) else str(value))
 
+    async def existing_state(self, request_id: str, owner: str = "") -> str | None:
+        """What ``enqueue`` would answer for an id it cannot create, without enqueuing: None when
+        the id is free here, else the state its owner is told ("" for anyone else, or when
+        another pool holds the id). Refusals that come before the enqueue ask it, so that a
+        resubmitted id is told to resume rather than to retry."""
+        first = await self.redis.get(self.keys.id_pool(request_id))
+        if first is None:
+            return None
+        if first.decode() != self.pool:
+            return ""
+        state, who = await self.redis.hmget(self.keys.request(request_id), "state", "owner")
+        if state is None:
+            return None
+        return state.decode() if (who or b"").decode() == owner else ""
+
     async def cancel(self, request_id: str, only_edge: str = "") -> tuple[str, str]:
         """Cancel a request: ``(previous_state, worker)``; tells the worker if it runs.
 

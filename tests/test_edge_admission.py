@@ -87,3 +87,35 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed(start_edge
     writer.write(b"GET /healthz HTTP/1.1\r\n")
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
+
+
+async def test_a_resubmitted_id_is_told_to_resume_not_to_retry_an_overload(start_edge, plane) -> None:
+    """An id that exists (here queued by another edge) gets ``duplicate_id`` naming its state
+    when its chat would be refused as ``overloaded``: retrying later could never succeed, and
+    the answer is there to resume. A new id still gets ``overloaded``."""
+    import asyncio
+    import json
+
+    import websockets
+    from lanes.queue.messages import ChatMessage, RequestPayload
+
+    address = await start_edge(max_depth_short=0, max_depth_medium=0, max_depth_long=0)
+    await plane.enqueue(RequestPayload(id="dup-1", messages=(ChatMessage("user", "hi"),), max_tokens=4,
+                                       lane=Lane.SHORT), "another-edge")
+    async with websockets.connect(f"ws://{address}/v1/chat") as ws:
+        async def refusal(rid: str) -> dict:
+            await ws.send(json.dumps({"type": "chat", "id": rid, "messages": [{"role": "user", "content": "hi"}]}))
+            while (frame := json.loads(await asyncio.wait_for(ws.recv(), 10)))["id"] != rid:
+                pass
+            return frame
+
+        for attempt in range(100):  # until the edge has read the snapshot (pub/sub)
+            await plane.redis.publish(plane.keys.depth_channel, snapshot(short=0, rps=1.0))
+            if (await refusal(f"probe-{attempt}")).get("code") == "overloaded":
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the edge never refused on the snapshot")
+        dup = await refusal("dup-1")
+        assert (dup["code"], dup["message"]) == ("duplicate_id", "request dup-1 already exists (queued); use resume")
+        assert (await refusal("new-1"))["code"] == "overloaded"

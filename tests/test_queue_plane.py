@@ -324,3 +324,12 @@ async def test_a_subscription_gives_its_connection_back_with_the_command_timeout
         assert all(c.socket_timeout == COMMAND_TIMEOUT_S for c in [*pool._available_connections, *pool._in_use_connections])
     finally:
         await plane.close()
+
+
+async def test_existing_state_is_what_enqueue_would_answer(plane: QueuePlane) -> None:
+    assert await plane.existing_state("e1") is None
+    await plane.enqueue(payload("e1"), "edge", owner="alice")
+    assert await plane.existing_state("e1", "alice") == "queued"
+    assert await plane.existing_state("e1", "bob") == ""  # another key is not told its state
+    assert await plane.for_pool("other").existing_state("e1", "alice") == ""  # another pool's id
+    assert (await plane.enqueue(payload("e1"), "edge", owner="alice")).existing_state == "queued"

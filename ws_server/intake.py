@@ -5,6 +5,7 @@ the delivery core's actions (``accepted``, or a refusal with its reason)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lanes.queue.errors import ErrorCode
@@ -47,6 +48,12 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
         return _fixed(edge, request_id, fixed, frame, pool)
     plane = edge.plane.for_pool(pool)
+
+    async def refuse_unless_duplicate(refuse: Callable[[], list[delivery.Action]]) -> list[delivery.Action]:
+        """A resubmitted id is told ``duplicate_id`` (resume it), not to retry a refusal."""
+        state = await plane.existing_state(request_id, identity.key_id)
+        return refuse() if state is None else _duplicate(edge, request_id, state)
+
     known = edge.admission.num_workers(pool)
     if not known and (known is not None or edge.admission.pools()) \
             and await edge.plane.fleet.num_workers(pool) == 0:
@@ -58,18 +65,19 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
             # Pools named small / large and no rules: a chat without a model goes to "default".
             message += (f"; or name a pool with live workers in 'model' ({', '.join(others)}), or set "
                         "LANES_ROUTING_FILE so that 'auto' and chats without a model go to one")
-        return edge.core.refuse(request_id, ErrorCode.UNAVAILABLE, message,
-                                retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers")
+        return await refuse_unless_duplicate(lambda: edge.core.refuse(
+            request_id, ErrorCode.UNAVAILABLE, message, retry_after_ms=NO_WORKER_RETRY_MS, reason="no_workers"))
     if (everywhere := edge.admission.refusal_in_every_lane(pool, frame.deadline_ms)) is not None:
         # No lane could take it: refused before the length prediction (~2 ms), so a burst's
         # refusals come back at once.
-        return _overloaded(edge, request_id, everywhere, "no lane can")
+        return await refuse_unless_duplicate(lambda: _overloaded(edge, request_id, everywhere, "no lane can"))
     with edge.admission.predicting(pool):
         predicted = await edge.lengths.predict(frame.messages, frame.max_tokens)
     lane = edge.policy.lane_for(predicted)
     decision = edge.admission.decide(pool, lane, frame.deadline_ms)
     if not decision.admitted:
-        return _overloaded(edge, request_id, decision, f"lane {lane.value} cannot", lane.value)
+        return await refuse_unless_duplicate(
+            lambda: _overloaded(edge, request_id, decision, f"lane {lane.value} cannot", lane.value))
     with tracer().start_as_current_span("lanes.enqueue", attributes={
         "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
         "lanes.pool": pool,
@@ -82,13 +90,18 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         with edge.admission.enqueueing(pool, lane):
             enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
     if not enqueued.created:
-        # Ids are scoped by API key (``protocol.scoped_id``), so the request is this key's own, or
-        # (without auth) an anonymous one; a state the owner check withholds is not told.
-        owned = f" ({enqueued.existing_state}); use resume" if enqueued.existing_state else ""
-        return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
-                                f"request {protocol.client_id(request_id)} already exists{owned}")
+        return _duplicate(edge, request_id, enqueued.existing_state)
     edge.admission.enqueued(pool, lane)
     return edge.core.accepted(request_id, lane.value, predicted, time.monotonic(), pool)
+
+
+def _duplicate(edge: Edge, request_id: str, existing_state: str) -> list[delivery.Action]:
+    """The ``duplicate_id`` refusal. Ids are scoped by API key (``protocol.scoped_id``), so the
+    request is this key's own, or (without auth) an anonymous one; a state the owner check
+    withholds ("") is not told."""
+    owned = f" ({existing_state}); use resume" if existing_state else ""
+    return edge.core.refuse(request_id, ErrorCode.DUPLICATE_ID,
+                            f"request {protocol.client_id(request_id)} already exists{owned}")
 
 def _overloaded(edge: Edge, request_id: str, decision: AdmissionDecision, subject: str,
                 lane: str = NO_LANE) -> list[delivery.Action]:
