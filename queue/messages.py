@@ -119,6 +119,9 @@ class DepthSnapshot(msgspec.Struct, frozen=True):
     arrival_rps: dict[str, float] = {}
     #: Workers needed to keep the predicted wait under the target (the autoscaling signal).
     desired_workers: int = 0
+    #: The pool may have no worker on purpose (the scheduler's ``LANES_MIN_WORKERS`` is 0: an
+    #: autoscaler starts one on demand): edges queue its chats rather than refuse them.
+    scales_from_zero: bool = False
 
 
 class WorkerReport(msgspec.Struct, frozen=True):

@@ -254,7 +254,7 @@ class Scheduler:
         metrics.POOL_WORKERS.labels(pool).set(workers)
         return DepthSnapshot(at_ms=now_ms, pending=pending, running=running, oldest_wait_ms=oldest,
                              workers=workers, service_rps=service_rps, pool=pool, arrival_rps=arrival_rps,
-                             desired_workers=desired)
+                             desired_workers=desired, scales_from_zero=self.settings.min_workers == 0)
 
     def desired_workers(self, arrival_rps: float, capacity_rps: float, depth: int, workers: int,
                         running: float = 0.0) -> int:

@@ -39,7 +39,9 @@ class SchedulerSettings(RedisSettings):
     #: ``target_wait_s`` with ``autoscale_headroom`` spare capacity, between these bounds.
     target_wait_s: float = 2.0
     autoscale_headroom: float = 0.2
-    min_workers: int = 1
+    #: 0 lets a pool stand at zero workers: edges then queue its chats for the worker an
+    #: autoscaler starts (each snapshot says so), instead of refusing them.
+    min_workers: int = Field(default=1, ge=0)
     max_workers: int = 64
 
     def pool_names(self) -> list[str]:

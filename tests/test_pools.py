@@ -383,3 +383,42 @@ async def test_auto_falls_back_to_a_larger_pool_while_the_small_one_has_no_worke
         await asyncio.to_thread(api.chat.completions.create, model="small", max_tokens=4,
                                 messages=[{"role": "user", "content": prompt}])
     assert named.value.status_code == 503 and named.value.body["code"] == "unavailable"
+
+
+async def test_a_pool_that_scales_from_zero_queues_its_chats_until_a_worker_starts(make_cluster) -> None:
+    """``LANES_MIN_WORKERS=0`` (an autoscaler may take a pool to zero): a chat for the pool while
+    it has no worker is accepted and waits in its lane rather than being refused, the scheduler
+    asks for a worker (``desired_workers`` 1), ``/v1/models`` lists the pool, and the worker that
+    starts serves the chat. Before, edges refused such chats, so a pool at zero never saw the
+    arrivals that would scale it up."""
+    sys_ = make_cluster(workers=0, env={"LANES_MIN_WORKERS": "0", "LANES_POOLS": "solo",
+                                        "LANES_NO_WORKER_TIMEOUT_S": "300"})
+    edge = f"http://127.0.0.1:{sys_.edge_ports['edge']}"
+    depths = f"{edge}/v1/depths?pool=solo"
+    api = openai.OpenAI(base_url=f"{edge}/v1", api_key="none", max_retries=0)
+    for _ in range(int(scaled(100))):  # the scheduler's first snapshot of the pool
+        if "solo" in [m.id for m in (await asyncio.to_thread(api.models.list)).data]:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the pool at zero is not listed")
+    client = await Client.connect(sys_.edge_urls["edge"])
+    rid = f"cold-{uuid.uuid4().hex[:6]}"
+    await client.send({"type": "chat", "id": rid, "model": "solo", "max_tokens": 20,
+                       "messages": [{"role": "user", "content": "Hello there."}]})
+    for _ in range(int(scaled(100))):
+        if client.frames[rid]:
+            break
+        await asyncio.sleep(0.05)
+    assert client.frames[rid][0]["type"] == "accepted", client.frames[rid]
+    for _ in range(int(scaled(100))):
+        snapshot = await asyncio.to_thread(lambda: json.loads(urllib.request.urlopen(depths, timeout=5).read()))
+        if snapshot.get("desired_workers") == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert (snapshot["workers"], sum(snapshot["pending"].values()), snapshot["desired_workers"]) == (0, 1, 1), snapshot
+    await start_solo(sys_, 2)
+    end = await client.wait(rid, scaled(60))
+    assert end["type"] == "done", end
+    assert [f["seq"] for f in client.frames[rid] if f["type"] == "delta"] == list(range(end["usage"]["completion_tokens"]))
+    await client.close()

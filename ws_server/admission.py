@@ -95,6 +95,13 @@ class EdgeAdmission:
         """Pools the scheduler snapshots (fresh ones)."""
         return sorted(p for p in self._snapshots if self.fresh(p))
 
+    def scales_from_zero(self, pool: str) -> bool:
+        """Whether the scheduler lets ``pool`` stand at zero workers (``LANES_MIN_WORKERS=0``),
+        per its fresh snapshot: then a chat waits in the lane for the worker an autoscaler
+        starts, rather than being refused."""
+        snapshot = self.fresh(pool)
+        return snapshot is not None and snapshot.scales_from_zero
+
     def live_pools(self) -> list[str]:
         """Pools whose fresh snapshot counts a live worker."""
         return sorted(p for p in self._snapshots if (s := self.fresh(p)) and s.workers > 0)

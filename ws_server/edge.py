@@ -402,8 +402,10 @@ class Edge:
         return sorted(set(self.admission.live_pools()) | {r.pool for r in reports if not r.draining})
 
     async def model_names(self) -> list[str]:
-        """What ``GET /v1/models`` lists: the pools with live workers (and ``auto`` with rules)."""
-        return self.router.model_names(await self.live_pools())
+        """What ``GET /v1/models`` lists: the pools with live workers or that scale from zero
+        (and ``auto`` with rules)."""
+        waking = [p for p in self.admission.pools() if self.admission.scales_from_zero(p)]
+        return self.router.model_names([*await self.live_pools(), *waking])
 
     def _send_error(self, conn: int, code: ErrorCode, message: str, request_id: str | None,
                     **extra: object) -> None:

@@ -55,7 +55,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         return refuse() if state is None else _duplicate(edge, request_id, state)
 
     known = edge.admission.num_workers(pool)
-    if not known and (known is not None or edge.admission.pools()) \
+    if not known and (known is not None or edge.admission.pools()) and not edge.admission.scales_from_zero(pool) \
             and await edge.plane.fleet.num_workers(pool) == 0:
         # The snapshot may be half a second old, or absent while the scheduler snapshots other
         # pools (this one is not in LANES_POOLS, or its last worker is gone): only a registry
