@@ -30,6 +30,10 @@ class AdmissionConfig:
     #: Retry hints are clamped to this range.
     min_retry_after_ms: int = 100
     max_retry_after_ms: int = 60_000
+    #: The hint when the lanes ahead drain at no measured rate (idle until now, or stuck): a
+    #: wait cannot be estimated, and the largest hint would park clients for a minute after any
+    #: lull (the OpenAI SDKs obey ``Retry-After`` up to 60 s).
+    unmeasured_retry_after_ms: int = 2_000
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,6 @@ def refusal_in_every_lane(
 
 def _refuse(reason: RejectReason, wait_ms: float, num_excess: int, rate_rps: float,
             config: AdmissionConfig) -> AdmissionDecision:
-    retry_ms = config.max_retry_after_ms if rate_rps <= 0 else 1000.0 * num_excess / rate_rps
+    retry_ms = config.unmeasured_retry_after_ms if rate_rps <= 0 else 1000.0 * num_excess / rate_rps
     retry_ms = min(max(retry_ms, config.min_retry_after_ms), config.max_retry_after_ms)
     return AdmissionDecision(False, wait_ms, reason, int(math.ceil(retry_ms)))

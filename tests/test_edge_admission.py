@@ -119,3 +119,25 @@ async def test_a_resubmitted_id_is_told_to_resume_not_to_retry_an_overload(start
         dup = await refusal("dup-1")
         assert (dup["code"], dup["message"]) == ("duplicate_id", "request dup-1 already exists (queued); use resume")
         assert (await refusal("new-1"))["code"] == "overloaded"
+
+
+def test_own_enqueues_stop_counting_once_the_edge_sees_them_start_or_end() -> None:
+    """One client's requests in a row, each done in 30 ms: the edge counted each as waiting
+    until the next snapshot (0.5 s), so the fourth of four in that half second found a lane of
+    three "full" on an idle server, with the 60 s retry hint of a rate that idling had decayed
+    to zero (found by the OpenAI audit)."""
+    adm = EdgeAdmission(EdgeSettings(max_depth_short=3))
+    adm.observe(snapshot(short=0, rps=0.0))
+    for rid in ("a", "b", "c"):
+        assert adm.decide("default", Lane.SHORT, None).admitted
+        adm.enqueued("default", Lane.SHORT, rid)
+        adm.left_lane(rid)  # its first token, or its end
+        adm.left_lane(rid)  # both: counted off once
+    assert adm.decide("default", Lane.SHORT, None).admitted
+    for rid in ("d", "e", "f"):
+        adm.enqueued("default", Lane.SHORT, rid)
+    refused = adm.decide("default", Lane.SHORT, None)
+    assert not refused.admitted and refused.reason is RejectReason.LANE_FULL
+    assert refused.retry_after_ms == 2_000, "no drain measured: a short hint, not a minute"
+    adm.left_lane("e")
+    assert adm.decide("default", Lane.SHORT, None).admitted

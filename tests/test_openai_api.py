@@ -177,6 +177,70 @@ def test_fields_at_their_defaults_are_accepted_and_what_we_cannot_do_is_refused(
     assert parse_request(ask(top_p=0), Limits()).frame.top_p == 1e-6
 
 
+def test_unknown_fields_are_refused_as_openai_refuses_them() -> None:
+    """An engine's extension or a misspelt field was dropped in silence (``max_token: 5`` gave a
+    256-token answer, ``guided_choice`` an unconstrained one); OpenAI answers 400 "Unrecognized
+    request argument supplied". Bookkeeping fields that ask nothing of the answer pass."""
+    from lanes.ws_server.openai_compat import APIError, parse_request
+    from lanes.ws_server.protocol import Limits
+
+    for name, value in (("max_token", 5), ("temprature", 0), ("top_k", 5), ("min_tokens", 10), ("ignore_eos", True),
+                        ("guided_choice", ["yes", "no"]), ("repetition_penalty", 1.2), ("best_of", 2), ("echo", True)):
+        with pytest.raises(APIError) as refused:
+            parse_request(ask(**{name: value}), Limits())
+        assert (refused.value.status, refused.value.param, refused.value.code) == (400, name, "unknown_parameter")
+        assert refused.value.message.startswith(f"Unrecognized request argument supplied: {name}")
+    for name, value in (("reasoning_effort", "high"), ("verbosity", "low")):  # they change the answer
+        with pytest.raises(APIError) as refused:
+            parse_request(ask(**{name: value}), Limits())
+        assert refused.value.code == "unsupported_parameter"
+    quiet = {"user": "u1", "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
+             "prompt_cache_key": "k", "safety_identifier": "s", "deadline_ms": 5000, "top_k": None}
+    assert parse_request(ask(**quiet), Limits()).frame.deadline_ms == 5000
+    with pytest.raises(APIError, match="only allowed when 'stream' is true") as refused:
+        parse_request(ask(stream_options={"include_usage": True}), Limits())
+    assert refused.value.param == "stream_options"
+
+
+def test_how_our_frames_end_an_openai_answer() -> None:
+    """A ``done`` that says ``cancelled`` is an error (a cut answer is not a complete one); the
+    worker's prompt_too_long is OpenAI's context_length_exceeded; a retry hint keeps its
+    milliseconds in ``retry-after-ms`` (read first by the SDKs) beside ``Retry-After``."""
+    from lanes.ws_server.openai_compat import ending_error, error_from_frame
+
+    cut = ending_error({"type": "done", "finish_reason": "cancelled", "usage": {}})
+    assert cut is not None and (cut.status, cut.code) == (500, "cancelled")
+    assert ending_error({"type": "done", "finish_reason": "length"}) is None
+    assert ending_error({"type": "delta", "seq": 0, "text": "x"}) is None
+    long = error_from_frame({"type": "error", "code": "prompt_too_long", "message": "prompt has 6414 tokens"})
+    assert (long.status, long.code, long.param) == (400, "context_length_exceeded", "messages")
+    busy = error_from_frame({"type": "error", "code": "overloaded", "message": "busy", "retry_after_ms": 69})
+    assert busy.headers() == {"Retry-After": "1", "retry-after-ms": "69"}
+
+
+def test_every_answer_names_its_request_and_a_cross_site_form_post_is_refused(system: System) -> None:
+    """Refusals carry ``x-request-id`` too (the SDK's ``APIStatusError.request_id`` was None for
+    them). A body sent as text/plain or a form, which any web page can make a visitor's browser
+    send without asking, is refused 415 before it costs a token."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        client(system).chat.completions.create(**ask(messages=[]))
+    assert (bad.value.request_id or "").startswith("chatcmpl-")
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client(system).chat.completions.create(**ask(model="nope"))
+    assert (unknown.value.request_id or "").startswith("chatcmpl-")
+    for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data"):
+        post = urllib.request.Request(f"{base(system)}/chat/completions", data=json.dumps(ask()).encode(),
+                                      headers={"Content-Type": content_type, "Origin": "https://elsewhere.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=10)
+        error = json.loads(refused.value.read())["error"]
+        assert (refused.value.code, error["code"]) == (415, "unsupported_media_type"), error
+        assert "application/json" in error["message"]
+    listed = [client(system).models.list().data[0].created for _ in range(2)]
+    time.sleep(1.1)
+    assert client(system).models.list().data[0].created == listed[0] == listed[1], "created is fixed"
+
+
 def test_wrong_key_is_401_and_the_rate_limit_429(system: System) -> None:
     with pytest.raises(openai.AuthenticationError) as refused:
         client(system, "keyed", "lanes_wrong").chat.completions.create(**ask())
@@ -193,6 +257,8 @@ def test_overload_is_429_with_retry_after(system: System) -> None:
     with pytest.raises(openai.RateLimitError) as refused:
         client(system, "full").chat.completions.create(**ask())
     assert refused.value.body["code"] == "overloaded" and "retry-after" in refused.value.response.headers
+    assert int(refused.value.response.headers["retry-after-ms"]) >= 100
+    assert refused.value.request_id.startswith("chatcmpl-")
 
 
 def test_no_worker_is_503(make_cluster) -> None:
@@ -398,6 +464,7 @@ async def test_a_stream_the_worker_refuses_is_a_4xx_not_an_error_after_200(syste
     for stream in (True, False):
         with pytest.raises(openai.BadRequestError) as refused:
             client(system).chat.completions.create(**ask(messages=too_long, stream=stream))
-        assert refused.value.body["code"] == "prompt_too_long", (stream, refused.value.body)
+        # OpenAI's code for it (clients key their handling of an overflowing context on it)
+        assert refused.value.body["code"] == "context_length_exceeded", (stream, refused.value.body)
     chunks = list(client(system).chat.completions.create(**ask(stream=True)))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason

@@ -44,12 +44,15 @@ class EdgeAdmission:
         self.default_deadline_ms = settings.default_deadline_ms or None
         #: Per pool: the latest snapshot and when it arrived (monotonic s).
         self._snapshots: dict[str, tuple[DepthSnapshot, float]] = {}
-        #: Per pool: what this edge enqueued since that snapshot.
-        #: Per pool: this edge's enqueues (wall-clock ms when Redis confirmed them, lane) that the
-        #: latest snapshot may not count yet.
-        self._since: dict[str, deque[tuple[float, Lane]]] = {}
+        #: Per pool: this edge's enqueues (wall-clock ms when Redis confirmed them, lane, request
+        #: id) that the latest snapshot may not count yet.
+        self._since: dict[str, deque[tuple[float, Lane, str]]] = {}
         #: The same per lane (kept with the list: admission reads it on every request).
         self._since_count: dict[str, Counter[Lane]] = {}
+        #: Those still counted, by request id: one this edge sees start or end is no longer
+        #: waiting, whatever the last snapshot says (else one client's requests in a row, each
+        #: done in 30 ms, counted as a queue for the snapshot's half second).
+        self._counted: dict[str, tuple[str, Lane]] = {}
         self._predicting: Counter[str] = Counter()
         #: Per pool: admitted requests whose enqueue Redis has not confirmed yet (counted as pending,
         #: or concurrent admissions between a decision and its enqueue would all see the same room).
@@ -67,16 +70,25 @@ class EdgeAdmission:
         # landed while the snapshot was on its way, and a burst straddling it over-admitted.
         self._forget(snapshot.pool, snapshot.at_ms)
 
-    def enqueued(self, pool: str, lane: Lane) -> None:
+    def enqueued(self, pool: str, lane: Lane, request_id: str = "") -> None:
         now_ms = time.time() * 1000.0
-        self._since.setdefault(pool, deque()).append((now_ms, lane))
+        self._since.setdefault(pool, deque()).append((now_ms, lane, request_id))
         self._since_count.setdefault(pool, Counter())[lane] += 1
+        if request_id:
+            self._counted[request_id] = (pool, lane)
         self._forget(pool, now_ms - _STALE_MS)  # bounded even when no snapshot comes
+
+    def left_lane(self, request_id: str) -> None:
+        """``request_id`` (enqueued here) started or ended: it waits in no lane any more."""
+        if (found := self._counted.pop(request_id, None)) is not None:
+            self._since_count[found[0]][found[1]] -= 1
 
     def _forget(self, pool: str, before_ms: float) -> None:
         recent = self._since.get(pool)
         while recent and recent[0][0] <= before_ms:
-            self._since_count[pool][recent.popleft()[1]] -= 1
+            _, lane, request_id = recent.popleft()
+            if not request_id or self._counted.pop(request_id, None) is not None:
+                self._since_count[pool][lane] -= 1
 
     def fresh(self, pool: str = DEFAULT_POOL) -> DepthSnapshot | None:
         """``pool``'s latest snapshot if it is recent enough to act on."""

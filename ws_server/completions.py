@@ -43,7 +43,7 @@ KEEPALIVE_S = 15.0
 T = TypeVar("T")
 #: What ``/v1/models`` answers while Redis (where workers register) cannot be read.
 REDIS_DOWN = oai.APIError(503, "the queue is unavailable; retry shortly", "server_error", "unavailable",
-                          retry_after_s=1)
+                          retry_after_ms=1000)
 #: nginx buffers proxied responses unless told not to: tokens would arrive in bursts.
 SSE_HEADERS = {"X-Accel-Buffering": "no"}
 #: The access log's status for a client that left before its request was read (nginx's 499).
@@ -69,15 +69,29 @@ class HttpSession:
                                     "retry_after_ms": 1000})
 
 
-def _error(error: oai.APIError) -> Response:
-    return Response(error.body(), error.status, media_type="application/json", headers=error.headers())
+def _error(error: oai.APIError, request_id: str | None = None) -> Response:
+    headers = error.headers() if request_id is None else {**error.headers(), "x-request-id": request_id}
+    return Response(error.body(), error.status, media_type="application/json", headers=headers)
 
 
-def _refused_request(error: oai.APIError) -> Response:
+def _refused_request(error: oai.APIError, request_id: str) -> Response:
     """A body refused before it became a chat: counted in ``lanes_errors_total`` as the
     WebSocket's protocol errors are (the codes are a fixed set)."""
     metrics.ERRORS.labels(error.code or "invalid_request").inc()
-    return _error(error)
+    return _error(error, request_id)
+
+
+#: Content types a browser may POST cross-site without asking first (CORS "simple requests"):
+#: refused, so that no web page can make a visitor's browser spend this server's GPUs blind.
+_SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def _content_type_refusal(content_type: str | None) -> oai.APIError | None:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media not in _SIMPLE_TYPES:
+        return None
+    return oai.APIError(415, f"the body must be JSON sent as Content-Type: application/json (got {media}; "
+                        "with curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
 
 
 async def not_routed(request: Request, exc: Exception) -> Response:
@@ -97,44 +111,55 @@ async def not_routed(request: Request, exc: Exception) -> Response:
     return Response(error.body(), exc.status_code, media_type="application/json", headers=exc.headers)
 
 
-def _refused(refusal: Refusal) -> Response:
+def _refused(refusal: Refusal, request_id: str | None = None) -> Response:
     code = {401: "invalid_api_key", 403: "forbidden_origin"}.get(refusal.status.value, refusal.code)
     kind = "invalid_request_error" if refusal.status.value < 500 else "server_error"
-    error = oai.APIError(refusal.status.value, refusal.message, kind, code)
-    return Response(error.body(), error.status, media_type="application/json",
-                    headers={**refusal.headers(), **({"Retry-After": "1"} if refusal.status.value == 503 else {})})
+    error = oai.APIError(refusal.status.value, refusal.message, kind, code,
+                         retry_after_ms=1000 if refusal.status.value == 503 else None)
+    headers = {**refusal.headers(), **error.headers(), **({"x-request-id": request_id} if request_id else {})}
+    return Response(error.body(), error.status, media_type="application/json", headers=headers)
 
 
 def routes(edge: Edge) -> list[BaseRoute]:
+    #: A model's ``created`` (OpenAI's is when the model was made): when this edge started, not
+    #: each call's time.
+    started = int(time.time())
+
     async def chat_completions(request: Request) -> Response:
+        # Every answer names the request (``x-request-id``), refusals too: the SDKs show it
+        # (``APIStatusError.request_id``), and it is what an operator greps the logs for.
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         verdict = await edge.gate.check(COMPLETIONS_PATH, request.headers)
         if isinstance(verdict, Refusal):
-            return _refused(verdict)
+            return _refused(verdict, request_id)
         try:
             raw = await _body(request, edge.limits.max_frame_bytes)
         except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing to log
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if raw is None:
             response = _refused_request(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
-                                                     code="frame_too_large"))
+                                                     code="frame_too_large"), request_id)
             # Past the drain bounds (``_body``) the rest of the body is still on the wire: close
             # the connection after the answer, or the server would parse it as the next request.
             response.headers["Connection"] = "close"
             return response
+        if (wrong_type := _content_type_refusal(request.headers.get("content-type"))) is not None:
+            return _refused_request(wrong_type, request_id)
         too_deep = oai.APIError(400, f"the body is nested deeper than {edge.limits.max_nesting} levels",
                                 code="invalid_json")
         try:
             body = msgspec.json.decode(raw)
             if nesting_exceeds(raw, body, edge.limits.max_nesting):  # as for a WebSocket frame
-                return _refused_request(too_deep)
+                return _refused_request(too_deep, request_id)
             parsed = oai.parse_request(body, edge.limits)
         except RecursionError:  # deeper than the interpreter's recursion limit: valid JSON still
-            return _refused_request(too_deep)
+            return _refused_request(too_deep, request_id)
         except (msgspec.DecodeError, UnicodeError) as exc:
-            return _refused_request(oai.APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json"))
+            return _refused_request(oai.APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json"),
+                                    request_id)
         except oai.APIError as error:
-            return _refused_request(error)
-        return await _complete(edge, request, verdict, parsed)
+            return _refused_request(error, request_id)
+        return await _complete(edge, request, verdict, parsed, request_id)
 
     async def models(request: Request) -> Response:
         """``GET /v1/models`` (the list), ``GET /v1/models/{name}`` (one, or 404)."""
@@ -142,9 +167,9 @@ def routes(edge: Edge) -> list[BaseRoute]:
         if isinstance(verdict, Refusal):
             return _refused(verdict)
         try:
-            names, now = await edge.model_names(), int(time.time())
+            names = await edge.model_names()
             name = request.path_params.get("name")
-            body = oai.models(names, now) if name is None else oai.model(name, names, now)
+            body = oai.models(names, started) if name is None else oai.model(name, names, started)
         except QueueUnavailable:
             return _error(REDIS_DOWN)
         except oai.APIError as error:
@@ -191,8 +216,8 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
     return None if over else b"".join(chunks)
 
 
-async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oai.CompletionRequest) -> Response:
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oai.CompletionRequest,
+                    request_id: str) -> Response:
     created, model = int(time.time()), parsed.frame.model or "default"
     session = HttpSession()
     conn = edge.open_session(session)
@@ -202,9 +227,9 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
         with caller_context(request.headers):
             await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id))
         first = await session.frames.get()  # accepted, or the error that refused it (already queued)
-        if first["type"] == "error":
+        if (refused := oai.ending_error(first)) is not None:
             finished = True
-            return _error(oai.error_from_frame(first))
+            return _error(refused, request_id)
         headers = {"x-lanes-lane": str(first.get("lane", "")), "x-request-id": request_id,
                    "Cache-Control": "no-cache"}
         if pool := first.get("pool"):  # "auto" answers with the pool it chose, as OpenAI names the model served
@@ -217,9 +242,8 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
             held = await _until_frame_or_gone(request, session.frames.get(), KEEPALIVE_S)
             if held is _GONE:
                 return Response(status_code=499)
-            if held is not None and held["type"] == "error":
+            if held is not None and (error := oai.ending_error(held)) is not None:
                 finished = True
-                error = oai.error_from_frame(held)
                 return Response(error.body(), error.status, media_type="application/json",
                                 headers={**headers, **error.headers()})
             handed_to_stream = True
@@ -254,16 +278,16 @@ async def _events(edge: Edge, conn: int, session: HttpSession, request_id: str, 
             kind = frame["type"]
             if kind == "delta":
                 yield oai.chunk(request_id, created, model, {"content": frame["text"]}, with_usage=include_usage)
+            elif (failed := oai.ending_error(frame)) is not None:
+                ended = True
+                yield oai.error_event(failed)
+                yield oai.DONE
+                return
             elif kind == "done":
                 ended = True
                 yield oai.chunk(request_id, created, model, {}, oai.finish_reason(frame), with_usage=include_usage)
                 if include_usage:
                     yield oai.usage_chunk(request_id, created, model, oai.usage(frame))
-                yield oai.DONE
-                return
-            elif kind == "error":
-                ended = True
-                yield oai.error_event(oai.error_from_frame(frame))
                 yield oai.DONE
                 return
     finally:  # also when the client went away (Starlette cancels the stream)
@@ -279,12 +303,11 @@ async def _collect(session: HttpSession, request_id: str, created: int,
         frame = await session.frames.get()
         if frame["type"] == "delta":
             parts.append(frame["text"])
+        elif (error := oai.ending_error(frame)) is not None:
+            return error.status, error.body(), error.headers()
         elif frame["type"] == "done":
             return 200, oai.completion(request_id, created, model, "".join(parts), oai.finish_reason(frame),
                                        oai.usage(frame)), {}
-        elif frame["type"] == "error":
-            error = oai.error_from_frame(frame)
-            return error.status, error.body(), error.headers()
 
 
 #: What ``_until_frame_or_gone`` returns when the client disconnected first.

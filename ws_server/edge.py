@@ -102,6 +102,7 @@ class Edge:
                 if action.error_code is not None:
                     metrics.ERRORS.labels(action.error_code).inc()
             elif isinstance(action, delivery.FirstToken):
+                self.admission.left_lane(action.request_id)
                 pool = self._pool_of.get(action.request_id, metrics.NO_POOL)
                 metrics.TTFT.labels(pool, action.lane).observe(action.ttft_s)
                 self.stats.first_token(action.lane, action.ttft_s, pool)
@@ -114,6 +115,7 @@ class Edge:
                 _record(action, pool)
                 self.stats.finished(action, pool)
                 if not live:
+                    self.admission.left_lane(action.request_id)
                     self.spans.finished(action, pool)
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))

@@ -91,7 +91,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
             enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
     if not enqueued.created:
         return _duplicate(edge, request_id, enqueued.existing_state)
-    edge.admission.enqueued(pool, lane)
+    edge.admission.enqueued(pool, lane, request_id)
     return edge.core.accepted(request_id, lane.value, predicted, time.monotonic(), pool)
 
 

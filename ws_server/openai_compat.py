@@ -12,8 +12,13 @@ their choice fields), ``logprobs`` / ``top_logprobs``, ``response_format`` other
 ``logit_bias``, non-zero ``frequency_penalty`` / ``presence_penalty``, ``audio``, ``modalities``
 other than text, ``prediction``; also non-text content parts and ``tool`` messages. A field at
 its "nothing asked" value (``logprobs: false``, ``presence_penalty: 0``...) is accepted, so
-clients that send every default work, and any field sent as ``null`` takes its default. Other fields are ignored, as OpenAI's own servers ignore
-unknown ones.
+clients that send every default work, and any field sent as ``null`` takes its default.
+OpenAI's bookkeeping fields that do not change the answer (``store``, ``metadata``,
+``service_tier``, ``prompt_cache_key``, ``safety_identifier``) are accepted and ignored; any
+other field is refused, as OpenAI refuses it ("Unrecognized request argument supplied"): an
+engine's extension (``top_k``, ``min_tokens``, ``guided_json``...) or a misspelt name
+(``max_token``) would otherwise be dropped in silence, and the answer would not be what was
+asked for. ``deadline_ms`` is lanes' own (refuse at once if the predicted queueing is longer).
 
 Errors (``{"error": {"message", "type", "code", "param"}}``)::
 
@@ -45,8 +50,13 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "parallel_tool_calls": (None, True, False), "logprobs": (None, False), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "web_search_options": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
 }
+#: OpenAI's fields that ask nothing of the answer: accepted, and ignored.
+_IGNORED = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+#: Every field a body may have.
+_KNOWN = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                    "stop", "stream", "stream_options", "n", "deadline_ms"}) | _IGNORED | frozenset(_UNSUPPORTED)
 _enc = msgspec.json.Encoder()
 
 
@@ -57,14 +67,19 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
-    retry_after_s: int | None = None
+    retry_after_ms: int | None = None
 
     def body(self) -> bytes:
         return _enc.encode({"error": {"message": self.message, "type": self.type, "code": self.code,
                                       "param": self.param}})
 
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        """``Retry-After`` in whole seconds, and ``retry-after-ms`` (the OpenAI SDKs read it
+        first) so that a hint under a second is not rounded up to one."""
+        if self.retry_after_ms is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_ms / 1000))),
+                "retry-after-ms": str(self.retry_after_ms)}
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,11 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     # ``null`` asks for the default, as OpenAI's API and SDKs read it (the SDK sends it for
     # every argument a caller passes as None).
     body = {name: value for name, value in body.items() if value is not None}
+    if unknown := sorted(name for name in body if name not in _KNOWN):
+        name = unknown[0][:64]
+        raise APIError(400, f"Unrecognized request argument supplied: {name} (this server's fields: POST "
+                       "/v1/chat/completions in the lanes README; leave it out)", param=name,
+                       code="unknown_parameter")
     for name, nothing_asked in _UNSUPPORTED.items():
         if not any(_same(body.get(name), value) for value in nothing_asked):
             allowed = " or send " + " or ".join(_enc.encode(v).decode() for v in nothing_asked[1:]) if nothing_asked[1:] else ""
@@ -97,6 +117,8 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, "'stream' must be a boolean", param="stream")
+    if options is not None and not stream:  # as OpenAI answers
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     if not isinstance(body.get("model"), str):
         problem = "is required" if body.get("model") is None else "must be a string"
         raise APIError(400, f"'model' {problem}: a pool name (GET /v1/models lists them), or 'auto'", param="model")
@@ -104,7 +126,8 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
         frame = chat_frame(body, None, _messages(body.get("messages"), limits), limits,
                            max_tokens_field=max_tokens_field, default_temperature=1.0)
     except ProtocolError as err:
-        raise APIError(400, err.message, code=err.code.value, param=_param(err, max_tokens_field)) from None
+        code = "context_length_exceeded" if err.code is ErrorCode.PROMPT_TOO_LONG else err.code.value  # OpenAI's
+        raise APIError(400, err.message, code=code, param=_param(err, max_tokens_field)) from None
     return CompletionRequest(frame, stream, bool(options and options.get("include_usage")))
 
 
@@ -169,13 +192,15 @@ def error_from_frame(frame: dict[str, Any]) -> APIError:
     """An ``error`` frame of ours as an OpenAI error with the right status."""
     code, message = str(frame.get("code", "internal")), str(frame.get("message", "error"))
     retry_ms = frame.get("retry_after_ms")
-    retry_s = None if not isinstance(retry_ms, (int, float)) else max(1, math.ceil(retry_ms / 1000))
+    retry = None if not isinstance(retry_ms, (int, float)) else max(1, math.ceil(retry_ms))
     if code == "model_not_found":
         return APIError(404, message, code=code, param="model")
+    if code == ErrorCode.PROMPT_TOO_LONG:  # OpenAI's code for it, which clients key their handling on
+        return APIError(400, message, code="context_length_exceeded", param="messages")
     if code in _TOO_MANY:
-        return APIError(429, message, "rate_limit_error", code, retry_after_s=retry_s or 1)
+        return APIError(429, message, "rate_limit_error", code, retry_after_ms=retry or 1000)
     if code == ErrorCode.UNAVAILABLE:
-        return APIError(503, message, "server_error", code, retry_after_s=retry_s or 1)
+        return APIError(503, message, "server_error", code, retry_after_ms=retry or 1000)
     if code in _CLIENT:
         return APIError(400, message, code=code)
     return APIError(500, message, "server_error", code)
@@ -191,8 +216,22 @@ def usage(frame: dict[str, Any]) -> dict[str, int]:
 
 
 def finish_reason(frame: dict[str, Any]) -> str:
-    """``length`` stays ``length``; a stop (or our own cancel) is ``stop``."""
+    """``length`` stays ``length``; a stop is ``stop``. (A ``cancelled`` end is an error:
+    ``ending_error``.)"""
     return "length" if frame.get("finish_reason") == "length" else "stop"
+
+
+def ending_error(frame: dict[str, Any]) -> APIError | None:
+    """The error a frame ends the answer with, or None: an ``error`` frame; also a ``done``
+    that says ``cancelled``. An HTTP client cannot cancel, so the server cut that answer short
+    (the key was revoked, the request was lost track of...), and a ``finish_reason`` of
+    ``stop`` would pass the cut answer off as complete."""
+    if frame.get("type") == "error":
+        return error_from_frame(frame)
+    if frame.get("type") == "done" and frame.get("finish_reason") == "cancelled":
+        return APIError(500, "the request was cancelled by the server before its answer ended; retry it",
+                        "server_error", "cancelled")
+    return None
 
 
 def chunk(request_id: str, created: int, model: str, delta: dict[str, str], finish: str | None = None,

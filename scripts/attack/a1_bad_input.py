@@ -219,7 +219,7 @@ def http_tests(c, key):
         ("oversized 300K", json.dumps({**good, "messages": [{"role": "user", "content": "x" * 300000}]}).encode(), B, 413),
         ("oversized 5MB", b'{"x":"' + b"a" * 5_000_000 + b'"}', B, 413),
         ("NaN", b'{"model":"default","messages":[{"role":"user","content":"hi"}],"temperature":NaN}', B, 400),
-        ("text/plain", json.dumps(good).encode(), B, None),
+        ("text/plain", json.dumps(good).encode(), B, 415),  # a cross-site "simple" POST
     ]
     for label, body, auth, want in cases:
         t0 = time.monotonic()
