@@ -129,7 +129,7 @@ def settings_error(exc: BaseException) -> str | None:
             value = safe_url(value)
         shown = "" if any(word in field for word in ("password", "secret", "api_key")) else f"={value!r}"
         clauses.append(f"LANES_{field.upper()}{shown}: {error['msg']}")
-    return (f"{exc.title} refused: {'; '.join(clauses)} (fix or unset it in the environment, .env or its "
+    return (f"{exc.title} refused: {'; '.join(clauses)} (fix or unset it in the environment or its "
             "command-line flag)")
 
 

@@ -118,7 +118,8 @@ def list_keys() -> None:
 def revoke(
     which: Annotated[str, typer.Argument(help="a key's name, or a prefix (8+ hex chars) of its sha256")],
 ) -> None:
-    """Delete a key's record: new handshakes with it get 401 (open connections run on until they close)."""
+    """Delete a key's record: new handshakes with it get 401; each edge closes its open WebSockets
+    (code 4003) and cancels their requests within LANES_KEY_RECHECK_S (5 s)."""
     async def revoke_matching(fleet: Fleet) -> list[str]:
         hits = [h for h, r in await _records(fleet)
                 if r.get("name") == which or (len(which) >= 8 and h.startswith(which.lower()))]

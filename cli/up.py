@@ -193,7 +193,9 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
         # Scheduler and workers listen on loopback only: reach them from this machine.
         scraped = [f"edge {base}/metrics"] + [f"{name} http://127.0.0.1:{p}/metrics" for name, p in ports.items()]
         console.print("metrics: " + " · ".join(scraped))
-        keyed = os.environ.get("LANES_AUTH_REQUIRED", "").lower() in ("1", "true", "yes", "on")
+        # As the edge decides (``KeyGuard``): static key hashes turn keys on without the flag.
+        keyed = (os.environ.get("LANES_AUTH_REQUIRED", "").lower() in ("1", "true", "yes", "on")
+                 or bool(os.environ.get("LANES_API_KEY_HASHES", "").strip(" ,")))
         key = " --api-key KEY" if keyed else ""
         if keyed:
             # ``lanes keys`` must store the key where this edge looks: this Redis, not its 6379 default.

@@ -60,6 +60,10 @@ class ErrorCode(StrEnum):
     BAD_MAX_TOKENS = "bad_max_tokens"
     INVALID_REQUEST = "invalid_request"
     ENGINE_ERROR = "engine_error"
+    #: The engine ran out of memory on this request (not retried: the same request would again).
+    OOM = "oom"
+    #: The engine failed generating this request's answer (TensorRT-LLM, the ``hf`` engine).
+    GENERATION_FAILED = "generation_failed"
     WORKER_FAILED = "worker_failed"
     REQUEST_LOST = "request_lost"
     INTERNAL = "internal"

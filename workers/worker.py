@@ -414,7 +414,7 @@ class Worker:
             metrics.ENGINE_ERRORS.labels(kind).inc()
             log.exception("engine failed on %s (attempt %d)", run.id, run.attempt)
             finish = Finish(FinishReason.ERROR, usage(), queue_ms=queue_ms,
-                            error_code="oom" if kind == "oom" else ErrorCode.ENGINE_ERROR,  # hf's RequestRejected too
+                            error_code=ErrorCode.OOM if kind == "oom" else ErrorCode.ENGINE_ERROR,  # hf's RequestRejected too
                             error_message=f"the engine failed on this request ({type(exc).__name__})")
         self._submit(run, "", (), finish)
         return finish

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import FinishReason
 from lanes.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from lanes.workers.engines.base import (
@@ -174,7 +175,7 @@ class HFEngine:
                     self._counters["errors"] += 1
                     if self._manager is None or not self._manager.is_running():
                         raise EngineDead(f"continuous batching stopped: {out.error}")
-                    code = "oom" if is_out_of_memory(out.error) else "generation_failed"
+                    code = ErrorCode.OOM if is_out_of_memory(out.error) else ErrorCode.GENERATION_FAILED
                     raise RequestRejected(code, f"generation failed: {out.error}")
                 new_ids = list(out.generated_tokens[num_seen:])
                 num_seen = len(out.generated_tokens)

@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import trtllm_priority
 from lanes.workers.engines.base import (
@@ -138,7 +139,7 @@ def error_from_exception(exc: BaseException, *, dead: bool) -> EngineError:
     if dead or "EngineDeadError" in names:
         return EngineDead(message)
     if "RequestError" in names:
-        return RequestRejected("generation_failed", message)
+        return RequestRejected(ErrorCode.GENERATION_FAILED, message)
     if names & {"ValueError", "TypeError"}:
         lowered = message.lower()
         long_prompt = "prompt length" in lowered or "max_seq_len" in lowered or "max_num_tokens" in lowered
