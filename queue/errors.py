@@ -65,6 +65,9 @@ class ErrorCode(StrEnum):
     #: The engine failed generating this request's answer (TensorRT-LLM, the ``hf`` engine).
     GENERATION_FAILED = "generation_failed"
     WORKER_FAILED = "worker_failed"
+    #: The request's record in Redis was malformed (written by something other than this lanes
+    #: version): it was failed without running; nothing else is affected.
+    MALFORMED_REQUEST = "malformed_request"
     REQUEST_LOST = "request_lost"
     INTERNAL = "internal"
 

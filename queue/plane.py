@@ -31,16 +31,23 @@ from lanes.queue.keys import (
     REQUEST_TTL_S,
     Keys,
 )
+from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import (
     Control,
+    Finish,
+    FinishReason,
     Lane,
     RequestPayload,
+    TokenBatch,
+    TokenEvent,
+    Usage,
     encode,
 )
+from lanes.queue.records import record_fault
 from lanes.queue.settings import RedisSettings
 from lanes.queue.streams import TokenStreams
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
 
@@ -91,6 +98,16 @@ class Reaped:
     attempt: int
     #: Lease expiries so far (its workers' deaths; hand-backs are not counted).
     expired: int = 0
+    #: What is wrong with its record, for action ``malformed`` (failed, ``quarantine``).
+    reason: str = ""
+
+
+class MalformedRequest(Exception):
+    """A request's record in Redis cannot be run (``records.record_fault`` says why)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id}'s record is malformed: {reason}")
+        self.request_id, self.reason = request_id, reason
 
 
 #: The window of ``grant_preemption``: about two depth snapshots, after which the snapshots show
@@ -129,6 +146,7 @@ class QueuePlane(TokenStreams):
         self._release = client.register_script(scripts.RELEASE)
         self._take_token = client.register_script(scripts.TAKE_TOKEN)
         self._preempt_grant = client.register_script(scripts.PREEMPT_GRANT)
+        self._quarantine = client.register_script(scripts.QUARANTINE)
 
     def for_pool(self, pool: str) -> QueuePlane:
         """The same connection, on ``pool``'s keys (one per pool, kept)."""
@@ -283,16 +301,66 @@ class QueuePlane(TokenStreams):
         return member.decode(), lane
 
     async def claim(self, request_id: str, worker_id: str) -> Claim | None:
+        """Claim a popped request: its payload and attempt, or None when it is no longer queued.
+        Raises ``MalformedRequest`` when its record cannot be run (the caller quarantines it)."""
         k = self.keys
-        got = await self._claim(
-            keys=[k.request(request_id), k.watch, k.claims],
-            args=[request_id, worker_id, self.settings.lease_ms, REQUEST_TTL_S],
-        )
+        try:
+            got = await self._claim(
+                keys=[k.request(request_id), k.watch, k.claims],
+                args=[request_id, worker_id, self.settings.lease_ms, REQUEST_TTL_S],
+            )
+        except ResponseError as exc:
+            raise await self._malformed_or(request_id, exc) from None
         if not got:
             return None
-        attempt, payload, enq_ms, now_ms, edge, preempted, owner, ready_ms, first_ms = got
-        return Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
-                     int(preempted), owner.decode(), int(ready_ms), int(first_ms))
+        try:
+            attempt, payload, enq_ms, now_ms, edge, preempted, owner, ready_ms, first_ms = got
+            claim = Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
+                          int(preempted), owner.decode(), int(ready_ms), int(first_ms))
+        except (ValueError, TypeError, msgspec.DecodeError) as exc:  # a nil field cut the reply short, too
+            raise MalformedRequest(request_id, await self.record_fault(request_id) or str(exc)) from None
+        if claim.payload.id != request_id:
+            raise MalformedRequest(request_id, f"its payload names another request ({claim.payload.id[:64]!r})")
+        return claim
+
+    async def record_fault(self, request_id: str) -> str | None:
+        """What is wrong with ``request_id``'s record (``records.record_fault``), or None."""
+        key = self.keys.request(request_id)
+        kind = (await self.redis.type(key)).decode()
+        if kind == "none":
+            return None
+        if kind != "hash":
+            return f"its record {key} is a {kind}, not a hash"
+        return record_fault(request_id, await self.redis.hgetall(key))
+
+    async def _malformed_or(self, request_id: str, exc: ResponseError) -> Exception:
+        """A script's error on ``request_id``: ``MalformedRequest`` when its own record is at
+        fault, else ``exc`` (a key the whole pool shares is: every request would fail alike)."""
+        if "user_script" in str(exc) and (fault := await self.record_fault(request_id)) is not None:
+            return MalformedRequest(request_id, fault)
+        return exc
+
+    async def end_with_error(self, request_id: str, edge: str, attempt: int, code: ErrorCode, message: str,
+                             sender: str = "scheduler") -> None:
+        """End a request that no worker runs any more with an error: after the tokens its stream
+        holds, under a fence that stale attempts cannot pass, on its edge's channel and in its
+        stream (so a resume sees it too)."""
+        prior = await self.read_stream(request_id)
+        finish = Finish(FinishReason.ERROR, Usage(0, sum(len(e.token_ids) for e in prior)), error_code=code,
+                        error_message=message)
+        event = TokenEvent(request_id, attempt + 1, len(prior), "", (), finish)
+        await self.fence(request_id, attempt + 1)
+        await self.append({request_id: [event]})
+        if edge:
+            await self.publish({edge: TokenBatch(sender, (event,))})
+
+    async def quarantine(self, request_id: str) -> tuple[str, int]:
+        """Take a malformed request out of its lane and the reaper's watch, failed: ``(edge,
+        attempt)`` as far as its record says."""
+        k = self.keys
+        edge, attempt = await self._quarantine(keys=[k.request(request_id), k.watch, *k.pending_all()],
+                                               args=[request_id, FINISHED_TTL_S])
+        return edge.decode("utf-8", "replace"), int(attempt)
 
     async def heartbeat(self, runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
         """Renew leases of ``(id, attempt)`` runs; per run ``(status, edge)``."""
@@ -333,13 +401,24 @@ class QueuePlane(TokenStreams):
         due = await self.redis.zrangebyscore(k.watch, "-inf", now_ms, start=0, num=limit)
         reaped = []
         for raw in due:
-            request_id = raw.decode()
-            action, edge, attempt, *expired = await self._requeue(
-                keys=[k.request(request_id), k.watch, *k.pending_all()],
-                args=[request_id, self.settings.start_timeout_ms, self.settings.max_attempts, FINISHED_TTL_S, now_ms],
-            )
-            reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt),
-                                 int(expired[0]) if expired else 0))
+            request_id = raw.decode("utf-8", "replace")
+            try:
+                action, edge, attempt, *expired = await self._requeue(
+                    keys=[k.request(request_id), k.watch, *k.pending_all()],
+                    args=[request_id, self.settings.start_timeout_ms, self.settings.max_attempts, FINISHED_TTL_S,
+                          now_ms],
+                )
+                reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt),
+                                     int(expired[0]) if expired else 0))
+            except (ResponseError, ValueError, TypeError) as exc:  # ValueError: a nil cut the reply short
+                # One malformed record must not stop the reaper for the whole pool: it is failed,
+                # and the rest are reaped (before, every pass stopped at it, for good).
+                fault = (await self._malformed_or(request_id, exc) if isinstance(exc, ResponseError)
+                         else MalformedRequest(request_id, await self.record_fault(request_id) or str(exc)))
+                if not isinstance(fault, MalformedRequest):
+                    raise fault from None
+                edge_id, attempt_no = await self.quarantine(request_id)
+                reaped.append(Reaped(request_id, "malformed", edge_id, attempt_no, reason=fault.reason))
         return reaped
 
     async def queued_ids(self, limit: int = 1000) -> list[str]:

@@ -291,3 +291,16 @@ redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', now)
 redis.call('PEXPIRE', KEYS[1], math.ceil(cap * 1000 / rate) + 1000)
 return wait
 """
+
+#: KEYS: req, watch, pending:short, pending:medium, pending:long. ARGV: id, finished_ttl_s.
+#: Takes a request whose record is malformed (``records.record_fault``) out of every lane and
+#: the reaper's watch, and marks it failed where its record is a hash. Returns {edge, attempt}
+#: as far as the record says ('' and 0 where it cannot).
+QUARANTINE = """
+for i = 2, 5 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {'', 0} end
+local h = redis.call('HMGET', KEYS[1], 'edge', 'attempt')
+redis.call('HSET', KEYS[1], 'state', 'failed')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {h[1] or '', math.floor(tonumber(h[2] or '0') or 0)}
+"""

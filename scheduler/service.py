@@ -22,11 +22,6 @@ from lanes.queue.connection import raise_if_cancelled
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.messages import (
     DepthSnapshot,
-    Finish,
-    FinishReason,
-    TokenBatch,
-    TokenEvent,
-    Usage,
     WorkerReport,
 )
 from lanes.queue.plane import QueuePlane
@@ -156,6 +151,13 @@ class Scheduler:
                 if item.action == "requeued":
                     log.info("lease of %s expired (attempt %d, expiry %d): back in its lane", item.id, item.attempt,
                              item.expired)
+                elif item.action == "malformed":
+                    log.error("request %s failed without running: its record in Redis is malformed (%s); written "
+                              "by something other than this lanes version? The rest of the pool is reaped",
+                              item.id, item.reason)
+                    await self._notify_failed(plane, item.id, item.edge, item.attempt, ErrorCode.MALFORMED_REQUEST,
+                                              f"the request's record in Redis is malformed ({item.reason}); it was "
+                                              "not run")
                 elif item.action == "failed":
                     log.warning("%s failed: its worker died %d times (attempt %d)", item.id, item.expired, item.attempt)
                     await self._notify_failed(plane, item.id, item.edge, item.attempt,
@@ -164,16 +166,9 @@ class Scheduler:
 
     async def _notify_failed(self, plane: QueuePlane, request_id: str, edge: str, attempt: int,
                              code: ErrorCode = ErrorCode.WORKER_FAILED, message: str = "") -> None:
-        """End the request at its edge with an error, through the stream (so resume sees it too)."""
-        prior = await plane.read_stream(request_id)
-        num_tokens = sum(len(e.token_ids) for e in prior)
-        finish = Finish(FinishReason.ERROR, Usage(0, num_tokens), error_code=code,
-                        error_message=message or f"the request's worker died {attempt} times; giving up")
-        event = TokenEvent(request_id, attempt + 1, len(prior), "", (), finish)
-        await plane.fence(request_id, attempt + 1)
-        await plane.append({request_id: [event]})
-        if edge:
-            await plane.publish({edge: TokenBatch("scheduler", (event,))})
+        """End the request at its edge with an error (``QueuePlane.end_with_error``)."""
+        await plane.end_with_error(request_id, edge, attempt, code,
+                                   message or f"the request's worker died {attempt} times; giving up")
 
     async def snapshot_once(self) -> list[DepthSnapshot]:
         """One depth snapshot per pool, published and stored (edges' admission, workers'

@@ -333,3 +333,79 @@ async def test_existing_state_is_what_enqueue_would_answer(plane: QueuePlane) ->
     assert await plane.existing_state("e1", "bob") == ""  # another key is not told its state
     assert await plane.for_pool("other").existing_state("e1", "alice") == ""  # another pool's id
     assert (await plane.enqueue(payload("e1"), "edge", owner="alice")).existing_state == "queued"
+
+
+async def corrupt(plane: QueuePlane, request_id: str, **fields: object) -> None:
+    """Enqueue ``request_id`` as lanes does, then overwrite fields of its record by hand."""
+    await plane.enqueue(payload(request_id), "edge-b")
+    await plane.redis.hset(plane.keys.request(request_id), mapping=fields)
+
+
+@pytest.mark.parametrize("fields,reason", [
+    ({"p": "not json{"}, "its payload (field 'p') is not a request"),
+    ({"p": '{"a": 1}'}, "its payload (field 'p') is not a request"),
+    ({"p": '{"id": "other", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "lane": "short"}'},
+     "its payload names another request"),
+    ({"enq_ms": "notanumber"}, "field 'enq_ms' is 'notanumber', not a number"),
+    ({"attempt": "x"}, "field 'attempt' is 'x', not an integer"),
+])
+async def test_a_malformed_record_is_refused_at_the_claim_and_quarantined(
+        plane: QueuePlane, fields: dict[str, object], reason: str) -> None:
+    """Before, each of these crashed the claiming worker with a traceback (and the reaper put the
+    request back for the next one: a crash loop); now the claim names the fault, and the record
+    leaves every lane and the watch, failed."""
+    from lanes.queue.plane import MalformedRequest
+
+    await corrupt(plane, "bad", **fields)
+    await plane.enqueue(payload("good"), "edge-g")
+    assert await pop(plane) == ("bad", Lane.SHORT)
+    with pytest.raises(MalformedRequest) as refused:
+        await plane.claim("bad", "w1")
+    assert refused.value.request_id == "bad" and refused.value.reason.startswith(reason), refused.value.reason
+    # The claim counted an attempt, unless the attempt field itself is what broke it.
+    assert await plane.quarantine("bad") == ("edge-b", 0 if "attempt" in fields else 1)
+    assert await plane.redis.hget(plane.keys.request("bad"), "state") == b"failed"
+    assert await plane.redis.zscore(plane.keys.watch, "bad") is None
+    assert await pop(plane) == ("good", Lane.SHORT)
+    assert (await plane.claim("good", "w1")) is not None
+
+
+async def test_one_malformed_record_does_not_stop_the_reaper(plane: QueuePlane) -> None:
+    """A watch entry whose record breaks the requeue script (a score that is not a number):
+    every reaper pass stopped there, so no lease of the pool was recovered until someone
+    deleted it. Now it is failed as malformed, and the pass goes on."""
+    await corrupt(plane, "poison", enq_ms="xyz", state="running", attempt="1")
+    await plane.enqueue(payload("first"), "e")
+    assert {await pop(plane), await pop(plane)} == {("poison", Lane.SHORT), ("first", Lane.SHORT)}
+    await plane.claim("first", "dead-worker")
+    now = await plane.server_time_ms()
+    await plane.redis.zadd(plane.keys.watch, {"poison": 1})  # due at once
+    reaped = {r.id: r for r in await plane.reap(now + plane.settings.lease_ms + 10)}
+    assert reaped["first"].action == "requeued"
+    assert (reaped["poison"].action, reaped["poison"].edge) == ("malformed", "edge-b")
+    assert "'enq_ms' is 'xyz'" in reaped["poison"].reason
+    assert await plane.redis.zscore(plane.keys.watch, "poison") is None
+    # A key every request shares, of the wrong type, is not one request's fault: it still raises.
+    await plane.redis.delete(plane.keys.pending(Lane.MEDIUM))
+    await plane.redis.set(plane.keys.pending(Lane.MEDIUM), "garbage")
+    await corrupt(plane, "fine-but-stuck", lane="medium")
+    await plane.redis.zadd(plane.keys.watch, {"fine-but-stuck": 1})
+    from redis.exceptions import ResponseError
+    with pytest.raises(ResponseError):
+        await plane.reap(now)
+
+
+async def test_the_scheduler_ends_a_malformed_request_at_its_edge(plane: QueuePlane) -> None:
+    from lanes.queue.errors import ErrorCode
+    from lanes.scheduler.service import Scheduler
+    from lanes.scheduler.settings import SchedulerSettings
+
+    await corrupt(plane, "poison", enq_ms="xyz", state="running", attempt="2")
+    await plane.redis.zadd(plane.keys.watch, {"poison": 1})
+    scheduler = Scheduler(SchedulerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                                            predictor_refresh_minutes=0), plane)
+    scheduler._known_pools = ["default"]
+    assert await scheduler.reap_once() == 1
+    (end,) = await plane.read_stream("poison")
+    assert (end.attempt, end.finish.error_code) == (3, ErrorCode.MALFORMED_REQUEST)
+    assert "'enq_ms' is 'xyz'" in end.finish.error_message

@@ -276,3 +276,27 @@ async def test_the_batch_size_metric_counts_every_request_on_the_engine(plane: Q
     assert total >= 20, added
     # Cumulative buckets: samples of 5 to 8 are those above le=4.
     assert (total - added["4.0"]) / total >= 0.9, added
+
+
+async def test_a_malformed_request_fails_alone_and_the_worker_serves_on(plane: QueuePlane) -> None:
+    """A job whose record is not lanes' (a payload that is not JSON, written by hand or by another
+    program on the prefix) killed the worker that claimed it with a traceback, and the next ones
+    after the reaper put it back. Now it ends at its edge with ``malformed_request`` and the
+    worker goes on to the next request."""
+    from lanes.queue.errors import ErrorCode
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.workers.engines.sim import SimEngine
+
+    await enqueue(plane, "broken", 5)
+    await plane.redis.hset(plane.keys.request("broken"), "p", "not json{")
+    await asyncio.sleep(0.005)
+    await enqueue(plane, "after", 5)
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", sim_time_scale=20, heartbeat_s=0.2)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=4))
+    await asyncio.wait_for(worker.serve(burst=True), 60)
+    assert await plane.redis.hget(plane.keys.request("broken"), "state") == b"failed"
+    (end,) = await plane.read_stream("broken")
+    assert end.finish is not None and end.finish.error_code == ErrorCode.MALFORMED_REQUEST
+    assert "field 'p'" in end.finish.error_message
+    assert await plane.redis.hget(plane.keys.request("after"), "state") == b"done"

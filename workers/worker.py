@@ -34,7 +34,7 @@ from lanes.queue.messages import (
     Usage,
     decode,
 )
-from lanes.queue.plane import Claim, QueuePlane
+from lanes.queue.plane import Claim, MalformedRequest, QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.scheduler.live_policy import make_live_policy
 from lanes.scheduler.policy import (
@@ -235,6 +235,11 @@ class Worker:
                             return
                         continue
                     claim = await self.plane.claim(popped[0], self.worker_id)
+                except MalformedRequest as bad:
+                    # One bad record fails one request: before, it killed this worker, and each
+                    # worker that claimed it after the reaper put it back (a crash loop).
+                    self._spawn(self._quarantine(bad))
+                    continue
                 except QueueUnavailable as exc:
                     # Redis restarting or unreachable: back off, keep running requests going.
                     self._blocker_id = None
@@ -247,6 +252,17 @@ class Worker:
                     self._start(claim, popped[1])
         finally:
             await blocker.aclose()
+
+    async def _quarantine(self, bad: MalformedRequest) -> None:
+        log.error("request %s failed without running: its record in Redis is malformed (%s); written by "
+                  "something other than this lanes version?", bad.request_id, bad.reason)
+        try:
+            edge, attempt = await self.plane.quarantine(bad.request_id)
+            await self.plane.end_with_error(bad.request_id, edge, attempt, ErrorCode.MALFORMED_REQUEST,
+                                            f"the request's record in Redis is malformed ({bad.reason}); it was not "
+                                            "run", sender=self.worker_id)
+        except QueueUnavailable as exc:  # then the reaper finds it, and fails it the same way
+            log.warning("could not fail malformed request %s yet (%s); the reaper will", bad.request_id, exc)
 
     async def _lanes_empty(self) -> bool:
         pending, _ = await self.plane.lane_depths(0)
