@@ -112,15 +112,19 @@ def test_up_waits_for_a_warm_worker_restarts_a_crash_and_stops_on_ctrl_c(
         client.close()
 
 
-def test_sigterm_during_start_up_stops_everything_at_once(tiny_model, tmp_path: Path, up_runs: list[Up]) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_during_start_up_stops_everything_at_once(tiny_model, tmp_path: Path, up_runs: list[Up],
+                                                         signum: int) -> None:
+    """SIGHUP too (a closed terminal or SSH session): before, lanes up died of it at once and its
+    children, in sessions of their own, ran on under init with the ports."""
     up = Up(tmp_path, "--port", str(free_port()), "--model", str(tiny_model.target))
     up_runs.append(up)
     wait_for(lambda: len(up.children()) >= 3, scaled(30), "the children")
     children = up.children()
     sent = time.monotonic()
-    up.proc.send_signal(signal.SIGTERM)
+    up.proc.send_signal(signum)
     assert up.wait(scaled(15)) == 0
-    assert time.monotonic() - sent < scaled(8), "SIGTERM waited for the start-up to finish"
+    assert time.monotonic() - sent < scaled(8), "the signal waited for the start-up to finish"
     assert gone(children)
     assert "ready: chat at" not in up.output and "Traceback" not in up.output, up.output[-3000:]
 
