@@ -92,6 +92,23 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
             f"cannot reach Redis at {url} (LANES_REDIS_URL): {reason}. Start Redis there or "
             "point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL starts its own)"
         ) from None
+    if await _is_replica(plane):
+        # Every process writes (enqueues, leases, heartbeats): on a replica each write fails,
+        # which the edge would report to clients as "unavailable; retry shortly" for good.
+        raise ConfigFailure(f"Redis at {url} is a read-only replica (LANES_REDIS_URL): point it at the primary")
+
+
+async def _is_replica(plane: QueuePlane) -> bool:
+    """Whether one Redis (not a cluster: its client writes to the masters) is a replica, by
+    ``ROLE``; False where it cannot tell (a managed Redis that renames or forbids ``ROLE``)."""
+    if plane.cluster:
+        return False
+    try:
+        role = await asyncio.wait_for(plane.redis.execute_command("ROLE"), REDIS_CHECK_TIMEOUT_S)
+    except (QueueUnavailable, OSError, asyncio.TimeoutError):
+        return False
+    first = role[0] if isinstance(role, (list, tuple)) and role else b""
+    return (first.decode() if isinstance(first, bytes) else str(first)) == "slave"
 
 
 def _unreachable_reason(exc: BaseException, timeout_s: float) -> str:

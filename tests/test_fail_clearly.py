@@ -390,3 +390,23 @@ def test_lanes_up_reads_lanes_port_and_lanes_engine(monkeypatch: pytest.MonkeyPa
     assert CliRunner().invoke(main.app, ["up"]).exit_code == 0
     assert CliRunner().invoke(main.app, ["up", "--port", "9001", "--engine", "hf"]).exit_code == 0
     assert started == [(18123, ["--engine", "sim"]), (9001, ["--engine", "hf"])]
+
+
+@pytest.mark.parametrize("command", [["worker", "--engine", "sim"], ["edge", "--port", "0"], ["keys", "list"]])
+def test_a_read_only_replica_is_one_line_naming_the_primary(redis_server, command: list[str]) -> None:
+    """A replica answered the start-up check; then the worker died of ReadOnlyError (285 lines,
+    restarted forever under `lanes up`), `keys create` printed 207 lines, and the edge told every
+    client "unavailable; retry shortly"."""
+    from lanes.queue.embedded import EmbeddedRedis
+
+    host, port = redis_server.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    replica = EmbeddedRedis(extra_args=("--replicaof", host, port)).start()
+    try:
+        out = lanes(*command, LANES_REDIS_URL=replica.url, timeout_s=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"configuration error: Redis at {replica.url} is a read-only replica (LANES_REDIS_URL): point it "
+            "at the primary")
+        no_traceback(out)
+    finally:
+        replica.stop()
