@@ -170,7 +170,7 @@ class Cluster:
         else:
             process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        child = Child(name, args, env, process, int(time.time() * 1000), time.monotonic(), log_path)
+        child = Child(name, args, env, process, self._redis_now_ms(), time.monotonic(), log_path)
         if log_path is None:
             threading.Thread(target=_echo, args=(child,), name=f"out-{name}", daemon=True).start()
         self.children[name] = child
@@ -256,6 +256,16 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {what} within {timeout_s:.0f} s (logs: {self.log_dir or 'above'})")
             time.sleep(0.1)
+
+    def _redis_now_ms(self) -> int:
+        """Now on the Redis clock, which workers register their heartbeats on (``warm_workers``
+        compares the two); this machine's clock while Redis cannot be asked."""
+        if self.redis_url:
+            try:
+                return self.query(lambda plane: plane.server_time_ms(), timeout_s=2)
+            except (QueueUnavailable, OSError, asyncio.TimeoutError):
+                pass
+        return int(time.time() * 1000)
 
     def query(self, ask: Callable[[QueuePlane], Awaitable[T]], timeout_s: float = 5) -> T:
         """Run one ``QueuePlane`` read from synchronous code (even inside a running event

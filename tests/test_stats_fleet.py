@@ -94,3 +94,18 @@ async def test_scheduler_sample_merges_real_depths_reports_and_windows(redis_set
     assert sample.lanes["long"].refusals == {"lane_full": 2}
     assert [(w.worker, w.tokens_per_s, w.kv_cache_usage) for w in sample.workers] == [("w1", 12.5, 0.5)]
     assert await plane.fleet.take_edge_windows() == [], "the window went into that sample"
+
+
+async def test_a_worker_registers_on_the_redis_clock(plane: QueuePlane, monkeypatch) -> None:
+    """The scheduler judges liveness on the Redis clock: a worker whose own clock ran 12 s behind
+    registered 12 s in the past and never counted as live (its pool refused every chat)."""
+    import time
+
+    from lanes.workers.reporting import Reporter
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 12.0)
+    await Reporter(plane, "skewed", heartbeat_s=0.5, pool="default").report({}, 8, {}, {})
+    now_ms = await plane.server_time_ms()
+    assert abs(await plane.redis.zscore(plane.keys.workers, "skewed") - now_ms) < 2000
+    assert await plane.fleet.live_workers(now_ms, max_age_ms=10_000) == ["skewed"]

@@ -40,7 +40,10 @@ class Reporter:
         report = WorkerReport(worker=self.worker_id, running=running, slots=slots, finished=finished,
                               tokens_per_s=self._export(engine_stats), engine=_plain(engine_stats), pool=self.pool,
                               draining=self.draining)
-        await self.plane.fleet.report(report, int(time.time() * 1000), ttl_ms=max(5000, int(self.heartbeat_s * 3000)))
+        # Registered on the Redis clock, which the scheduler judges liveness by: on the worker's
+        # own, a clock 12 s behind never counted as live, and one ahead outlived its death.
+        now_ms = await self.plane.server_time_ms()
+        await self.plane.fleet.report(report, now_ms, ttl_ms=max(5000, int(self.heartbeat_s * 3000)))
 
     def _export(self, engine_stats: dict[str, Any]) -> float:
         """Engine gauges to Prometheus; returns tokens/s since the previous report."""
