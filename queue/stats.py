@@ -13,6 +13,8 @@ import msgspec
 
 #: The lane of a refusal that came before a lane was chosen (no worker, rate limit, Redis down).
 NO_LANE = "none"
+#: The lane a fixed answer reports (the edge's own answer: it never waits in one).
+FIXED_LANE = "fixed"
 #: A log-bucket histogram: bucket index -> count (``scheduler/histogram.py`` maps ms to buckets).
 Histogram = dict[int, int]
 

@@ -81,6 +81,18 @@ def test_edge_window_counts_first_tokens_refusals_and_ends_then_starts_over() ->
     assert stats.take(3_000) is None, "taken windows start over"
 
 
+def test_a_fixed_answer_counts_in_its_lane_not_in_its_pools_ttft() -> None:
+    """The edge's own answers (0.1 ms) read, in the pool's TTFT, as the pool's model answering in
+    0.1 ms at the median (found in a multi-pool audit)."""
+    stats = EdgeStats("edge-a", now_ms=0)
+    stats.first_token("short", 0.050, pool="large")
+    for _ in range(5):
+        stats.first_token("fixed", 0.0001, pool="large")
+    window = stats.take(1_000)
+    assert window is not None and sum(window.ttft_ms["fixed"].values()) == 5
+    assert sum(window.pool_ttft_ms["large"].values()) == 1
+
+
 def test_an_unshipped_window_is_merged_into_the_next() -> None:
     stats = EdgeStats("edge-a", now_ms=0)
     stats.first_token("short", 0.01)

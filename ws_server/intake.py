@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from lanes.queue.errors import ErrorCode
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import Finish, FinishReason, RequestPayload, TokenEvent, Usage
-from lanes.queue.stats import NO_LANE
+from lanes.queue.stats import FIXED_LANE, NO_LANE
 from lanes.scheduler.router.fixed_answers import FixedAnswer, request_deltas
 from lanes.scheduler.router.rules import AUTO
 from lanes.telemetry import metrics
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from lanes.scheduler.admission import AdmissionDecision
     from lanes.ws_server.edge import Edge
 
-#: The lane a fixed answer reports (it never waits in one).
-FIXED_LANE = "fixed"
 #: What a client is told to wait when no worker is ready yet (ms).
 NO_WORKER_RETRY_MS = 1000
 

@@ -26,7 +26,7 @@ from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.fleet import sample_time_ms
 from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
-from lanes.queue.stats import EdgeWindow, Histogram
+from lanes.queue.stats import FIXED_LANE, EdgeWindow, Histogram
 from lanes.scheduler import histogram
 from lanes.telemetry import metrics
 from lanes.ws_server.delivery import Entry, Finished
@@ -56,8 +56,13 @@ class EdgeStats:
 
     def first_token(self, lane: str, ttft_s: float, pool: str = metrics.NO_POOL) -> None:
         bucket = histogram.bucket_of(ttft_s * 1000)
-        for by_bucket in (self._ttft.setdefault(lane, {}), self._pool_ttft.setdefault(pool, {})):
-            by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
+        by_lane = self._ttft.setdefault(lane, {})
+        by_lane[bucket] = by_lane.get(bucket, 0) + 1
+        if lane != FIXED_LANE:
+            # A fixed answer (the edge's own, in ~0.1 ms) is not the pool's model serving: in
+            # the pool's TTFT it read as a pool answering in 0.1 ms at the median.
+            by_pool = self._pool_ttft.setdefault(pool, {})
+            by_pool[bucket] = by_pool.get(bucket, 0) + 1
 
     def finished(self, action: Finished, pool: str = metrics.NO_POOL) -> None:
         if action.refused:
