@@ -430,6 +430,22 @@ class QueuePlane(TokenStreams):
             found = await pipe.execute()
         return [raw.decode() for ids in found for raw in ids][:limit]
 
+    async def routed_unstarted(self, request_ids: list[str]) -> list[str]:
+        """Those of ``request_ids`` that ``auto`` routed (``RequestPayload.routed``) and that no
+        worker has claimed yet (attempt 0)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.hmget(self.keys.request(request_id), "p", "attempt")
+            records = await pipe.execute()
+        found = []
+        for request_id, (raw, attempt) in zip(request_ids, records):
+            try:
+                if raw is not None and attempt in (b"0", None) and _payload_decoder.decode(raw).routed:
+                    found.append(request_id)
+            except msgspec.DecodeError:  # a malformed record: the reaper's to deal with
+                continue
+        return found
+
     async def fail_queued(self, request_id: str) -> tuple[bool, str, int]:
         """Fail a request that is still queued: ``(failed, edge, attempt)`` (``FAIL_QUEUED``)."""
         k = self.keys

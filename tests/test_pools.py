@@ -422,3 +422,38 @@ async def test_a_pool_that_scales_from_zero_queues_its_chats_until_a_worker_star
     assert end["type"] == "done", end
     assert [f["seq"] for f in client.frames[rid] if f["type"] == "delta"] == list(range(end["usage"]["completion_tokens"]))
     await client.close()
+
+
+async def test_auto_chats_waiting_in_a_pool_that_died_fail_at_once_to_be_retried(make_cluster) -> None:
+    """kill -9 of the small pool's only worker with chats waiting there: those that ``auto`` sent
+    and that have not started end ``unavailable`` as soon as the scheduler sees the pool empty
+    (a retry goes to the large pool, which has workers); before, they waited 60-76 s for the
+    no-worker timeout while the large pool idled. A chat that named the pool keeps waiting for a
+    worker of its own pool."""
+    sys_ = make_cluster(workers=0, env={"LANES_ROUTING_FILE": str(RULES), "LANES_POOLS": "small,large"})
+    sys_.start_worker("small-1", "", "--engine", "sim", "--sim-time-scale", "1", "--max-slots", "1",
+                      LANES_POOL="small")
+    sys_.start_worker("large-1", "", *SIM, LANES_POOL="large")
+    sys_.wait_workers(2)
+    prompt = "Translate 'good morning' into French."
+    assert route(prompt, None, load_rules(RULES), "auto", ComplexityModel.load().complexity).pool == "small"
+    await asyncio.sleep(1.5)  # the edge has the snapshots of both pools
+    client = await Client.connect(sys_.edge_urls["edge"])
+    running, routed, named = (f"{what}-{uuid.uuid4().hex[:6]}" for what in ("run", "auto", "named"))
+    for rid, model in ((running, "auto"), (routed, "auto"), (named, "small")):
+        await client.send({"type": "chat", "id": rid, "model": model, "max_tokens": 1500,
+                           "messages": [{"role": "user", "content": prompt}]})
+    for _ in range(int(scaled(200))):
+        if client.deltas(running):
+            break
+        await asyncio.sleep(0.05)
+    assert [client.frames[rid][0]["pool"] for rid in (running, routed, named)] == ["small"] * 3
+    sys_.kill("small-1")
+    killed = time.monotonic()
+    end = await client.wait(routed, scaled(40))
+    assert (end["type"], end["code"]) == ("error", "unavailable") and "'auto'" in end["message"], end
+    assert time.monotonic() - killed < scaled(20), "failed at once, not after the 60 s timeout"
+    assert not client.finished[named].is_set(), "a chat that named the pool waits for its pool"
+    retry = await chat(sys_.edge_urls["edge"], f"again-{uuid.uuid4().hex[:6]}", prompt, model="auto")
+    assert retry[0]["pool"] == "large" and retry[-1]["type"] == "done", retry
+    await client.close()

@@ -84,6 +84,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
             id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
             top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
             trace=inject_context(), resume_grace_s=edge.settings.resume_grace_s,
+            routed=edge.router.rules is not None and frame.model == AUTO,
         )
         with edge.admission.enqueueing(pool, lane):
             enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)
