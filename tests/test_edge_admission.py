@@ -141,3 +141,22 @@ def test_own_enqueues_stop_counting_once_the_edge_sees_them_start_or_end() -> No
     assert refused.retry_after_ms == 2_000, "no drain measured: a short hint, not a minute"
     adm.left_lane("e")
     assert adm.decide("default", Lane.SHORT, None).admitted
+
+
+async def test_live_workers_of_a_pool_the_rules_never_name_are_warned_about(start_edge, plane, caplog) -> None:
+    """A typo in a worker's LANES_POOL ran silently: an idle GPU that no chat could reach."""
+    import asyncio
+    import logging
+    from pathlib import Path
+
+    rules = Path(__file__).resolve().parents[1] / "deploy" / "routing.toml"
+    await start_edge(routing_file=str(rules))
+    caplog.set_level(logging.WARNING, logger="lanes.ws_server.edge")
+    for _ in range(100):
+        await plane.redis.publish(plane.keys.depth_channel, snapshot(short=0, rps=1.0, pool="rogue"))
+        await plane.redis.publish(plane.keys.depth_channel, snapshot(short=0, rps=1.0, pool="small"))
+        if "'rogue'" in caplog.text:
+            break
+        await asyncio.sleep(0.05)
+    warnings = [r.getMessage() for r in caplog.records if "never send a chat there" in r.getMessage()]
+    assert len(warnings) == 1 and "'rogue'" in warnings[0] and "LANES_POOL" in warnings[0], warnings

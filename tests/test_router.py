@@ -262,9 +262,10 @@ def test_an_unknown_model_under_rules_names_the_rules_pools() -> None:
     router = PoolRouter(EdgeSettings(routing_file=str(rules)))
     with pytest.raises(UnknownModel) as unknown:
         router.pool_for("default", "", (ChatMessage("user", "Tell me about the sea."),), ["default", "small"])
+    # A live pool the rules never name ("default" here, a worker's LANES_POOL typo) is no answer.
     assert unknown.value.message(("default", "small")) == (
         "model 'default' is not one of the pools the routing rules serve (large, small, or 'auto'; "
-        "LANES_ROUTING_FILE); pools with live workers: default, small")
+        "LANES_ROUTING_FILE); pools with live workers: small")
 
 
 def test_auto_passes_a_dead_tiers_prompt_up_to_the_next_tier_with_workers() -> None:

@@ -90,6 +90,7 @@ class Edge:
         self._conn_ids = itertools.count(1)
         self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._warned_unrouted: set[str] = set()
 
     # -- carrying out the core's actions -------------------------------------------------
 
@@ -227,6 +228,7 @@ class Edge:
         async for channel, data in listen(self.plane.redis, channels, backoff, subscribed):
             if channel == depth_channel:
                 self.admission.observe(data)
+                self._warn_unrouted()
                 continue
             if channel == takeover_channel:
                 self.carry(self.core.takeover_notice(data.decode(errors="replace")))
@@ -396,6 +398,16 @@ class Edge:
         for session in list(self.sessions.values()):
             if (interrupt := getattr(session, "interrupt", None)) is not None:
                 interrupt("the edge is shutting down; retry (another edge will take it)")
+
+    def _warn_unrouted(self) -> None:
+        """Once per pool: workers serve a pool that the routing rules never send a chat to (a
+        typo in a worker's ``LANES_POOL``): an idle GPU, and the pool it was meant for down."""
+        if self.router.rules is None:
+            return
+        for pool in set(self.admission.live_pools()) - self.router.rules.pools - self._warned_unrouted:
+            self._warned_unrouted.add(pool)
+            log.warning("workers of pool %r are live, but the routing rules (LANES_ROUTING_FILE) never send a "
+                        "chat there: check those workers' LANES_POOL, or add the pool to the rules", pool)
 
     async def live_pools(self) -> list[str]:
         """Pools with live workers, per the latest snapshots and the worker registry (asked on

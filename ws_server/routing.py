@@ -32,6 +32,8 @@ class UnknownModel(Exception):
     rules_pools: tuple[str, ...] | None = None
 
     def message(self, live_pools: tuple[str, ...]) -> str:
+        if self.rules_pools is not None:  # a pool the rules never name is no answer to give
+            live_pools = tuple(p for p in live_pools if p in self.rules_pools)
         live = ", ".join(live_pools) or "none yet"
         if self.rules_pools is not None:
             return (f"model {self.model!r} is not one of the pools the routing rules serve "
