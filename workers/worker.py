@@ -166,6 +166,13 @@ class Worker:
         await asyncio.gather(*self._pending, return_exceptions=True)  # completes and releases in flight
         if tasks:
             log.info("released %d requests back to their lanes", len(tasks))
+            with contextlib.suppress(QueueUnavailable):
+                if await self.plane.fleet.num_workers(self.settings.pool) == 0:
+                    # They continue only once a worker of this pool starts (the scheduler fails
+                    # them after LANES_NO_WORKER_TIMEOUT_S otherwise): say so where it is decided.
+                    log.warning("this was the last worker of pool %r: the %d requests handed back wait for a "
+                                "new one (LANES_NO_WORKER_TIMEOUT_S; a longer LANES_DRAIN_TIMEOUT_S lets them "
+                                "finish here)", self.settings.pool, len(tasks))
 
     # -- carrying out the run table's actions --------------------------------------------
 
