@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from lanes.queue.backoff import Backoff
@@ -46,7 +47,17 @@ class Scheduler:
         self.plane = plane
         #: Per pool: claim rates and arrival rates (EWMA).
         self._rates: dict[str, tuple[ServiceRates, ServiceRates, Smoothed]] = {}
-        self._known_pools: list[str] = settings.pool_names()
+        #: Pools watched with or without workers: ``LANES_POOLS`` and the routing rules' pools.
+        self._configured = set(settings.pool_names())
+        if settings.routing_file:
+            from lanes.scheduler.router.rules import RulesError, load_rules
+
+            try:
+                self._configured |= load_rules(Path(settings.routing_file)).pools
+            except RulesError as err:
+                raise RulesError(f"routing rules unusable (LANES_ROUTING_FILE): {err}; fix the file or unset "
+                                 "the setting") from None
+        self._known_pools: list[str] = sorted(self._configured)
         #: Per pool without a live worker: since when (ms), for the no-worker timeout and for
         #: forgetting a pool nobody serves any more.
         self._unserved_since: dict[str, int] = {}
@@ -138,7 +149,7 @@ class Scheduler:
         """Pools to reap and snapshot: the configured ones, any a live worker serves, and those
         workers served before (``served``): their queued and leased requests still need the
         reaper and the no-worker timeout after the last worker is gone."""
-        return sorted(set(self.settings.pool_names()) | {r.pool for r in reports} | served)
+        return sorted(self._configured | {r.pool for r in reports} | served)
 
     async def reap_once(self) -> int:
         now_ms = await self.plane.server_time_ms()
@@ -211,7 +222,7 @@ class Scheduler:
             await self._fail_unserved(pool, (now_ms - since) / 1000)
         elif waiting and served_elsewhere and not snapshot.scales_from_zero:
             await self._fail_unserved(pool, (now_ms - since) / 1000, routed_only=True)
-        elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self.settings.pool_names():
+        elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self._configured:
             await self.plane.fleet.forget_pool(pool)
             self._unserved_since.pop(pool, None)
             metrics.forget_pool(pool)  # its gauges would export their last values for good

@@ -31,6 +31,11 @@ class SchedulerSettings(RedisSettings):
     #: Pools to watch even before a worker of theirs is up (comma list); pools of live workers
     #: are added by themselves.
     pools: str = "default"
+    #: The edges' routing rules (``LANES_ROUTING_FILE``), when the scheduler is given them too
+    #: (``lanes up`` and the Procfile share one environment): their pools are watched as
+    #: ``pools`` are, so a pool the rules route to but no worker serves shows as a pool with
+    #: no workers, not as nothing.
+    routing_file: str = ""
     #: A pool with requests waiting and no live worker for this long fails them with
     #: ``unavailable`` (the edges already refuse new ones while it has none). 0: they wait for
     #: a worker however long it takes (a replacement that loads a big model for minutes).

@@ -71,3 +71,22 @@ async def test_without_a_timeout_they_wait_and_an_empty_pool_is_forgotten(redis_
     await scheduler.snapshot_once()
     assert await plane.fleet.served_pools() == set()
     assert [s.pool for s in await scheduler.snapshot_once()] == ["default"], "the configured pool stays"
+
+
+async def test_the_routing_rules_pools_are_watched_before_any_worker(redis_settings: RedisSettings,
+                                                                     plane: QueuePlane, tmp_path) -> None:
+    """A pool the rules route to but no worker serves, and not in LANES_POOLS, had no snapshot,
+    no lanes_pool_workers series and no /v1/depths: an alert on 0 workers never fired. With the
+    rules in its environment the scheduler watches their pools too."""
+    from pathlib import Path
+
+    from lanes.scheduler.router.rules import RulesError
+
+    rules = Path(__file__).resolve().parents[1] / "deploy" / "routing.toml"
+    scheduler = Scheduler(SchedulerSettings(**redis_settings.model_dump(), routing_file=str(rules)), plane)
+    assert [(s.pool, s.workers) for s in await scheduler.snapshot_once()] == [
+        ("default", 0), ("large", 0), ("small", 0)]
+    broken = tmp_path / "rules.toml"
+    broken.write_text("pools = [")
+    with pytest.raises(RulesError, match="LANES_ROUTING_FILE"):
+        Scheduler(SchedulerSettings(**redis_settings.model_dump(), routing_file=str(broken)), plane)
