@@ -286,19 +286,29 @@ class QueuePlane(TokenStreams):
         reconnects to the slot's master of the moment.
         """
         keys = [self.keys.pending(lane) for lane in lanes]
-        if isinstance(conn, SlotConnection):
-            try:
-                popped = await (await conn.connection()).bzpopmin(keys, timeout=timeout_s)
-            except RedisError:
-                await conn.reset()
+        try:
+            if isinstance(conn, SlotConnection):
+                try:
+                    popped = await (await conn.connection()).bzpopmin(keys, timeout=timeout_s)
+                except RedisError:
+                    await conn.reset()
+                    raise
+            else:
+                popped = await conn.bzpopmin(keys, timeout=timeout_s)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
                 raise
-        else:
-            popped = await conn.bzpopmin(keys, timeout=timeout_s)
+            raise ResponseError(f"{exc} ({await self._wrong_types(keys, 'zset')})") from None
         if popped is None:
             return None
         key, member, _score = popped
         lane = lanes[keys.index(key.decode())]
         return member.decode(), lane
+
+    async def _wrong_types(self, keys: list[str], expected: str) -> str:
+        """Which of ``keys`` hold another type than ``expected``: what a WRONGTYPE is about."""
+        found = [(key, (await self.redis.type(key)).decode()) for key in keys]
+        return "; ".join(f"{key} is a {kind}, not a {expected}" for key, kind in found if kind not in ("none", expected))
 
     async def claim(self, request_id: str, worker_id: str) -> Claim | None:
         """Claim a popped request: its payload and attempt, or None when it is no longer queued.

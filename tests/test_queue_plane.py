@@ -409,3 +409,14 @@ async def test_the_scheduler_ends_a_malformed_request_at_its_edge(plane: QueuePl
     (end,) = await plane.read_stream("poison")
     assert (end.attempt, end.finish.error_code) == (3, ErrorCode.MALFORMED_REQUEST)
     assert "'enq_ms' is 'xyz'" in end.finish.error_message
+
+
+async def test_a_lane_key_of_the_wrong_type_is_named(plane: QueuePlane) -> None:
+    """The claim loop logged "WRONGTYPE Operation against a key holding the wrong kind of value"
+    and nothing more: which key, an operator had to guess."""
+    from redis.exceptions import ResponseError
+
+    await plane.redis.set(plane.keys.pending(Lane.MEDIUM), "garbage")
+    with pytest.raises(ResponseError) as wrong:
+        await pop(plane, (Lane.MEDIUM, Lane.LONG))
+    assert f"{plane.keys.pending(Lane.MEDIUM)} is a string, not a zset" in str(wrong.value)

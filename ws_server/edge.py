@@ -462,6 +462,8 @@ class Edge:
         if interval_s is None:
             interval_s = self.settings.predictor_poll_s
         skipped = 0  # the newest version whose weights did not load: not fetched again
+        # One line per outage, naming the key (a malformed one logged the same line every 5 s).
+        backoff = Backoff(f"predictor reload ({self.plane.keys.predictor})", log, min_s=interval_s, max_s=interval_s)
         while True:
             raise_if_cancelled()
             try:
@@ -472,7 +474,9 @@ class Edge:
                 skipped = exc.version
                 log.warning("%s", exc)
             except (QueueUnavailable, ValueError) as exc:
-                log.warning("predictor reload failed: %s", exc)
+                await asyncio.sleep(backoff.failed(exc))
+                continue
+            backoff.succeeded()
             await asyncio.sleep(interval_s)
 
     # -- lifecycle -----------------------------------------------------------------------
