@@ -410,3 +410,12 @@ def test_a_read_only_replica_is_one_line_naming_the_primary(redis_server, comman
         no_traceback(out)
     finally:
         replica.stop()
+
+
+def test_the_hubs_log_lines_come_out_once(tmp_path) -> None:
+    """huggingface_hub's own stderr handler printed each of its lines a second time (a download
+    retry a second while the hub is unreachable: 45 lines for a missing model)."""
+    script = ("import logging\nfrom lanes.telemetry.logs import setup_logging\nsetup_logging('INFO', 'worker')\n"
+              "logging.getLogger('huggingface_hub.utils._http').warning('retry 1 of 5')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stderr.count("retry 1 of 5") == 1, out.stderr
