@@ -6,12 +6,14 @@ from lanes.queue.fleet import MAX_OBSERVATIONS
 from lanes.queue.messages import REFRESH_WINDOW
 from lanes.queue.settings import RedisSettings
 from lanes.scheduler.predictor.train import MEMORY_WEIGHT
-from pydantic import Field
+from pydantic import Field, model_validator
 
 
 class SchedulerSettings(RedisSettings):
-    reap_interval_s: float = 0.25
-    depth_interval_s: float = 0.5
+    #: How often the reaper runs and depth snapshots are published. 0 or less made each loop
+    #: spin without sleeping (80 % of a core), NaN likewise: both are refused at start.
+    reap_interval_s: float = Field(default=0.25, gt=0.0, allow_inf_nan=False)
+    depth_interval_s: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
     #: Port for Prometheus metrics (0 = off).
     metrics_port: int = Field(default=0, ge=0, le=65535)
     #: Address it binds (0.0.0.0 for a Prometheus on another host: the autoscaling gauge).
@@ -39,15 +41,24 @@ class SchedulerSettings(RedisSettings):
     #: A pool with requests waiting and no live worker for this long fails them with
     #: ``unavailable`` (the edges already refuse new ones while it has none). 0: they wait for
     #: a worker however long it takes (a replacement that loads a big model for minutes).
-    no_worker_timeout_s: float = Field(default=60.0, ge=0.0)
+    no_worker_timeout_s: float = Field(default=60.0, ge=0.0, allow_inf_nan=False)
     #: Autoscaling signal (``lanes_desired_workers{pool}``): keep the predicted lane wait under
     #: ``target_wait_s`` with ``autoscale_headroom`` spare capacity, between these bounds.
-    target_wait_s: float = 2.0
-    autoscale_headroom: float = 0.2
+    #: Both are checked at start: ``autoscale.desired_workers`` refuses a target of 0 or less and
+    #: a negative or non-finite headroom, which crashed the scheduler at its first snapshot.
+    target_wait_s: float = Field(default=2.0, gt=0.0, allow_inf_nan=False)
+    autoscale_headroom: float = Field(default=0.2, ge=0.0, allow_inf_nan=False)
     #: 0 lets a pool stand at zero workers: edges then queue its chats for the worker an
     #: autoscaler starts (each snapshot says so), instead of refusing them.
     min_workers: int = Field(default=1, ge=0)
-    max_workers: int = 64
+    max_workers: int = Field(default=64, ge=1)
+
+    @model_validator(mode="after")
+    def _workers_bounds(self) -> SchedulerSettings:
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"LANES_MAX_WORKERS ({self.max_workers}) is below LANES_MIN_WORKERS ({self.min_workers}): "
+                             "raise the first or lower the second")
+        return self
 
     def pool_names(self) -> list[str]:
         return [p.strip() for p in self.pools.split(",") if p.strip()] or ["default"]

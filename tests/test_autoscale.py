@@ -169,3 +169,39 @@ def test_a_full_pool_with_a_backlog_is_grown() -> None:
     mu = capacity_per_worker(16.0, 32.0, 32, 4)
     assert mu == pytest.approx(4.0)
     assert desired_workers(20.0, mu, 100, **{**BASE, "current": 4}) > 4  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    ({"target_wait_s": 0}, "LANES_TARGET_WAIT_S=0: Input should be greater than 0"),
+    ({"target_wait_s": -1}, "LANES_TARGET_WAIT_S=-1: Input should be greater than 0"),
+    ({"target_wait_s": "inf"}, "LANES_TARGET_WAIT_S='inf': Input should be a finite number"),
+    ({"autoscale_headroom": -1}, "LANES_AUTOSCALE_HEADROOM=-1: Input should be greater than or equal to 0"),
+    ({"max_workers": -1}, "LANES_MAX_WORKERS=-1: Input should be greater than or equal to 1"),
+    ({"max_workers": 0}, "LANES_MAX_WORKERS=0: Input should be greater than or equal to 1"),
+    ({"min_workers": 100}, "LANES_MAX_WORKERS (64) is below LANES_MIN_WORKERS (100)"),
+    ({"reap_interval_s": 0}, "LANES_REAP_INTERVAL_S=0: Input should be greater than 0"),
+    ({"reap_interval_s": -1}, "LANES_REAP_INTERVAL_S=-1: Input should be greater than 0"),
+    ({"depth_interval_s": 0}, "LANES_DEPTH_INTERVAL_S=0: Input should be greater than 0"),
+    ({"depth_interval_s": "nan"}, "LANES_DEPTH_INTERVAL_S='nan': Input should be a finite number"),
+    ({"no_worker_timeout_s": "nan"}, "LANES_NO_WORKER_TIMEOUT_S='nan': Input should be a finite number"),
+])
+def test_scheduler_settings_that_would_crash_or_spin_are_refused_at_start(values: dict[str, object],
+                                                                         named: str) -> None:
+    """Each was accepted: the autoscaling ones crashed the scheduler at its first snapshot (a
+    traceback from ``desired_workers``, exit 1), the intervals made its loops spin."""
+    from pydantic import ValidationError
+
+    from lanes.cli.failures import settings_error
+    from lanes.scheduler.settings import SchedulerSettings
+
+    with pytest.raises(ValidationError) as refused:
+        SchedulerSettings(_env_file=None, **values)  # type: ignore[arg-type]
+    assert named in (settings_error(refused.value) or ""), settings_error(refused.value)
+
+
+def test_scheduler_settings_at_their_edges_still_pass() -> None:
+    from lanes.scheduler.settings import SchedulerSettings
+
+    SchedulerSettings(_env_file=None)
+    SchedulerSettings(_env_file=None, min_workers=0, max_workers=1, autoscale_headroom=0, no_worker_timeout_s=0)
+    SchedulerSettings(_env_file=None, min_workers=5, max_workers=5, target_wait_s=0.01, reap_interval_s=0.01)
