@@ -51,7 +51,7 @@ class RedisSettings(BaseSettings):
     key_prefix: str = "lanes"
     #: A running request's lease; a worker renews it every ``heartbeat_s``.
     lease_ms: int = Field(2000, gt=0)
-    heartbeat_s: float = Field(0.5, gt=0)
+    heartbeat_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     #: How long a queued request may sit unwatched before the reaper re-checks it.
     start_timeout_ms: int = Field(3000, gt=0)
     #: A request whose lease expired this many times is failed instead of retried.

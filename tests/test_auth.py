@@ -447,3 +447,21 @@ async def test_a_resume_whose_fleet_rate_check_finds_redis_down_is_refused_not_a
     assert [(f["code"], f["id"]) for f in session.frames] == [("unavailable", "c1"), ("unavailable", "c1")]
     assert "retry the resume" in session.frames[1]["message"] and session.frames[1]["retry_after_ms"] > 0
     await edge.plane.close()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_ticket_ttl_or_any_edge_period_that_is_not_finite_is_refused_at_start(value: str) -> None:
+    """``LANES_WS_TICKET_TTL_S=inf`` started an edge whose every ``POST /v1/ws-ticket`` was a 500
+    (``int(inf * 1000)``); no float setting of the edge means anything at inf or NaN."""
+    from lanes.cli.failures import settings_error
+    from lanes.ws_server.settings import EdgeSettings
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as refused:
+        EdgeSettings(_env_file=None, ws_ticket_ttl_s=value)
+    assert f"LANES_WS_TICKET_TTL_S='{value}': Input should be a finite number" in (settings_error(refused.value) or "")
+    floats = [name for name, field in EdgeSettings.model_fields.items() if field.annotation is float]
+    assert {"ws_ticket_ttl_s", "heartbeat_s", "resume_grace_s", "key_rate_per_s", "header_timeout_s"} <= set(floats)
+    for name in floats:
+        with pytest.raises(ValidationError, match=name):
+            EdgeSettings(_env_file=None, **{name: value})

@@ -300,3 +300,27 @@ async def test_a_malformed_request_fails_alone_and_the_worker_serves_on(plane: Q
     assert end.finish is not None and end.finish.error_code == ErrorCode.MALFORMED_REQUEST
     assert "field 'p'" in end.finish.error_message
     assert await plane.redis.hget(plane.keys.request("after"), "state") == b"done"
+
+
+#: Waits where inf means "never" on purpose (``protect_after_ms`` defaults to it).
+INF_MEANS_NEVER = {"protect_after_ms", "starve_after_ms", "fcfs_below_ms", "max_wait_ms"}
+
+
+def test_worker_float_settings_refuse_nan_and_inf_where_it_breaks_arithmetic() -> None:
+    """NaN passed every float setting without a bound (``LANES_PREEMPT_AFTER_MS=nan`` made a
+    preemption config that never compares true) and inf passed the timeouts and scales."""
+    from pydantic import ValidationError
+
+    floats = {name for name, field in WorkerSettings.model_fields.items() if field.annotation in (float, float | None)}
+    assert INF_MEANS_NEVER | {"orphan_grace_s", "drain_timeout_s", "gpu_memory_fraction", "heartbeat_s"} <= floats
+    for name in sorted(floats):
+        with pytest.raises(ValidationError, match=name):
+            WorkerSettings(_env_file=None, **{name: "nan"})
+        if name in INF_MEANS_NEVER:
+            assert getattr(WorkerSettings(_env_file=None, **{name: "inf"}), name) == float("inf")
+        else:
+            with pytest.raises(ValidationError, match=name):
+                WorkerSettings(_env_file=None, **{name: "inf"})
+    with pytest.raises(ValidationError, match="gpu_memory_fraction"):
+        WorkerSettings(_env_file=None, gpu_memory_fraction=1.5)
+    WorkerSettings(_env_file=None, gpu_memory_fraction=1.0, preempt_after_ms=0, drain_timeout_s=0, orphan_grace_s=0)

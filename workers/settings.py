@@ -64,7 +64,8 @@ class WorkerSettings(RedisSettings):
     min_long_slots: int | None = Field(default=None, ge=0)
     min_medium_slots: int = Field(default=0, ge=0)
     starve_after_ms: float = Field(STARVE_AFTER_MS, ge=0)
-    protect_after_ms: float = math.inf
+    #: ``inf`` (the default) = never; NaN is refused (``ge``), as for the other waits here.
+    protect_after_ms: float = Field(math.inf, ge=0)
     #: Let long requests use reserved slots while the shorter lanes are empty (more
     #: throughput, but a short request arriving then waits for a slot).
     borrow_when_idle: bool = False
@@ -93,19 +94,19 @@ class WorkerSettings(RedisSettings):
     report_observations: bool = True
     #: Preemption by hand-back (``scheduler/preemption.py``): when a lane's oldest request has
     #: waited this long and no free slot may take it, hand one long-lane run back (0 = never).
-    preempt_after_ms: float = 20_000.0
+    preempt_after_ms: float = Field(20_000.0, allow_inf_nan=False)
     #: A request is handed back at most this many times.
     max_preemptions: int = Field(1, ge=0)
     #: Hand back demoted runs too (claimed from a shorter lane, past its bound), not only
     #: long-lane ones (``PreemptionConfig.hand_back_demoted``; off: unsafe with a weak predictor).
     preempt_demoted: bool = DEFAULT_PREEMPTION.hand_back_demoted
     #: A run that (re)started less than this long ago is not handed back.
-    preempt_min_run_ms: float = DEFAULT_PREEMPTION.min_run_ms
+    preempt_min_run_ms: float = Field(DEFAULT_PREEMPTION.min_run_ms, ge=0, allow_inf_nan=False)
     #: Cancel a running request whose edge channel has had no subscriber this long (its edge
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
-    orphan_grace_s: float = 15.0
+    orphan_grace_s: float = Field(15.0, ge=0, allow_inf_nan=False)
     #: On SIGTERM: stop claiming, let running requests finish this long, hand back the rest.
-    drain_timeout_s: float = 5.0
+    drain_timeout_s: float = Field(5.0, allow_inf_nan=False)
     #: Address the ``--metrics-port`` endpoint binds (0.0.0.0 for a Prometheus on another host).
     metrics_host: str = "127.0.0.1"
     #: Where the ``hf`` engines run: ``cpu``, ``cuda`` (the GPU ``gpu_index``), ``cuda:N`` or ``mps``.
@@ -113,7 +114,7 @@ class WorkerSettings(RedisSettings):
     #: Which GPU (vLLM / TensorRT-LLM see only it: CUDA_VISIBLE_DEVICES is set from it).
     gpu_index: int = 0
     #: Share of GPU memory the engine may take (weights + KV cache).
-    gpu_memory_fraction: float = 0.9
+    gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     dtype: str = "auto"
     #: vLLM: run without CUDA graphs / torch.compile. Starts in seconds instead of a minute
     #: or more (tests, GPU checks, quick restarts) at some decode speed.
@@ -121,7 +122,7 @@ class WorkerSettings(RedisSettings):
     #: Max tokens of prompt + output the engine accepts (0 = the model's own limit).
     max_model_len: int = 0
     #: Time scale for the ``sim`` engine (10 = ten times faster than real time).
-    sim_time_scale: float = Field(1.0, gt=0)
+    sim_time_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
     sim_profile: str = "l70-h100"
     #: The ``sim`` engine models chunked prefill (vLLM V1, TensorRT-LLM, as the ``vllm`` and
     #: ``trtllm`` workers run them); off: vLLM v0's alternating prefill and decode iterations.

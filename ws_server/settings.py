@@ -28,10 +28,10 @@ class EdgeSettings(RedisSettings):
     #: counts as too slow and is closed (4008); a burst to a client that reads never counts.
     max_client_queue_frames: int = Field(4096, ge=1)
     #: After a cancel of a running request, how long to wait for the worker's final frame.
-    cancel_grace_s: float = Field(2.0, ge=0)
+    cancel_grace_s: float = Field(2.0, ge=0, allow_inf_nan=False)
     #: A client that disconnects has this long to ``resume`` (from any connection, same key)
     #: before its requests are cancelled; 0 cancels at once.
-    resume_grace_s: float = Field(15.0, ge=0)
+    resume_grace_s: float = Field(15.0, ge=0, allow_inf_nan=False)
     #: Lane thresholds in the predictor's units (Llama-3 tokens). For the shipped predictor, 150/750
     #: give ~12 % short, ~2 % long, with 0.9 % of truly short answers (of 213 models, on sources
     #: the predictor never saw) routed long (benchmarks/RESULTS.md, "Length predictor (issue 9)").
@@ -44,7 +44,7 @@ class EdgeSettings(RedisSettings):
     follow_refreshed_routing: bool | None = None
     #: How often the edge asks Redis for a newer refreshed predictor (one small read; the
     #: weights cross the network only when a new version is there).
-    predictor_poll_s: float = Field(default=5.0, gt=0.0)
+    predictor_poll_s: float = Field(default=5.0, gt=0.0, allow_inf_nan=False)
 
     @property
     def follows_refreshed_routing(self) -> bool:
@@ -80,10 +80,10 @@ class EdgeSettings(RedisSettings):
     #: (a Prometheus scraper on a private network). ``/healthz`` and the dashboard page stay open.
     protect_metrics: bool = True
     #: How long a browser's WebSocket ticket (``POST /v1/ws-ticket``) stays valid; it works once.
-    ws_ticket_ttl_s: float = Field(10.0, gt=0)
+    ws_ticket_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     #: How often an edge checks that the keys of its open WebSockets are not revoked (closing
     #: those that are, 4003, and cancelling their requests); 0 = only at the handshake.
-    key_recheck_s: float = Field(5.0, ge=0)
+    key_recheck_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     #: Comma list of browser origins allowed to open the chat socket
     #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
     allowed_origins: str = ""
@@ -92,7 +92,7 @@ class EdgeSettings(RedisSettings):
     #: ``edge``: each edge process enforces a key's rate on its own (N edges: up to N x the
     #: rate); ``fleet``: one token bucket per key in Redis, shared by every edge (+1 Lua call).
     rate_limit_scope: Literal["edge", "fleet"] = "edge"
-    key_rate_per_s: float = Field(10.0, ge=0)
+    key_rate_per_s: float = Field(10.0, ge=0, allow_inf_nan=False)
     key_burst: int = Field(20, ge=0)
     key_max_in_flight: int = Field(32, ge=0)
     #: WebSockets one key may hold open on one edge (0 = unlimited): one tenant cannot take
@@ -114,10 +114,10 @@ class EdgeSettings(RedisSettings):
     ws_compression: bool = False
     #: After closing a too-slow client (4008), how long it gets to read up to the close frame
     #: before the edge drops the TCP connection (and with it the client's requests).
-    slow_client_close_timeout_s: float = Field(5.0, ge=0)
+    slow_client_close_timeout_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     #: A connection that has not sent a whole request head (HTTP headers, or the WebSocket
     #: upgrade) this long after it opened, or after its previous response, is closed.
-    header_timeout_s: float = Field(10.0, gt=0)
+    header_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> EdgeSettings:
