@@ -75,9 +75,11 @@ class RedisSettings(BaseSettings):
         if parts.scheme == "unix":
             return url
         try:
-            parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+            port = parts.port  # urlsplit checks the port only when it is read
         except ValueError:
-            raise ValueError("the port must be a number in 1-65535") from None
+            port = -1
+        if port is not None and not 1 <= port <= 65535:  # redis-py reads port 0 as "the default", 6379
+            raise ValueError("the port must be a number in 1-65535")
         db = parts.path.strip("/")
         if db and not db.isdigit():  # redis-py would quietly use database 0
             raise ValueError(f"the database after the host must be a number (redis://host:port/0), not {db!r}")

@@ -197,6 +197,7 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
     (["scheduler"], {"LANES_REDIS_URL": "redis+cluster://127.0.0.1:6379/5"},
      "a Redis Cluster has only database 0"),  # was a traceback and exit 1 (a crash under `lanes up`)
     (["scheduler"], {"LANES_REDIS_URL": "redis://127.0.0.1:99999/0"}, "the port must be a number in 1-65535"),
+    (["scheduler"], {"LANES_REDIS_URL": "redis://127.0.0.1:0/0"}, "the port must be a number in 1-65535"),  # was 6379
     (["scheduler"], {"LANES_HEARTBEAT_S": "0"}, "LANES_HEARTBEAT_S='0': Input should be greater than 0"),
     (["scheduler"], {"LANES_HEARTBEAT_S": "3"}, "LANES_HEARTBEAT_S (3 s) must be shorter than LANES_LEASE_MS"),
     (["worker", "--engine", "sim"], {"LANES_DEVICE": "tpu"}, "LANES_DEVICE='tpu': Value error, use cpu, cuda"),
