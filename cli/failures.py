@@ -149,12 +149,33 @@ def writable_file(path: Path | None) -> Path | None:
     writable, checked before the work starts (a benchmark that ran for minutes and then could
     not write its result lost it, with a traceback)."""
     if path is not None:
-        if path.expanduser().is_dir():
+        target = path.expanduser().absolute()
+        if target.is_dir():
             import typer
 
             raise typer.BadParameter(f"{path} is a directory; give a file name")
-        writable_dir(path.expanduser().absolute().parent)
+        writable_dir(target.parent)
+        if target.is_file():  # one there already: it must open for writing too (append: nothing is cut)
+            try:
+                os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+            except OSError as exc:
+                import typer
+
+                raise typer.BadParameter(f"cannot write {target}: {exc.strerror or exc}") from None
     return path
+
+
+def _try_writing(directory: Path) -> OSError | None:
+    """Create and remove a file in ``directory``; the error if that fails. ``os.access`` says yes
+    to root everywhere (``/sys``, ``/proc`` too), so only a real file tells."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".lanes-probe-"):
+            pass
+    except OSError as exc:
+        return exc
+    return None
 
 
 def writable_dir(path: Path) -> Path:
@@ -166,8 +187,8 @@ def writable_dir(path: Path) -> Path:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise typer.BadParameter(f"cannot create the directory {target}: {exc.strerror or exc}") from None
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise typer.BadParameter(f"cannot write into {target}: no permission")
+    if (exc := _try_writing(target)) is not None:
+        raise typer.BadParameter(f"cannot write into {target}: {exc.strerror or exc}") from None
     return path
 
 
@@ -180,11 +201,6 @@ def creatable_dir(path: Path) -> Path:
     existing = next((p for p in (target, *target.parents) if p.exists()), None)
     if existing is None or not existing.is_dir():
         raise typer.BadParameter(f"cannot create the directory {target}: {existing} is not a directory")
-    try:  # os.access says yes to root everywhere (/proc too): try it
-        import tempfile
-
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
+    if (exc := _try_writing(existing)) is not None:
         raise typer.BadParameter(f"cannot create the directory {target}: {exc.strerror or exc}") from None
     return path

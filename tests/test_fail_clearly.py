@@ -420,3 +420,28 @@ def test_the_hubs_log_lines_come_out_once(tmp_path) -> None:
               "logging.getLogger('huggingface_hub.utils._http').warning('retry 1 of 5')\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.stderr.count("retry 1 of 5") == 1, out.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc and /sys")
+def test_an_output_file_is_checked_by_writing_not_by_os_access(tmp_path) -> None:
+    """``os.access`` says yes to root for ``/sys`` and ``/proc``: ``lanes bench policy --plot
+    /sys/x.png`` passed the check and failed after the whole run with a traceback. The check now
+    creates and removes a file there, and leaves nothing behind where it may write."""
+    from pathlib import Path
+
+    import typer
+
+    from lanes.cli.failures import creatable_dir, writable_dir, writable_file
+
+    for unwritable in (Path("/sys/x.png"), Path("/proc/x.png")):
+        with pytest.raises(typer.BadParameter, match=f"cannot write into {unwritable.parent}"):
+            writable_file(unwritable)
+    with pytest.raises(typer.BadParameter, match="cannot write into /sys"):
+        writable_dir(Path("/sys"))
+    with pytest.raises(typer.BadParameter, match="cannot create the directory /sys/new"):
+        creatable_dir(Path("/sys/new"))
+    kept = tmp_path / "kept.png"
+    kept.write_bytes(b"old plot")
+    assert writable_file(kept) == kept and writable_file(tmp_path / "new.png") == tmp_path / "new.png"
+    assert creatable_dir(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.png"] and kept.read_bytes() == b"old plot"
