@@ -111,6 +111,12 @@ def test_sample_table_answers_each_of_its_questions() -> None:
     ({"settings": {"max_edits": True}}, "settings.max_edits: int required"),
     ({"settings": {"max_edits": -1}}, "settings.max_edits: must be >= 0"),
     ({"settings": {"fuzzy": 1}}, r"unknown fields \['fuzzy'\]"),
+    # These loaded as a table of no answers, without a word.
+    ({"answer": [{"questions": ["hi"], "answer": "x"}]},
+     r"unknown top-level fields \['answer'\]: a fixed-answers table has only \[settings\] and \[\[answers\]\]"),
+    ({"settings": {}, "answers": [TABLE["answers"][0]], "max_edits": 1}, r"unknown top-level fields \['max_edits'\]"),
+    ({}, r"no answers: add at least one \[\[answers\]\] table"),
+    ({"settings": {"max_edits": 0}, "answers": []}, "no answers"),
 ])
 def test_bad_tables_name_the_entry(table: dict[str, object], message: str) -> None:
     with pytest.raises(FixedAnswersError, match=message):
@@ -122,6 +128,16 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     path.write_text("[[answers]\n")
     with pytest.raises(FixedAnswersError, match="answers.toml"):
         FixedAnswers.load(path)
+
+
+def test_an_empty_file_or_the_routing_rules_are_refused_naming_the_file(tmp_path: Path) -> None:
+    empty = tmp_path / "answers.toml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(FixedAnswersError, match=f"^{empty}: no answers"):
+        FixedAnswers.load(empty)
+    routing = SAMPLE.with_name("routing.toml")
+    with pytest.raises(FixedAnswersError, match=rf"^{routing}: unknown top-level fields \['default_pool'"):
+        FixedAnswers.load(routing)
 
 
 def test_answer_deltas_are_token_like() -> None:

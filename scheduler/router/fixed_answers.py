@@ -29,6 +29,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
+#: The top-level keys of a table, as the format above writes them.
+TOP_LEVEL = {"settings": "[settings]", "answers": "[[answers]]"}
+
+
 class FixedAnswersError(ValueError):
     """A table that cannot be used; the message names the entry and field."""
 
@@ -116,10 +120,19 @@ class FixedAnswers:
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> FixedAnswers:
         """Validate a parsed TOML document (pure)."""
+        # Unknown top-level keys were ignored, so an ``[[answer]]`` typo or the routing rules'
+        # file given here by mistake loaded as a table of no answers, without a word.
+        unknown = set(raw) - set(TOP_LEVEL)
+        if unknown:
+            raise FixedAnswersError(f"unknown top-level fields {sorted(unknown)}: a fixed-answers table has only "
+                                    f"{' and '.join(TOP_LEVEL.values())}")
         settings = _settings(raw.get("settings", {}))
         entries = raw.get("answers", [])
         if not isinstance(entries, list):
             raise FixedAnswersError("answers: an array of tables ([[answers]]) is required")
+        if not entries:
+            raise FixedAnswersError('no answers: add at least one [[answers]] table (questions = ["hi"], '
+                                    'answer = "Hello!")')
         by_question: dict[str, FixedAnswer] = {}
         for index, entry in enumerate(entries):
             for question, fixed in _entry(entry, index):
