@@ -263,3 +263,22 @@ async def test_two_deployments_on_one_redis_each_take_their_refresh_tick(redis_u
                 await pool.delete(b"arq:job:" + job)
             await pool.delete(queue)
         await pool.aclose()
+
+
+def test_lane_thresholds_below_one_token_or_out_of_order_are_refused_at_start() -> None:
+    """``LANES_SHORT_MAX_TOKENS=-5`` was accepted: the short lane then stayed empty without a
+    word. Equal thresholds still pass: two lanes, short and long."""
+    from pydantic import ValidationError
+
+    from lanes.cli.failures import settings_error
+    from lanes.ws_server.settings import EdgeSettings
+
+    for values, named in (
+        ({"short_max_tokens": -5}, "LANES_SHORT_MAX_TOKENS=-5: Input should be greater than or equal to 1"),
+        ({"short_max_tokens": 0}, "LANES_SHORT_MAX_TOKENS=0"),
+        ({"medium_max_tokens": 100}, "LANES_MEDIUM_MAX_TOKENS (100) is below LANES_SHORT_MAX_TOKENS (150)"),
+    ):
+        with pytest.raises(ValidationError) as refused:
+            EdgeSettings(_env_file=None, **values)
+        assert named in (settings_error(refused.value) or ""), settings_error(refused.value)
+    assert EdgeSettings(_env_file=None, short_max_tokens=1, medium_max_tokens=1).medium_max_tokens == 1

@@ -35,8 +35,10 @@ class EdgeSettings(RedisSettings):
     #: Lane thresholds in the predictor's units (Llama-3 tokens). For the shipped predictor, 150/750
     #: give ~12 % short, ~2 % long, with 0.9 % of truly short answers (of 213 models, on sources
     #: the predictor never saw) routed long (benchmarks/RESULTS.md, "Length predictor (issue 9)").
-    short_max_tokens: int = DEFAULT_ROUTING.short_max_tokens
-    medium_max_tokens: int = DEFAULT_ROUTING.medium_max_tokens
+    #: At least 1: below it the short lane stayed empty without a word. Equal thresholds are
+    #: allowed: two lanes, short and long (the live benchmarks run so).
+    short_max_tokens: int = Field(DEFAULT_ROUTING.short_max_tokens, ge=1)
+    medium_max_tokens: int = Field(DEFAULT_ROUTING.medium_max_tokens, ge=1)
     #: Once the scheduler has refreshed the predictor on this deployment's finished requests, route
     #: by the thresholds fitted with it (two lanes, at most 0.5 % of short answers sent long;
     #: ``scheduler/refresh.py``) instead of the two above. Unset: follow them unless one of the two
