@@ -260,3 +260,18 @@ def test_a_checkpoint_that_quantizes_the_kv_cache_is_refused_unless_asked(tmp_pa
     assert checkpoint_kv_cache_quant(weights_only) is None
     assert checkpoint_kv_cache_quant({"config.json": {"quantization_config": {"quant_method": "awq"}}}) is None
     assert checkpoint_kv_cache_quant(read_checkpoint_files("")) is None, "the demo model"
+
+
+def test_a_dtype_neither_gpu_engine_takes_is_refused_at_start() -> None:
+    """``LANES_DTYPE=float13`` was passed on as it was: vLLM and TensorRT-LLM refused it only
+    once the model loaded, and the ``hf`` engine never read it."""
+    from pydantic import ValidationError
+
+    from lanes.cli.failures import settings_error
+
+    with pytest.raises(ValidationError) as refused:
+        settings(dtype="float13")
+    assert "LANES_DTYPE='float13': Value error, use one of auto, float16, bfloat16, float32" in (
+        settings_error(refused.value) or "")
+    assert [settings(dtype=d).dtype for d in ("auto", "float16", "bfloat16", "float32")] == [
+        "auto", "float16", "bfloat16", "float32"]

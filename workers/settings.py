@@ -29,6 +29,8 @@ EngineName = Literal["hf", "vllm", "trtllm", "sim"]
 #: The engines whose adapters always turn chunked prefill on (``engines/engine_config.py``);
 #: the ``sim`` engine models it unless ``sim_chunked_prefill`` is off.
 CHUNKED_PREFILL_ENGINES = ("vllm", "trtllm")
+#: The weights dtypes both GPU engines take (``engine_config.py`` passes the string on as it is).
+DTYPES = ("auto", "float16", "bfloat16", "float32")
 SpecMethod = Literal["none", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "mtp"]
 
 
@@ -115,6 +117,7 @@ class WorkerSettings(RedisSettings):
     gpu_index: int = 0
     #: Share of GPU memory the engine may take (weights + KV cache).
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+    #: Weights dtype for vLLM and TensorRT-LLM (the ``hf`` engines run float32 whatever it says).
     dtype: str = "auto"
     #: vLLM: run without CUDA graphs / torch.compile. Starts in seconds instead of a minute
     #: or more (tests, GPU checks, quick restarts) at some decode speed.
@@ -143,6 +146,14 @@ class WorkerSettings(RedisSettings):
         if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
             raise ValueError("use cpu, cuda (the GPU LANES_GPU_INDEX), cuda:N or mps")
         return device
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, dtype: str) -> str:
+        # Passed as it is to vLLM and TensorRT-LLM, which refused a typo only once the model loaded.
+        if dtype not in DTYPES:
+            raise ValueError(f"use one of {', '.join(DTYPES)}")
+        return dtype
 
     @field_validator("sim_profile")
     @classmethod
