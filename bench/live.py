@@ -232,7 +232,10 @@ def live_env(p: Plan, policy: str, time_scale: float) -> tuple[dict[str, str], d
     chunked = p.engine.chunked_prefill_tokens > 0
     worker = {"LANES_SIM_CHUNKED_PREFILL": str(chunked).lower(),
               "LANES_MAX_NUM_BATCHED_TOKENS": str(p.engine.chunked_prefill_tokens if chunked else p.engine.max_prefill_tokens),
-              "LANES_MAX_LONG_SLOTS": str(share_of_slots(t.max_long_share, slots)),
+              # The long cap no higher than the medium + long one, which binds first anyway (a
+              # worker refuses a long cap above it).
+              "LANES_MAX_LONG_SLOTS": str(min(share_of_slots(t.max_long_share, slots),
+                                              share_of_slots(t.max_medium_long_share, slots))),
               "LANES_MAX_MEDIUM_LONG_SLOTS": str(share_of_slots(t.max_medium_long_share, slots)),
               "LANES_MIN_LONG_SLOTS": str(share_of_slots(t.min_long_share, slots)), "LANES_MIN_MEDIUM_SLOTS": "0",
               "LANES_STARVE_AFTER_MS": str(t.starve_after_ms / time_scale),

@@ -204,3 +204,8 @@ def test_bench_live_gives_the_workers_the_simulators_engine(tmp_path: Path, chun
     assert worker["LANES_SIM_CHUNKED_PREFILL"] == ("true" if chunked_tokens else "false")
     assert worker["LANES_MAX_NUM_BATCHED_TOKENS"] == str(chunked_tokens or 8192)
     assert float(worker["LANES_FCFS_BELOW_MS"]) == (4000.0 if chunked_tokens else 8000.0) / 2.0
+    # A worker started with them takes them (it refuses slot counts that do not fit each other).
+    from lanes.workers.settings import WorkerSettings
+
+    WorkerSettings(_env_file=None, max_slots=p.engine.max_num_seqs,
+                   **{name.removeprefix("LANES_").lower(): value for name, value in worker.items()})

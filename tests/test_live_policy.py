@@ -200,6 +200,39 @@ def test_worker_slot_defaults_are_the_simulators_and_scale_with_the_slots() -> N
         WorkerSettings(max_long_slots=-1)
 
 
+def test_slot_counts_that_do_not_fit_the_slots_or_each_other_are_refused_with_the_numbers() -> None:
+    """These were accepted: a guarantee above the slots was cut down, a cap above them or a
+    medium + long cap below the long one could never bind. Every count the defaults give, at
+    any slot count, and the open-slots setting of the benchmarks (both caps = the slots) pass."""
+    import pytest
+    from lanes.cli.failures import settings_error
+    from pydantic import ValidationError
+
+    for values, named in (
+        ({"min_long_slots": 9}, "LANES_MIN_LONG_SLOTS (9) is above LANES_MAX_SLOTS (8)"),
+        ({"max_long_slots": 20}, "LANES_MAX_LONG_SLOTS (20) is above LANES_MAX_SLOTS (8): set at most 8"),
+        ({"max_medium_long_slots": 9}, "LANES_MAX_MEDIUM_LONG_SLOTS (9) is above LANES_MAX_SLOTS (8)"),
+        ({"max_long_slots": 5, "max_medium_long_slots": 3},
+         "LANES_MAX_MEDIUM_LONG_SLOTS (3) is below LANES_MAX_LONG_SLOTS (5): long requests count toward the "
+         "medium + long cap too, so at most 3 could run"),
+        ({"max_long_slots": 8},
+         "LANES_MAX_MEDIUM_LONG_SLOTS (7, its default at 8 slots) is below LANES_MAX_LONG_SLOTS (8)"),
+        ({"min_medium_slots": 8}, "LANES_MIN_LONG_SLOTS (1, its default at 8 slots) + LANES_MIN_MEDIUM_SLOTS (8) is "
+                                  "above LANES_MAX_SLOTS (8)"),
+        ({"max_slots": 1, "min_long_slots": 2}, "LANES_MIN_LONG_SLOTS (2) is above LANES_MAX_SLOTS (1)"),
+    ):
+        with pytest.raises(ValidationError) as refused:
+            WorkerSettings(_env_file=None, **{"max_slots": 8, **values})
+        assert named in (settings_error(refused.value) or ""), settings_error(refused.value)
+    for n in (*range(1, 70), 128, 256):
+        shares = WorkerSettings(_env_file=None, max_slots=n).slots(n)
+        WorkerSettings(_env_file=None, max_slots=n, max_long_slots=shares.max_long,
+                       max_medium_long_slots=shares.max_medium_long, min_long_slots=shares.min_long)
+        WorkerSettings(_env_file=None, max_slots=n, max_long_slots=n, max_medium_long_slots=n, min_long_slots=n)
+    # A medium + long cap alone, below the default long cap, is that cap in effect.
+    assert WorkerSettings(_env_file=None, max_slots=8, max_medium_long_slots=3).slots(8).max_medium_long == 3
+
+
 async def test_a_demoted_run_is_handed_back_to_the_long_lane_when_a_short_request_waits(plane: QueuePlane) -> None:
     """Predicted short, answers long: past its bound it counts as long, and when a short request
     has waited past the bound with no free slot it is handed back into the long lane, then resumes

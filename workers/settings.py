@@ -175,6 +175,42 @@ class WorkerSettings(RedisSettings):
             self.gpu_index = int(found.group(1)) - 1
         return self
 
+    @model_validator(mode="after")
+    def _slot_counts_fit(self) -> WorkerSettings:
+        """The slot counts set here must fit ``max_slots`` and each other. Before, a guarantee
+        above the slots was cut down, and a cap above them, or a medium + long cap below the
+        long one, was taken as set and could never bind, all without a word. Unset counts are
+        the shares ``lanes_slot_config`` gives, which fit at every slot count."""
+        shares = lanes_slot_config(self.max_slots)
+        slots = f"LANES_MAX_SLOTS ({self.max_slots})"
+
+        def shown(name: str, value: int | None, default: int) -> tuple[int, str]:
+            if value is None:
+                return default, f"LANES_{name.upper()} ({default}, its default at {self.max_slots} slots)"
+            return value, f"LANES_{name.upper()} ({value})"
+
+        max_long, max_long_text = shown("max_long_slots", self.max_long_slots, shares.max_long)
+        max_medium_long, max_medium_long_text = shown("max_medium_long_slots", self.max_medium_long_slots,
+                                                      shares.max_medium_long)
+        min_long, min_long_text = shown("min_long_slots", self.min_long_slots, shares.min_long)
+        for value, text in ((max_long, max_long_text), (max_medium_long, max_medium_long_text)):
+            if value > self.max_slots:
+                raise ValueError(f"{text} is above {slots}: set at most {self.max_slots} (that many lets those "
+                                 "lanes take every slot)")
+        if min_long > self.max_slots:
+            raise ValueError(f"{min_long_text} is above {slots}: the long lane cannot be guaranteed more slots "
+                             "than the worker has")
+        if min_long + self.min_medium_slots > self.max_slots:
+            raise ValueError(f"{min_long_text} + LANES_MIN_MEDIUM_SLOTS ({self.min_medium_slots}) is above {slots}: "
+                             "the guarantees must fit in the slots together")
+        # Only a long cap set here: one left unset under a lower medium + long cap set here is
+        # that cap in effect, as meant.
+        if self.max_long_slots is not None and max_medium_long < max_long:
+            raise ValueError(f"{max_medium_long_text} is below {max_long_text}: long requests count toward the "
+                             f"medium + long cap too, so at most {max_medium_long} could run; raise the first or "
+                             "lower the second")
+        return self
+
     @property
     def chunks_prefill(self) -> bool:
         """Whether this worker's engine runs chunked prefill (the ``hf`` engines do not)."""
