@@ -17,7 +17,7 @@ import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from lanes.cli.failures import ConfigFailure, safe_url, unknown_variables
+from lanes.cli.failures import ConfigFailure, load_settings, safe_url, unknown_variables
 from lanes.queue.errors import QueueAuthError, QueueUnavailable
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
@@ -171,7 +171,7 @@ def run_edge(overrides: dict[str, Any]) -> None:
     from lanes.ws_server.edge import Edge
     from lanes.ws_server.settings import EdgeSettings
 
-    settings = EdgeSettings(**overrides)
+    settings = load_settings(EdgeSettings, overrides)
     plane = _setup(settings, "edge")
     limit = raise_open_files_limit()
     log.info("open files limit %d (about as many connections; `ulimit -Hn` raises it)", limit)
@@ -203,7 +203,7 @@ def run_worker(overrides: dict[str, Any], *, burst: bool = False, metrics_port: 
     # wait its idle OpenMP threads spin and starve prefill on small machines (p99 TTFT 910 ms
     # -> 32 ms with PASSIVE: benchmarks/RESULTS.md). Must be set before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    settings = WorkerSettings(**overrides)
+    settings = load_settings(WorkerSettings, overrides)
     if settings.engine in ("vllm", "trtllm"):
         # Both engines take the GPU they can see; one worker process per GPU.
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(settings.gpu_index))
@@ -239,7 +239,7 @@ def run_scheduler(overrides: dict[str, Any]) -> None:
     from lanes.scheduler.service import Scheduler
     from lanes.scheduler.settings import SchedulerSettings
 
-    settings = SchedulerSettings(**overrides)
+    settings = load_settings(SchedulerSettings, overrides)
     if settings.predictor_refresh_minutes > 0 and settings.predictor_memory_weight > 0:
         _check_memory_encoder(settings.predictor_memory_weight)
     plane = _setup(settings, "scheduler")

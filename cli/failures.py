@@ -24,10 +24,13 @@ from pathlib import Path
 
 import difflib
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
@@ -109,10 +112,11 @@ def exit_code_for(exc: BaseException) -> int | None:
     return None
 
 
-def settings_error(exc: BaseException) -> str | None:
+def settings_error(exc: BaseException, flags: Collection[str] = ()) -> str | None:
     """The message for a settings class (``*Settings``) that refused its values, one clause per
-    setting (``LANES_MAX_SLOTS='abc': Input should be a valid integer``); None for anything else.
-    Passwords in URLs are masked and secret-looking values are not echoed."""
+    setting (``LANES_MAX_SLOTS='abc': Input should be a valid integer``, or ``--max-slots='abc'``
+    for a field in ``flags``, given on the command line); None for anything else. Passwords in
+    URLs are masked and secret-looking values are not echoed."""
     from pydantic import ValidationError
 
     if not isinstance(exc, ValidationError) or not exc.title.endswith("Settings"):
@@ -128,9 +132,25 @@ def settings_error(exc: BaseException) -> str | None:
         if "url" in field and isinstance(value, str):
             value = safe_url(value)
         shown = "" if any(word in field for word in ("password", "secret", "api_key")) else f"={value!r}"
-        clauses.append(f"LANES_{field.upper()}{shown}: {error['msg']}")
+        name = f"--{field.replace('_', '-')}" if field in flags else f"LANES_{field.upper()}"
+        clauses.append(f"{name}{shown}: {error['msg']}")
     return (f"{exc.title} refused: {'; '.join(clauses)} (fix or unset it in the environment or its "
             "command-line flag)")
+
+
+def load_settings(cls: type[SettingsT], flags: Mapping[str, Any]) -> SettingsT:
+    """``cls(**flags)``: a process's settings, its command-line flags over the environment. A
+    refusal names a value that came from a flag by the flag (``--engine='foo'``), not by the
+    variable the user never set."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**flags)
+    except ValidationError as exc:
+        message = settings_error(exc, flags)
+        if message is None:
+            raise
+        raise ConfigFailure(message) from exc
 
 
 def report(exc: BaseException) -> int | None:

@@ -214,6 +214,25 @@ def test_a_setting_that_does_not_validate_is_one_line_naming_it(command: list[st
     no_traceback(out)
 
 
+def test_a_value_from_a_flag_is_named_by_the_flag() -> None:
+    """``lanes worker --engine foo`` was reported as ``LANES_ENGINE='foo'``, a variable the user
+    never set; the same value from the environment is still named by its variable."""
+    out = lanes("worker", "--engine", "foo")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "configuration error: WorkerSettings refused: --engine='foo': Input should be 'hf', 'vllm', 'trtllm' or 'sim'")
+    no_traceback(out)
+    from pydantic import ValidationError
+
+    from lanes.cli.failures import settings_error
+    from lanes.ws_server.settings import EdgeSettings
+
+    with pytest.raises(ValidationError) as refused:
+        EdgeSettings(_env_file=None, port=70000, max_messages=0)
+    assert settings_error(refused.value, flags={"port"}).startswith(
+        "EdgeSettings refused: --port=70000: Input should be less than or equal to 65535; LANES_MAX_MESSAGES=0: ")
+
+
 def test_keys_without_redis_and_redis_on_a_taken_port_are_one_line(taken_port: int) -> None:
     out = lanes("keys", "list", LANES_REDIS_URL=REFUSED_REDIS)
     assert out.returncode == 2
@@ -242,7 +261,7 @@ def test_bench_arguments_out_of_range_are_usage_errors(tmp_path) -> None:
         assert out.returncode == 2 and flag in out.stderr, (extra, out.stderr[-1500:])
         no_traceback(out)
     out = lanes("worker", "--engine", "sim", "--sim-profile", "nope")
-    assert out.returncode == 2 and "LANES_SIM_PROFILE='nope'" in out.stderr
+    assert out.returncode == 2 and "--sim-profile='nope'" in out.stderr  # the flag, not LANES_SIM_PROFILE
     no_traceback(out)
 
 
