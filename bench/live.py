@@ -241,7 +241,8 @@ def live_env(p: Plan, policy: str, time_scale: float) -> tuple[dict[str, str], d
               "LANES_STARVE_AFTER_MS": str(t.starve_after_ms / time_scale),
               "LANES_PROTECT_AFTER_MS": str(t.protect_after_ms / time_scale),
               "LANES_BORROW_WHEN_IDLE": str(t.borrow_when_idle).lower(), "LANES_FCFS_BELOW_MS": str(t.fcfs_below_ms / time_scale),
-              "LANES_PREEMPT_AFTER_MS": str(pre.wait_bound_ms / time_scale),
+              # The simulator's "never" is an infinite bound; the worker's is 0 (it refuses inf).
+              "LANES_PREEMPT_AFTER_MS": "0" if math.isinf(pre.wait_bound_ms) else str(pre.wait_bound_ms / time_scale),
               "LANES_MAX_PREEMPTIONS": str(pre.max_preemptions),
               "LANES_PREEMPT_MIN_RUN_MS": str(pre.min_run_ms / time_scale)}
     return common, edge, worker

@@ -17,6 +17,7 @@ supervised on top of the process harness (``cli/cluster.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -208,9 +209,16 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
         console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat{key} "Explain what a class definition does"')
         return supervisor.supervise()
     finally:
-        console.print("stopping…")
+        _say("stopping…")
         # Children run in their own session: stop every one of them ourselves. Workers not yet
         # warm hold no lease: they need not finish loading their model only to exit.
         warm = set(cluster.warm_workers()) if cluster.children else set()
         cluster.close(quick=[n for n in cluster.worker_names() if n not in warm])
-        console.print("stopped")
+        _say("stopped")
+
+
+def _say(message: str) -> None:
+    """A line on the terminal, if there still is one: after a hangup (a closed SSH session)
+    writing to it fails (EIO), and the children must be stopped all the same."""
+    with contextlib.suppress(OSError):
+        console.print(message)

@@ -25,8 +25,10 @@ Codes by where they arise::
     during the request (a worker, the scheduler or the edge ends it)
     ├── prompt_too_long, bad_max_tokens, invalid_request   the engine refused it
     ├── engine_error        the engine ended a request without finishing it, or failed on it
+    ├── generation_failed   the engine failed generating its answer (TensorRT-LLM, hf)
     ├── oom                 the engine ran out of memory on it
     ├── worker_failed       its worker died max_attempts times
+    ├── malformed_request   its record in Redis was not one this lanes wrote: failed unrun
     ├── request_lost        its state vanished from Redis (restart without persistence)
     └── internal            a bug; the request was not accepted
 """

@@ -181,7 +181,7 @@ class QueuePlane(TokenStreams):
         created, value = await self._enqueue(
             keys=[k.request(payload.id), k.pending(payload.lane), k.watch, k.arrivals],
             args=[payload.id, encode(payload), payload.lane.value, edge_id,
-                  self.settings.start_timeout_ms, REQUEST_TTL_S, owner],
+                  self.settings.start_timeout_ms, REQUEST_TTL_S, owner, ",".join(payload.fallback_pools)],
         )
         if created:
             return Enqueued(True, enqueued_at_ms=int(value))
@@ -327,7 +327,8 @@ class QueuePlane(TokenStreams):
             attempt, payload, enq_ms, now_ms, edge, preempted, owner, ready_ms, first_ms = got
             claim = Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
                           int(preempted), owner.decode(), int(ready_ms), int(first_ms))
-        except (ValueError, TypeError, msgspec.DecodeError) as exc:  # a nil field cut the reply short, too
+        except (ValueError, TypeError, AttributeError, msgspec.DecodeError) as exc:
+            # A missing field is a nil in the reply: one cut short, or None where bytes were due.
             raise MalformedRequest(request_id, await self.record_fault(request_id) or str(exc)) from None
         if claim.payload.id != request_id:
             raise MalformedRequest(request_id, f"its payload names another request ({claim.payload.id[:64]!r})")
@@ -420,7 +421,7 @@ class QueuePlane(TokenStreams):
                 )
                 reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt),
                                      int(expired[0]) if expired else 0))
-            except (ResponseError, ValueError, TypeError) as exc:  # ValueError: a nil cut the reply short
+            except (ResponseError, ValueError, TypeError, AttributeError) as exc:  # a nil field: see claim
                 # One malformed record must not stop the reaper for the whole pool: it is failed,
                 # and the rest are reaped (before, every pass stopped at it, for good).
                 fault = (await self._malformed_or(request_id, exc) if isinstance(exc, ResponseError)
@@ -440,21 +441,15 @@ class QueuePlane(TokenStreams):
             found = await pipe.execute()
         return [raw.decode() for ids in found for raw in ids][:limit]
 
-    async def routed_unstarted(self, request_ids: list[str]) -> list[str]:
-        """Those of ``request_ids`` that ``auto`` routed (``RequestPayload.routed``) and that no
-        worker has claimed yet (attempt 0)."""
+    async def rerouteable(self, request_ids: list[str], live_pools: set[str]) -> list[str]:
+        """Those of ``request_ids`` that no worker has claimed yet (attempt 0) and that ``auto``
+        could have sent to one of ``live_pools`` (``RequestPayload.fallback_pools``)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for request_id in request_ids:
-                pipe.hmget(self.keys.request(request_id), "p", "attempt")
+                pipe.hmget(self.keys.request(request_id), "fallback", "attempt")
             records = await pipe.execute()
-        found = []
-        for request_id, (raw, attempt) in zip(request_ids, records):
-            try:
-                if raw is not None and attempt in (b"0", None) and _payload_decoder.decode(raw).routed:
-                    found.append(request_id)
-            except msgspec.DecodeError:  # a malformed record: the reaper's to deal with
-                continue
-        return found
+        return [request_id for request_id, (fallback, attempt) in zip(request_ids, records)
+                if fallback and attempt == b"0" and live_pools & set(fallback.decode(errors="replace").split(","))]
 
     async def fail_queued(self, request_id: str) -> tuple[bool, str, int]:
         """Fail a request that is still queued: ``(failed, edge, attempt)`` (``FAIL_QUEUED``)."""
@@ -490,7 +485,7 @@ class QueuePlane(TokenStreams):
     # -- supervisors (``lanes up``, the process harness, ``lanes chaos``): read-only ---------
 
     async def worker_heartbeats(self, worker_ids: list[str]) -> dict[str, int]:
-        """Last heartbeat (ms, the worker's clock) of each of ``worker_ids`` that has one.
+        """Last heartbeat (ms, the Redis clock) of each of ``worker_ids`` that has one.
 
         A worker sends its first heartbeat only after its engine has started and warmed up.
         """

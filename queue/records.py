@@ -14,6 +14,8 @@ from lanes.queue.messages import Lane, RequestPayload, RequestState
 
 #: The states the queue scripts write.
 STATES = frozenset(m.value for m in RequestState)
+#: Fields every record lanes writes has (``ENQUEUE``), which the scripts read.
+_REQUIRED = ("p", "lane", "edge", "state", "attempt", "enq_ms")
 #: Fields that scripts use as integers (``HINCRBY``) or numbers (scores, clocks).
 _INTEGERS = ("attempt", "expired", "preempted")
 _NUMBERS = ("enq_ms", "ready_ms", "claim_ms", "first_claim_ms")
@@ -26,6 +28,8 @@ def record_fault(request_id: str, fields: dict[bytes, bytes]) -> str | None:
         raw = fields.get(name.encode())
         return None if raw is None else raw.decode("utf-8", "replace")
 
+    if missing := [name for name in _REQUIRED if name.encode() not in fields]:
+        return f"it has no field {', '.join(repr(m) for m in missing)}"
     for name in _INTEGERS:
         if (value := text(name)) is not None and not _is_int(value):
             return f"field '{name}' is {value[:40]!r}, not an integer"
@@ -36,11 +40,8 @@ def record_fault(request_id: str, fields: dict[bytes, bytes]) -> str | None:
         return f"field 'state' is {state[:40]!r}, not one of {', '.join(sorted(STATES))}"
     if (lane := text("lane")) is not None and lane not in {m.value for m in Lane}:
         return f"field 'lane' is {lane[:40]!r}, not short, medium or long"
-    raw = fields.get(b"p")
-    if raw is None:
-        return "it has no payload (field 'p')"
     try:
-        payload = _payload.decode(raw)
+        payload = _payload.decode(fields[b"p"])
     except msgspec.DecodeError as exc:  # ValidationError too
         return f"its payload (field 'p') is not a request: {str(exc)[:120]}"
     if payload.id != request_id:

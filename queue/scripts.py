@@ -11,7 +11,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-#: KEYS: req, pending:<lane>, watch, arrivals. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner.
+#: KEYS: req, pending:<lane>, watch, arrivals. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner,
+#: fallback (the pools ``auto`` could also have chosen, comma-separated: ``RequestPayload.fallback_pools``).
 #: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op), with the
 #: state '' when another owner submitted it (its state is not this caller's business).
 #: ``arrivals`` counts enqueues per lane: the scheduler turns it into the arrival rate.
@@ -22,7 +23,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, h[1] or ''}
 end
 redis.call('HSET', KEYS[1], 'p', ARGV[2], 'lane', ARGV[3], 'edge', ARGV[4], 'state', 'queued',
-           'attempt', 0, 'enq_ms', now, 'worker', '', 'owner', ARGV[7] or '')
+           'attempt', 0, 'enq_ms', now, 'worker', '', 'owner', ARGV[7] or '', 'fallback', ARGV[8] or '')
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])
@@ -59,7 +60,7 @@ for i = 2, #KEYS do
     out[#out + 1] = {'lost', h[3] or ''}
   else
     redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), id)
-    out[#out + 1] = {h[1] == 'cancelled' and 'cancelled' or 'ok', h[3]}
+    out[#out + 1] = {h[1] == 'cancelled' and 'cancelled' or 'ok', h[3] or ''}
   end
 end
 return out

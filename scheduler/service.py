@@ -198,54 +198,61 @@ class Scheduler:
             snapshot = await self._snapshot(pool, now_ms, [r for r in reports if r.pool == pool])
             await fleet.publish_depths(snapshot)
             snapshots.append(snapshot)
+        live = {s.pool for s in snapshots if s.workers > 0}
         for snapshot in snapshots:
-            served_elsewhere = any(s.workers > 0 for s in snapshots if s.pool != snapshot.pool)
-            await self._unserved(snapshot, now_ms, served_elsewhere)
+            await self._unserved(snapshot, now_ms, live)
         self.last_pool_snapshots, self.last_reports = snapshots, reports
         metrics.LIVE_WORKERS.set(len(reports))
         return snapshots
 
-    async def _unserved(self, snapshot: DepthSnapshot, now_ms: int, served_elsewhere: bool = False) -> None:
+    async def _unserved(self, snapshot: DepthSnapshot, now_ms: int, live: set[str] = frozenset()) -> None:
         """A pool without a live worker: after ``no_worker_timeout_s`` its waiting requests fail
         with ``unavailable`` (nobody will serve them; the edges refuse new ones meanwhile); once
-        it has stood empty for ``_FORGET_POOL_MS`` it is forgotten, unless configured. Requests
-        ``auto`` routed there that have not run yet fail at once while another pool has workers
-        (``RequestPayload.routed``): retried, ``auto`` sends them to one that does."""
+        it has stood empty for ``_FORGET_POOL_MS`` it is forgotten, unless configured or pools
+        scale from zero. Requests ``auto`` routed there that have not run yet fail at once while
+        a larger pool ``auto`` could have chosen has workers (``live``; ``RequestPayload.
+        fallback_pools``): retried, ``auto`` sends them there."""
         pool = snapshot.pool
         if snapshot.workers > 0:
             self._unserved_since.pop(pool, None)
             return
         since = self._unserved_since.setdefault(pool, now_ms)
         waiting = sum(snapshot.pending.values())
+        # The timeout counts from when the pool stood empty *with requests waiting*: a pool empty
+        # for an hour (scaled to zero) must not fail the first chat of the morning at once.
+        waited_ms = min(now_ms - since, max(snapshot.oldest_wait_ms.values(), default=0))
         timeout_ms = self.settings.no_worker_timeout_s * 1000
-        if waiting and timeout_ms and now_ms - since >= timeout_ms:
-            await self._fail_unserved(pool, (now_ms - since) / 1000)
-        elif waiting and served_elsewhere and not snapshot.scales_from_zero:
-            await self._fail_unserved(pool, (now_ms - since) / 1000, routed_only=True)
-        elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self._configured:
+        if waiting and timeout_ms and waited_ms >= timeout_ms:
+            await self._fail_unserved(pool, waited_ms / 1000)
+        elif waiting and timeout_ms and live - {pool}:
+            await self._fail_unserved(pool, waited_ms / 1000, reroute_to=live - {pool})
+        elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self._configured \
+                and self.settings.min_workers > 0:  # a pool scaled to zero must stay known to wake
             await self.plane.fleet.forget_pool(pool)
             self._unserved_since.pop(pool, None)
             metrics.forget_pool(pool)  # its gauges would export their last values for good
             log.info("pool %s has had no worker and no request for %d s: forgotten", pool, _FORGET_POOL_MS // 1000)
 
-    async def _fail_unserved(self, pool: str, waited_s: float, routed_only: bool = False) -> None:
+    async def _fail_unserved(self, pool: str, waited_s: float, reroute_to: set[str] = frozenset()) -> None:
+        """Fail what waits in ``pool``: all of it, or with ``reroute_to`` only the requests ``auto``
+        could have sent to one of those pools that have not started."""
         plane = self.plane.for_pool(pool)
         message = (f"no worker of pool {pool!r} for {waited_s:.0f} s (none started, or all down): "
                    "the request could not finish; retry later")  # a handed-back one had streamed a part
-        if routed_only:
+        if reroute_to:
             message = (f"pool {pool!r}, where model 'auto' sent this request, has no live worker any more and "
-                       "the request has not started: retry it, and 'auto' sends it to a pool that has one")
+                       "the request has not started: retry it, and 'auto' sends it to a larger pool that has one")
         failed = 0
         queued = await plane.queued_ids()
-        if routed_only:
-            queued = await plane.routed_unstarted(queued)
+        if reroute_to:
+            queued = await plane.rerouteable(queued, reroute_to)
         for request_id in queued:
             done, edge, attempt = await plane.fail_queued(request_id)
             if done:
                 failed += 1
                 metrics.REAPED.labels("unserved").inc()
                 await self._notify_failed(plane, request_id, edge, attempt, ErrorCode.UNAVAILABLE, message)
-        if failed and routed_only:
+        if failed and reroute_to:
             log.warning("pool %s: no worker; failed %d waiting requests that model 'auto' sent there, to be "
                         "retried on a pool with workers", pool, failed)
         elif failed:

@@ -336,9 +336,13 @@ async def test_existing_state_is_what_enqueue_would_answer(plane: QueuePlane) ->
 
 
 async def corrupt(plane: QueuePlane, request_id: str, **fields: object) -> None:
-    """Enqueue ``request_id`` as lanes does, then overwrite fields of its record by hand."""
+    """Enqueue ``request_id`` as lanes does, then overwrite fields of its record by hand (None:
+    delete the field)."""
     await plane.enqueue(payload(request_id), "edge-b")
-    await plane.redis.hset(plane.keys.request(request_id), mapping=fields)
+    if gone := [name for name, value in fields.items() if value is None]:
+        await plane.redis.hdel(plane.keys.request(request_id), *gone)
+    if kept := {name: value for name, value in fields.items() if value is not None}:
+        await plane.redis.hset(plane.keys.request(request_id), mapping=kept)
 
 
 @pytest.mark.parametrize("fields,reason", [
@@ -348,6 +352,8 @@ async def corrupt(plane: QueuePlane, request_id: str, **fields: object) -> None:
      "its payload names another request"),
     ({"enq_ms": "notanumber"}, "field 'enq_ms' is 'notanumber', not a number"),
     ({"attempt": "x"}, "field 'attempt' is 'x', not an integer"),
+    ({"edge": None}, "it has no field 'edge'"),  # found in review: an AttributeError killed the worker
+    ({"lane": None}, "it has no field 'lane'"),  # found in review: the claim failed forever, as if Redis were down
 ])
 async def test_a_malformed_record_is_refused_at_the_claim_and_quarantined(
         plane: QueuePlane, fields: dict[str, object], reason: str) -> None:
@@ -362,8 +368,9 @@ async def test_a_malformed_record_is_refused_at_the_claim_and_quarantined(
     with pytest.raises(MalformedRequest) as refused:
         await plane.claim("bad", "w1")
     assert refused.value.request_id == "bad" and refused.value.reason.startswith(reason), refused.value.reason
-    # The claim counted an attempt, unless the attempt field itself is what broke it.
-    assert await plane.quarantine("bad") == ("edge-b", 0 if "attempt" in fields else 1)
+    # The claim counted an attempt (a script's writes before its error stay), unless the attempt
+    # field itself is what broke it.
+    assert await plane.quarantine("bad") == ("" if "edge" in fields else "edge-b", 0 if "attempt" in fields else 1)
     assert await plane.redis.hget(plane.keys.request("bad"), "state") == b"failed"
     assert await plane.redis.zscore(plane.keys.watch, "bad") is None
     assert await pop(plane) == ("good", Lane.SHORT)

@@ -284,3 +284,19 @@ def test_auto_passes_a_dead_tiers_prompt_up_to_the_next_tier_with_workers() -> N
     capped = RoutingRules("large", frozenset({"small", "mid", "large"}),
                           (Tier("small", 0.3), Tier("mid", 0.6, max_prompt_chars=10), Tier("large", 1.0)))
     assert route("a" * 50, None, capped, "auto", 0.1, serving=frozenset({"mid", "large"})).pool == "large"
+
+
+def test_a_decision_names_the_larger_pools_auto_could_also_have_chosen() -> None:
+    """``later``: where a chat may go when its pool loses its last worker before the chat starts
+    (the scheduler fails it for a retry only when one of these has workers). Nothing for a key
+    override, a named pool, the default pool, or the last tier that fits."""
+    assert route("x", None, RULES, "auto", 0.1).later == ("large",)
+    assert route("x", None, RULES, "auto", 0.1, serving=frozenset({"large"})).later == ()  # large is the last
+    assert route("x", None, RULES, "auto", 0.7).later == ()
+    assert route("x", None, RULES, "small", 0.1).later == ()
+    assert route("x", None, RULES, None, 0.1).later == ()
+    assert route("x", "k-batch", RULES, "auto", 0.1).later == ()
+    capped = RoutingRules("large", frozenset({"small", "mid", "large"}),
+                          (Tier("small", 0.3), Tier("mid", 0.6, max_prompt_chars=10), Tier("large", 1.0)))
+    assert route("a", None, capped, "auto", 0.1).later == ("mid", "large")
+    assert route("a" * 50, None, capped, "auto", 0.1).later == ("large",)  # mid does not fit it

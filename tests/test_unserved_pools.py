@@ -90,3 +90,49 @@ async def test_the_routing_rules_pools_are_watched_before_any_worker(redis_setti
     broken.write_text("pools = [")
     with pytest.raises(RulesError, match="LANES_ROUTING_FILE"):
         Scheduler(SchedulerSettings(**redis_settings.model_dump(), routing_file=str(broken)), plane)
+
+
+async def test_a_pool_empty_for_long_gives_its_first_chat_the_whole_timeout(redis_settings: RedisSettings,
+                                                                             plane: QueuePlane,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timeout counted from when the pool stood empty: a pool scaled to zero for longer than
+    the timeout failed the first chat of the morning at the next snapshot, before any worker
+    could start. It counts from when requests wait. A pool that scales from zero
+    (``LANES_MIN_WORKERS=0``) is never forgotten, or it could never wake."""
+    monkeypatch.setattr(service, "_FORGET_POOL_MS", 0)
+    scheduler = Scheduler(SchedulerSettings(**redis_settings.model_dump(), no_worker_timeout_s=0.5, min_workers=0),
+                          plane)
+    small = plane.for_pool("small")
+    await plane.fleet.report(WorkerReport("w1", {}, 8, pool="small"), await plane.server_time_ms(), ttl_ms=10_000)
+    await scheduler.snapshot_once()
+    await plane.fleet.deregister("w1")
+    await scheduler.snapshot_once()
+    await asyncio.sleep(0.6)  # empty for longer than the timeout, with nothing waiting
+    assert [s.pool for s in await scheduler.snapshot_once()] == ["default", "small"], "not forgotten"
+    payload = RequestPayload(id="morning", messages=(ChatMessage("user", "hi"),), max_tokens=8, lane=Lane.SHORT)
+    assert (await small.enqueue(payload, "edge-x")).created
+    await scheduler.snapshot_once()
+    assert await small.request_status("morning") == ("queued", ""), "it gets the whole timeout"
+    await asyncio.sleep(0.6)
+    await scheduler.snapshot_once()
+    assert await small.request_status("morning") == ("failed", "")
+
+
+async def test_auto_chats_fail_for_a_retry_only_where_a_larger_pool_could_take_them(
+        redis_settings: RedisSettings, plane: QueuePlane) -> None:
+    """While small has no worker and large has one: a chat auto could have sent large fails at
+    once (a retry goes there); a chat that named small, or whose only fitting pool is small,
+    waits for the timeout."""
+    scheduler = Scheduler(SchedulerSettings(**redis_settings.model_dump(), pools="small,large",
+                                            no_worker_timeout_s=60), plane)
+    small = plane.for_pool("small")
+    for rid, later in (("up", ("large",)), ("named", ()), ("elsewhere", ("xl",))):
+        payload = RequestPayload(id=rid, messages=(ChatMessage("user", "hi"),), max_tokens=8, lane=Lane.SHORT,
+                                 fallback_pools=later)
+        assert (await small.enqueue(payload, "edge-x")).created
+    await plane.fleet.report(WorkerReport("w9", {}, 8, pool="large"), await plane.server_time_ms(), ttl_ms=10_000)
+    await scheduler.snapshot_once()
+    assert [await small.request_status(rid) for rid in ("up", "named", "elsewhere")] == [
+        ("failed", ""), ("queued", ""), ("queued", "")]
+    (end,) = await small.read_stream("up")
+    assert end.finish.error_code == ErrorCode.UNAVAILABLE and "larger pool" in end.finish.error_message

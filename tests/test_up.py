@@ -4,6 +4,7 @@ SIGTERM and Ctrl-C stop every process at once and print no traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -189,3 +190,29 @@ def test_crash_backoff_doubles_and_is_capped() -> None:
         delays.append(backoff.delay_s(crashes))
     assert delays == [1, 2, 4, 8, 16, 30, 30]
     assert backoff.num_crashes(5, ran_for_s=120) == 1, "a child that ran a while starts over"
+
+
+def test_a_closed_terminal_stops_everything(tiny_model, tmp_path: Path) -> None:
+    """SIGHUP after the terminal is gone (a closed SSH session): writing "stopping…" to it failed
+    (EIO) before the children were stopped, and they ran on under init (found in review)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "up", "--port", str(free_port()),
+                             "--model", str(tiny_model.target)], stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    children: list[psutil.Process] = []
+    try:
+        wait_for(lambda: len(psutil.Process(proc.pid).children()) >= 3, scaled(30), "the children")
+        children = psutil.Process(proc.pid).children()
+        os.close(master)  # the terminal goes away
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(timeout=scaled(30))
+        wait_for(lambda: gone(children), scaled(15), "the children to stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in children:  # orphans (under init) when the test fails
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()

@@ -263,13 +263,22 @@ class Worker:
     async def _quarantine(self, bad: MalformedRequest) -> None:
         log.error("request %s failed without running: its record in Redis is malformed (%s); written by "
                   "something other than this lanes version?", bad.request_id, bad.reason)
-        try:
-            edge, attempt = await self.plane.quarantine(bad.request_id)
-            await self.plane.end_with_error(bad.request_id, edge, attempt, ErrorCode.MALFORMED_REQUEST,
-                                            f"the request's record in Redis is malformed ({bad.reason}); it was not "
-                                            "run", sender=self.worker_id)
-        except QueueUnavailable as exc:  # then the reaper finds it, and fails it the same way
-            log.warning("could not fail malformed request %s yet (%s); the reaper will", bad.request_id, exc)
+        # Until Redis answers (a minute at most): once out of the lanes and the watch, nothing else
+        # would end it at its edge. Not quarantined yet, it stays in the watch, and the next
+        # claim after the reaper's requeue finds it malformed again.
+        backoff = Backoff(f"failing malformed request {bad.request_id}", log, min_s=0.5, max_s=5.0)
+        quarantined: tuple[str, int] | None = None
+        for _ in range(20):
+            try:
+                if quarantined is None:
+                    quarantined = await self.plane.quarantine(bad.request_id)
+                await self.plane.end_with_error(bad.request_id, *quarantined, ErrorCode.MALFORMED_REQUEST,
+                                                f"the request's record in Redis is malformed ({bad.reason}); it was "
+                                                "not run", sender=self.worker_id)
+                backoff.succeeded()
+                return
+            except QueueUnavailable as exc:
+                await asyncio.sleep(backoff.failed(exc))
 
     async def _lanes_empty(self) -> bool:
         pending, _ = await self.plane.lane_depths(0)

@@ -36,12 +36,12 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     try:
         # The snapshots say which pools have live workers (without a scheduler nobody knows).
         serving = edge.admission.live_pools() if edge.admission.pools() else None
-        pool = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge), serving)
+        pool, later = edge.router.pool_for(frame.model, identity.key_id, frame.messages, known_pools(edge), serving)
     except UnknownModel as unknown:  # before a fixed answer: "hi" to a model nobody serves is no answer
         live = tuple(await edge.live_pools())
         if unknown.rules_pools is not None or unknown.model not in live:
             return edge.core.refuse(request_id, ErrorCode.MODEL_NOT_FOUND, unknown.message(live))
-        pool = unknown.model  # a worker serves it since the last snapshot (a pool that just started)
+        pool, later = unknown.model, ()  # a worker serves it since the last snapshot (a pool that just started)
     edge._pool_of[request_id] = pool  # its metrics carry the pool, refused or not; a cancel goes there
     if (fixed := edge.router.fixed_answer(frame.messages)) is not None:
         return _fixed(edge, request_id, fixed, frame, pool)
@@ -84,7 +84,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
             id=request_id, messages=frame.messages, max_tokens=frame.max_tokens, temperature=frame.temperature,
             top_p=frame.top_p, seed=frame.seed, stop=frame.stop, lane=lane, predicted_tokens=predicted,
             trace=inject_context(), resume_grace_s=edge.settings.resume_grace_s,
-            routed=edge.router.rules is not None and frame.model == AUTO,
+            fallback_pools=later,
         )
         with edge.admission.enqueueing(pool, lane):
             enqueued = await plane.enqueue(payload, edge.edge_id, owner=identity.key_id)

@@ -65,21 +65,23 @@ class PoolRouter:
         return None if self.fixed is None else self.fixed.lookup(messages)
 
     def pool_for(self, model: str | None, key_id: str, messages: Sequence[ChatMessage],
-                 known_pools: Iterable[str], serving: Iterable[str] | None = None) -> str:
-        """The pool to enqueue into; raises ``UnknownModel`` for a name nobody serves. ``serving``:
-        the pools with live workers, when known (``auto`` then passes a dead tier's prompts up to
-        the next tier with workers)."""
+                 known_pools: Iterable[str], serving: Iterable[str] | None = None) -> tuple[str, tuple[str, ...]]:
+        """The pool to enqueue into, and the larger pools ``auto`` could also have chosen (none
+        unless ``auto`` routed by complexity); raises ``UnknownModel`` for a name nobody serves.
+        ``serving``: the pools with live workers, when known (``auto`` then passes a dead tier's
+        prompts up to the next tier with workers)."""
         if self.rules is not None:
             live = None if serving is None else frozenset(serving)
             try:
-                return route(prompt_text(messages), key_id or None, self.rules, model, self._complexity, live).pool
+                decision = route(prompt_text(messages), key_id or None, self.rules, model, self._complexity, live)
             except UnknownPoolError:
                 raise UnknownModel(model or "", tuple(sorted(self.rules.pools))) from None
+            return decision.pool, decision.later
         if model is None or model in (AUTO, DEFAULT_POOL):
-            return DEFAULT_POOL
+            return DEFAULT_POOL, ()
         if model not in set(known_pools):
             raise UnknownModel(model)
-        return model
+        return model, ()
 
     def model_names(self, live_pools: Iterable[str]) -> list[str]:
         """``GET /v1/models``: the names a chat may give. Under routing rules, the rules' pools

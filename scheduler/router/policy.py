@@ -53,6 +53,9 @@ class RouteDecision:
     reason: RouteReason
     #: The prompt's complexity (0 easiest .. 1 hardest) when it was estimated, else None.
     score: float | None = None
+    #: For ``auto`` by complexity: the pools of the larger tiers that also fit the prompt, after
+    #: the chosen one (where it may go when the chosen pool loses its workers).
+    later: tuple[str, ...] = ()
 
 
 def key_override(key_id: str | None, rules: RoutingRules) -> str | None:
@@ -100,9 +103,13 @@ def route(
                if score <= t.max_complexity and (t.max_prompt_chars is None or len(prompt) <= t.max_prompt_chars)]
     if not fitting:
         return RouteDecision(rules.default_pool, RouteReason.NO_TIER, float(score))
+    def after(index: int) -> tuple[str, ...]:
+        chosen = fitting[index].pool
+        return tuple(dict.fromkeys(t.pool for t in fitting[index + 1:] if t.pool != chosen))
+
     if serving is not None and fitting[0].pool not in serving:
         # Tiers are ordered by max_complexity (never decreasing): a later one is a larger model.
-        later = next((t for t in fitting[1:] if t.pool in serving), None)
-        if later is not None:
-            return RouteDecision(later.pool, RouteReason.FALLBACK, float(score))
-    return RouteDecision(fitting[0].pool, RouteReason.COMPLEXITY, float(score))
+        index = next((i for i, t in enumerate(fitting) if i and t.pool in serving), None)
+        if index is not None:
+            return RouteDecision(fitting[index].pool, RouteReason.FALLBACK, float(score), after(index))
+    return RouteDecision(fitting[0].pool, RouteReason.COMPLEXITY, float(score), after(0))
