@@ -176,8 +176,10 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
     signal.signal(signal.SIGINT, supervisor.on_signal)
     signal.signal(signal.SIGTERM, supervisor.on_signal)
     # A closed terminal or SSH session: the children run in their own sessions and get no
-    # SIGHUP of their own; before, they ran on under init, holding the ports.
-    signal.signal(signal.SIGHUP, supervisor.on_signal)
+    # SIGHUP of their own; before, they ran on under init, holding the ports. Under nohup
+    # (SIGHUP ignored) a closed session must not stop anything.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, supervisor.on_signal)
     redis_url, embedded = _redis_url(settings)
     env = {"LANES_DEBUG": "1"} if debug else {}
     cluster = supervisor.cluster = Cluster(redis_url, settings.key_prefix, None, base_env=env,

@@ -58,7 +58,7 @@ class RequestPayload(msgspec.Struct, frozen=True):
     #: The enqueueing edge's ``LANES_RESUME_GRACE_S``: a worker keeps running an answer whose
     #: edge has gone at least this long (a client may resume it on another edge until then).
     resume_grace_s: float = 0.0
-    #: Routed by ``model: "auto"``: the larger pools that would also serve it (``RouteDecision.
+    #: Routed by ``model: "auto"``: the other pools whose tiers also fit it (``RouteDecision.
     #: later``). While its pool has no live worker and one of these has, the scheduler fails it
     #: at once if it has not run (``unavailable``: retried, ``auto`` picks that pool), rather
     #: than after ``LANES_NO_WORKER_TIMEOUT_S``. Also in the request's hash (``fallback``).

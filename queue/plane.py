@@ -432,12 +432,16 @@ class QueuePlane(TokenStreams):
                 reaped.append(Reaped(request_id, "malformed", edge_id, attempt_no, reason=fault.reason))
         return reaped
 
-    async def queued_ids(self, limit: int = 1000) -> list[str]:
-        """Up to ``limit`` ids waiting in this pool's lanes, oldest first per lane."""
+    async def queued_ids(self, limit: int = 1000, enqueued_before_ms: int | None = None) -> list[str]:
+        """Up to ``limit`` ids waiting in this pool's lanes, oldest first per lane; with
+        ``enqueued_before_ms``, only those in line since before then (the Redis clock)."""
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for lane in LANE_ORDER:
-                pipe.zrange(k.pending(lane), 0, limit - 1)
+                if enqueued_before_ms is None:
+                    pipe.zrange(k.pending(lane), 0, limit - 1)
+                else:
+                    pipe.zrangebyscore(k.pending(lane), "-inf", enqueued_before_ms, start=0, num=limit)
             found = await pipe.execute()
         return [raw.decode() for ids in found for raw in ids][:limit]
 

@@ -210,7 +210,7 @@ class Scheduler:
         with ``unavailable`` (nobody will serve them; the edges refuse new ones meanwhile); once
         it has stood empty for ``_FORGET_POOL_MS`` it is forgotten, unless configured or pools
         scale from zero. Requests ``auto`` routed there that have not run yet fail at once while
-        a larger pool ``auto`` could have chosen has workers (``live``; ``RequestPayload.
+        another pool ``auto`` could have chosen has workers (``live``; ``RequestPayload.
         fallback_pools``): retried, ``auto`` sends them there."""
         pool = snapshot.pool
         if snapshot.workers > 0:
@@ -223,7 +223,8 @@ class Scheduler:
         waited_ms = min(now_ms - since, max(snapshot.oldest_wait_ms.values(), default=0))
         timeout_ms = self.settings.no_worker_timeout_s * 1000
         if waiting and timeout_ms and waited_ms >= timeout_ms:
-            await self._fail_unserved(pool, waited_ms / 1000)
+            # Each request gets the whole timeout: those in line for less wait on.
+            await self._fail_unserved(pool, waited_ms / 1000, enqueued_before_ms=int(now_ms - timeout_ms))
         elif waiting and timeout_ms and live - {pool}:
             await self._fail_unserved(pool, waited_ms / 1000, reroute_to=live - {pool})
         elif not waiting and now_ms - since >= _FORGET_POOL_MS and pool not in self._configured \
@@ -233,17 +234,19 @@ class Scheduler:
             metrics.forget_pool(pool)  # its gauges would export their last values for good
             log.info("pool %s has had no worker and no request for %d s: forgotten", pool, _FORGET_POOL_MS // 1000)
 
-    async def _fail_unserved(self, pool: str, waited_s: float, reroute_to: set[str] = frozenset()) -> None:
-        """Fail what waits in ``pool``: all of it, or with ``reroute_to`` only the requests ``auto``
-        could have sent to one of those pools that have not started."""
+    async def _fail_unserved(self, pool: str, waited_s: float, reroute_to: set[str] = frozenset(),
+                             enqueued_before_ms: int | None = None) -> None:
+        """Fail what waits in ``pool``: what has been in line since before ``enqueued_before_ms``,
+        or with ``reroute_to`` only the requests ``auto`` could have sent to one of those pools
+        that have not started."""
         plane = self.plane.for_pool(pool)
         message = (f"no worker of pool {pool!r} for {waited_s:.0f} s (none started, or all down): "
                    "the request could not finish; retry later")  # a handed-back one had streamed a part
         if reroute_to:
             message = (f"pool {pool!r}, where model 'auto' sent this request, has no live worker any more and "
-                       "the request has not started: retry it, and 'auto' sends it to a larger pool that has one")
+                       "the request has not started: retry it, and 'auto' sends it to another pool that has one")
         failed = 0
-        queued = await plane.queued_ids()
+        queued = await plane.queued_ids(enqueued_before_ms=enqueued_before_ms)
         if reroute_to:
             queued = await plane.rerouteable(queued, reroute_to)
         for request_id in queued:

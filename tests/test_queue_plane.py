@@ -382,13 +382,16 @@ async def test_one_malformed_record_does_not_stop_the_reaper(plane: QueuePlane) 
     every reaper pass stopped there, so no lease of the pool was recovered until someone
     deleted it. Now it is failed as malformed, and the pass goes on."""
     await corrupt(plane, "poison", enq_ms="xyz", state="running", attempt="1")
+    await corrupt(plane, "edgeless", edge=None, state="running", attempt="1")  # AttributeError on the reply
     await plane.enqueue(payload("first"), "e")
-    assert {await pop(plane), await pop(plane)} == {("poison", Lane.SHORT), ("first", Lane.SHORT)}
+    popped = {await pop(plane) for _ in range(3)}
+    assert popped == {("poison", Lane.SHORT), ("edgeless", Lane.SHORT), ("first", Lane.SHORT)}
     await plane.claim("first", "dead-worker")
     now = await plane.server_time_ms()
-    await plane.redis.zadd(plane.keys.watch, {"poison": 1})  # due at once
+    await plane.redis.zadd(plane.keys.watch, {"poison": 1, "edgeless": 1})  # due at once
     reaped = {r.id: r for r in await plane.reap(now + plane.settings.lease_ms + 10)}
     assert reaped["first"].action == "requeued"
+    assert (reaped["edgeless"].action, reaped["edgeless"].reason) == ("malformed", "it has no field 'edge'")
     assert (reaped["poison"].action, reaped["poison"].edge) == ("malformed", "edge-b")
     assert "'enq_ms' is 'xyz'" in reaped["poison"].reason
     assert await plane.redis.zscore(plane.keys.watch, "poison") is None

@@ -286,12 +286,13 @@ def test_auto_passes_a_dead_tiers_prompt_up_to_the_next_tier_with_workers() -> N
     assert route("a" * 50, None, capped, "auto", 0.1, serving=frozenset({"mid", "large"})).pool == "large"
 
 
-def test_a_decision_names_the_larger_pools_auto_could_also_have_chosen() -> None:
+def test_a_decision_names_the_other_pools_auto_could_have_chosen() -> None:
     """``later``: where a chat may go when its pool loses its last worker before the chat starts
     (the scheduler fails it for a retry only when one of these has workers). Nothing for a key
-    override, a named pool, the default pool, or the last tier that fits."""
+    override, a named pool, the default pool, or a prompt only one tier fits."""
     assert route("x", None, RULES, "auto", 0.1).later == ("large",)
-    assert route("x", None, RULES, "auto", 0.1, serving=frozenset({"large"})).later == ()  # large is the last
+    # Sent up while small was down: small again, should large lose its workers and small return.
+    assert route("x", None, RULES, "auto", 0.1, serving=frozenset({"large"})).later == ("small",)
     assert route("x", None, RULES, "auto", 0.7).later == ()
     assert route("x", None, RULES, "small", 0.1).later == ()
     assert route("x", None, RULES, None, 0.1).later == ()
@@ -300,3 +301,4 @@ def test_a_decision_names_the_larger_pools_auto_could_also_have_chosen() -> None
                           (Tier("small", 0.3), Tier("mid", 0.6, max_prompt_chars=10), Tier("large", 1.0)))
     assert route("a", None, capped, "auto", 0.1).later == ("mid", "large")
     assert route("a" * 50, None, capped, "auto", 0.1).later == ("large",)  # mid does not fit it
+    assert route("a", None, capped, "auto", 0.1, serving=frozenset({"mid"})).later == ("small", "large")

@@ -113,9 +113,17 @@ async def test_a_pool_empty_for_long_gives_its_first_chat_the_whole_timeout(redi
     assert (await small.enqueue(payload, "edge-x")).created
     await scheduler.snapshot_once()
     assert await small.request_status("morning") == ("queued", ""), "it gets the whole timeout"
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(0.3)
+    later = RequestPayload(id="later", messages=(ChatMessage("user", "hi"),), max_tokens=8, lane=Lane.SHORT)
+    assert (await small.enqueue(later, "edge-x")).created
+    await asyncio.sleep(0.3)
     await scheduler.snapshot_once()
-    assert await small.request_status("morning") == ("failed", "")
+    # Each gets the whole timeout: the one in line for 0.3 s waits on (found in review: every
+    # request failed once the oldest reached it).
+    assert [await small.request_status(rid) for rid in ("morning", "later")] == [("failed", ""), ("queued", "")]
+    await asyncio.sleep(0.3)
+    await scheduler.snapshot_once()
+    assert await small.request_status("later") == ("failed", "")
 
 
 async def test_auto_chats_fail_for_a_retry_only_where_a_larger_pool_could_take_them(
@@ -135,4 +143,4 @@ async def test_auto_chats_fail_for_a_retry_only_where_a_larger_pool_could_take_t
     assert [await small.request_status(rid) for rid in ("up", "named", "elsewhere")] == [
         ("failed", ""), ("queued", ""), ("queued", "")]
     (end,) = await small.read_stream("up")
-    assert end.finish.error_code == ErrorCode.UNAVAILABLE and "larger pool" in end.finish.error_message
+    assert end.finish.error_code == ErrorCode.UNAVAILABLE and "another pool" in end.finish.error_message

@@ -263,8 +263,8 @@ class Worker:
     async def _quarantine(self, bad: MalformedRequest) -> None:
         log.error("request %s failed without running: its record in Redis is malformed (%s); written by "
                   "something other than this lanes version?", bad.request_id, bad.reason)
-        # Until Redis answers (a minute at most): once out of the lanes and the watch, nothing else
-        # would end it at its edge. Not quarantined yet, it stays in the watch, and the next
+        # Until Redis answers (about 90 s of tries): once out of the lanes and the watch, nothing
+        # else would end it at its edge. Not quarantined yet, it stays in the watch, and the next
         # claim after the reaper's requeue finds it malformed again.
         backoff = Backoff(f"failing malformed request {bad.request_id}", log, min_s=0.5, max_s=5.0)
         quarantined: tuple[str, int] | None = None
@@ -279,6 +279,8 @@ class Worker:
                 return
             except QueueUnavailable as exc:
                 await asyncio.sleep(backoff.failed(exc))
+        log.error("gave up failing malformed request %s: Redis did not answer; its client gets no end frame "
+                  "(it may resume to find the request failed)", bad.request_id)
 
     async def _lanes_empty(self) -> bool:
         pending, _ = await self.plane.lane_depths(0)

@@ -53,8 +53,8 @@ class RouteDecision:
     reason: RouteReason
     #: The prompt's complexity (0 easiest .. 1 hardest) when it was estimated, else None.
     score: float | None = None
-    #: For ``auto`` by complexity: the pools of the larger tiers that also fit the prompt, after
-    #: the chosen one (where it may go when the chosen pool loses its workers).
+    #: For ``auto`` by complexity: the other tiers' pools that also fit the prompt (where a retry
+    #: may go when the chosen pool loses its workers: a smaller one back, or a larger one).
     later: tuple[str, ...] = ()
 
 
@@ -105,7 +105,7 @@ def route(
         return RouteDecision(rules.default_pool, RouteReason.NO_TIER, float(score))
     def after(index: int) -> tuple[str, ...]:
         chosen = fitting[index].pool
-        return tuple(dict.fromkeys(t.pool for t in fitting[index + 1:] if t.pool != chosen))
+        return tuple(dict.fromkeys(t.pool for t in fitting if t.pool != chosen))
 
     if serving is not None and fitting[0].pool not in serving:
         # Tiers are ordered by max_complexity (never decreasing): a later one is a larger model.
