@@ -50,6 +50,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
+#: A script's reply that cannot be read: a field missing from a record comes back as a nil,
+#: which cuts the reply short or puts None where bytes were due.
+_REPLY_FAULTS = (ValueError, TypeError, AttributeError, msgspec.DecodeError)
 
 
 @dataclass(frozen=True)
@@ -327,11 +330,10 @@ class QueuePlane(TokenStreams):
             attempt, payload, enq_ms, now_ms, edge, preempted, owner, ready_ms, first_ms = got
             claim = Claim(_payload_decoder.decode(payload), int(attempt), int(enq_ms), int(now_ms), edge.decode(),
                           int(preempted), owner.decode(), int(ready_ms), int(first_ms))
-        except (ValueError, TypeError, AttributeError, msgspec.DecodeError) as exc:
-            # A missing field is a nil in the reply: one cut short, or None where bytes were due.
-            raise MalformedRequest(request_id, await self.record_fault(request_id) or str(exc)) from None
-        if claim.payload.id != request_id:
-            raise MalformedRequest(request_id, f"its payload names another request ({claim.payload.id[:64]!r})")
+        except _REPLY_FAULTS as exc:
+            raise await self._malformed_or(request_id, exc) from None
+        if claim.payload.id != request_id:  # record_fault says so
+            raise await self._malformed_or(request_id, ValueError("the payload names another request"))
         return claim
 
     async def record_fault(self, request_id: str) -> str | None:
@@ -344,12 +346,15 @@ class QueuePlane(TokenStreams):
             return f"its record {key} is a {kind}, not a hash"
         return record_fault(request_id, await self.redis.hgetall(key))
 
-    async def _malformed_or(self, request_id: str, exc: ResponseError) -> Exception:
-        """A script's error on ``request_id``: ``MalformedRequest`` when its own record is at
-        fault, else ``exc`` (a key the whole pool shares is: every request would fail alike)."""
-        if "user_script" in str(exc) and (fault := await self.record_fault(request_id)) is not None:
+    async def _malformed_or(self, request_id: str, exc: Exception) -> Exception:
+        """``MalformedRequest`` when ``request_id``'s own record is at fault for ``exc`` (a
+        script's error, or a reply that cannot be read: ``_REPLY_FAULTS``), else ``exc``: a key
+        the whole pool shares is at fault, and every request would fail alike."""
+        if isinstance(exc, ResponseError) and "user_script" not in str(exc):
+            return exc
+        if (fault := await self.record_fault(request_id)) is not None:
             return MalformedRequest(request_id, fault)
-        return exc
+        return exc if isinstance(exc, ResponseError) else MalformedRequest(request_id, str(exc))
 
     async def end_with_error(self, request_id: str, edge: str, attempt: int, code: ErrorCode, message: str,
                              sender: str = "scheduler") -> None:
@@ -421,11 +426,10 @@ class QueuePlane(TokenStreams):
                 )
                 reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt),
                                      int(expired[0]) if expired else 0))
-            except (ResponseError, ValueError, TypeError, AttributeError) as exc:  # a nil field: see claim
+            except (ResponseError, *_REPLY_FAULTS) as exc:
                 # One malformed record must not stop the reaper for the whole pool: it is failed,
                 # and the rest are reaped (before, every pass stopped at it, for good).
-                fault = (await self._malformed_or(request_id, exc) if isinstance(exc, ResponseError)
-                         else MalformedRequest(request_id, await self.record_fault(request_id) or str(exc)))
+                fault = await self._malformed_or(request_id, exc)
                 if not isinstance(fault, MalformedRequest):
                     raise fault from None
                 edge_id, attempt_no = await self.quarantine(request_id)

@@ -9,6 +9,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 from lanes.queue.messages import Lane, RequestPayload, RequestState
 
@@ -16,9 +18,12 @@ from lanes.queue.messages import Lane, RequestPayload, RequestState
 STATES = frozenset(m.value for m in RequestState)
 #: Fields every record lanes writes has (``ENQUEUE``), which the scripts read.
 _REQUIRED = ("p", "lane", "edge", "state", "attempt", "enq_ms")
-#: Fields that scripts use as integers (``HINCRBY``) or numbers (scores, clocks).
-_INTEGERS = ("attempt", "expired", "preempted")
-_NUMBERS = ("enq_ms", "ready_ms", "claim_ms", "first_claim_ms")
+#: Fields that scripts use as numbers: integers (``HINCRBY``) or finite numbers (scores, clocks).
+_NUMERIC: dict[str, type[int] | type[float]] = {
+    "attempt": int, "expired": int, "preempted": int,
+    "enq_ms": float, "ready_ms": float, "claim_ms": float, "first_claim_ms": float,
+}
+_LANES = frozenset(m.value for m in Lane)
 _payload = msgspec.json.Decoder(RequestPayload)
 
 
@@ -30,15 +35,12 @@ def record_fault(request_id: str, fields: dict[bytes, bytes]) -> str | None:
 
     if missing := [name for name in _REQUIRED if name.encode() not in fields]:
         return f"it has no field {', '.join(repr(m) for m in missing)}"
-    for name in _INTEGERS:
-        if (value := text(name)) is not None and not _is_int(value):
-            return f"field '{name}' is {value[:40]!r}, not an integer"
-    for name in _NUMBERS:
-        if (value := text(name)) is not None and not _is_number(value):
-            return f"field '{name}' is {value[:40]!r}, not a number"
+    for name, kind in _NUMERIC.items():
+        if (value := text(name)) is not None and not _parses(value, kind):
+            return f"field '{name}' is {value[:40]!r}, not {'an integer' if kind is int else 'a number'}"
     if (state := text("state")) is not None and state not in STATES:
         return f"field 'state' is {state[:40]!r}, not one of {', '.join(sorted(STATES))}"
-    if (lane := text("lane")) is not None and lane not in {m.value for m in Lane}:
+    if (lane := text("lane")) is not None and lane not in _LANES:
         return f"field 'lane' is {lane[:40]!r}, not short, medium or long"
     try:
         payload = _payload.decode(fields[b"p"])
@@ -49,17 +51,8 @@ def record_fault(request_id: str, fields: dict[bytes, bytes]) -> str | None:
     return None
 
 
-def _is_int(value: str) -> bool:
+def _parses(value: str, kind: type[int] | type[float]) -> bool:
     try:
-        int(value)
+        return math.isfinite(kind(value))
     except ValueError:
         return False
-    return True
-
-
-def _is_number(value: str) -> bool:
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return value.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
