@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import http.server
 import json
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -24,10 +27,35 @@ QUESTION = "What does a class definition do?"
 
 
 @pytest.fixture(scope="module")
-def system(make_cluster) -> System:
+def app_page() -> Iterator[int]:
+    """A web app's page on a real loopback HTTP server (its port). As ``http://localhost:PORT``
+    it is on the "cors" edge's allowlist; as ``http://127.0.0.1:PORT`` it is another origin. A
+    page Chromium fetches from no server is a public one, which may not reach loopback at all."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+            body = b"<html><body>app</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def system(make_cluster, app_page: int) -> System:
     sys_ = make_cluster(workers=1, worker_args=("--max-slots", "4"))
     sys_.start_edge("keyed", LANES_API_KEY_HASHES=hash_key(KEY), LANES_KEY_RATE_PER_S="0.5", LANES_KEY_BURST="1")
     sys_.start_edge("full", LANES_MAX_DEPTH_SHORT="0", LANES_MAX_DEPTH_MEDIUM="0", LANES_MAX_DEPTH_LONG="0")
+    sys_.start_edge("cors", LANES_API_KEY_HASHES=hash_key(KEY), LANES_ALLOWED_ORIGINS=f"http://localhost:{app_page}/")
     return sys_
 
 
@@ -468,3 +496,88 @@ async def test_a_stream_the_worker_refuses_is_a_4xx_not_an_error_after_200(syste
         assert refused.value.body["code"] == "context_length_exceeded", (stream, refused.value.body)
     chunks = list(client(system).chat.completions.create(**ask(stream=True)))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason
+
+
+def _options(sys_: System, edge: str, origin: str, headers: str = "authorization,content-type,x-stainless-os"
+             ) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", sys_.edge_ports[edge], timeout=10)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": headers})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp
+
+
+def test_cors_is_granted_to_the_allowed_origins_only(system: System, app_page: int) -> None:
+    """A web app on an origin of ``LANES_ALLOWED_ORIGINS`` may call the API from a browser (the
+    OpenAI JS SDK sends ``Authorization`` and ``x-stainless-*`` headers, so every call is
+    preflighted); any other origin's preflight is refused, and an edge without an allowlist
+    grants no CORS at all (its pages' JSON POSTs stay same-origin)."""
+    app = f"http://localhost:{app_page}"
+    granted = _options(system, "cors", app)
+    assert granted.status == 200
+    assert granted.getheader("access-control-allow-origin") == app
+    assert "POST" in granted.getheader("access-control-allow-methods")
+    assert granted.getheader("access-control-allow-headers") == "authorization,content-type,x-stainless-os"
+    refused = _options(system, "cors", "http://evil.example")
+    assert refused.status == 400 and refused.getheader("access-control-allow-origin") is None
+    no_allowlist = _options(system, "edge", app)
+    assert no_allowlist.status == 405 and no_allowlist.getheader("access-control-allow-origin") is None
+    # A refusal is readable by the allowed app (a browser hides a response without the header).
+    post = urllib.request.Request(f"{base(system, 'cors')}/chat/completions", data=json.dumps(ask()).encode(),
+                                  headers={"Content-Type": "application/json", "Origin": app,
+                                           "Authorization": "Bearer lanes_wrong"})
+    with pytest.raises(urllib.error.HTTPError) as unauthorized:
+        urllib.request.urlopen(post, timeout=10)
+    assert unauthorized.value.code == 401
+    assert unauthorized.value.headers["access-control-allow-origin"] == app
+    assert "x-request-id" in unauthorized.value.headers["access-control-expose-headers"]
+
+
+#: What a page runs: a streaming completion by ``fetch``, read to its end (or the error).
+_FETCH = """async ([url, key, body]) => {
+  try {
+    const r = await fetch(url, {method: "POST", body: JSON.stringify(body),
+                                headers: {"Authorization": "Bearer " + key, "Content-Type": "application/json"}});
+    let text = "";
+    const reader = r.body.getReader(), decoder = new TextDecoder();
+    for (;;) { const {done, value} = await reader.read(); if (done) break; text += decoder.decode(value, {stream: true}); }
+    return {status: r.status, request_id: r.headers.get("x-request-id"), text};
+  } catch (e) { return {error: String(e)}; }
+}"""
+
+
+async def test_a_web_app_on_an_allowed_origin_streams_a_completion_in_a_browser(system: System, app_page: int,
+                                                                                greedy_reference) -> None:
+    """Chromium, a page on the allowed origin (``localhost``, a different origin from the
+    edge's ``127.0.0.1``), ``fetch`` with a key: the preflight, the streamed answer (the greedy
+    one) and its ``x-request-id``. The same page on another origin cannot call it at all."""
+    from browser_support import CHROMIUM, FLAGS, chromium_or_reason
+
+    if (reason := chromium_or_reason()) is not None:
+        pytest.skip(reason)
+    from playwright.async_api import async_playwright
+
+    ref = greedy_reference(QUESTION, 24)
+    url, body = f"{base(system, 'cors')}/chat/completions", ask(stream=True)
+    app, other = f"http://localhost:{app_page}", f"http://127.0.0.1:{app_page}"
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        try:
+            results = {}
+            for origin in (app, other):
+                page = await browser.new_page()
+                await page.goto(f"{origin}/")
+                results[origin] = await page.evaluate(_FETCH, [url, KEY, body])
+                await page.close()
+        finally:
+            await browser.close()
+    allowed = results[app]
+    assert allowed.get("status") == 200, allowed
+    assert (allowed["request_id"] or "").startswith("chatcmpl-"), "x-request-id is exposed to the page"
+    events = [line[len("data: "):] for line in allowed["text"].splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"])
+    assert text == ref.text
+    assert "Failed to fetch" in results[other].get("error", ""), results[other]

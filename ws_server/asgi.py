@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from lanes.ws_server import completions, http
+from lanes.ws_server.auth import origin_allowed
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 if TYPE_CHECKING:
@@ -32,8 +34,10 @@ class EdgeApp:
 
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
-        self.http = Starlette(routes=http.routes(edge) + completions.routes(edge),
-                              exception_handlers={404: completions.not_routed, 405: completions.not_routed})
+        routes = Starlette(routes=http.routes(edge) + completions.routes(edge),
+                           exception_handlers={404: completions.not_routed, 405: completions.not_routed})
+        allowed = edge.gate.allowed_origins
+        self.http: Any = _AllowlistCORS(routes, allowed) if allowed else routes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":
@@ -48,6 +52,27 @@ class EdgeApp:
                 await send({"type": "websocket.http.response.body", "body": body})
         elif scope["type"] == "http":
             await self.http(scope, receive, send)
+
+
+class _AllowlistCORS(CORSMiddleware):
+    """CORS for the origins of ``LANES_ALLOWED_ORIGINS`` (none when it is empty): a web app on
+    one of them may call the OpenAI API (and get WebSocket tickets) with a key from a browser.
+
+    Preflights from those origins are granted for GET and POST with any request headers
+    (``Authorization``, ``Content-Type``, the OpenAI SDKs' ``x-stainless-*``), and answers carry
+    ``Access-Control-Allow-Origin`` and expose the headers a client acts on (``x-request-id``,
+    ``Retry-After``, ``retry-after-ms``). No cookies are read, so credentials mode stays off.
+    Origins compare as the WebSocket allowlist compares them (case and a trailing slash aside);
+    any other origin's preflight is refused (400), so its page cannot send a JSON body."""
+
+    def __init__(self, app: Any, allowed: frozenset[str]) -> None:
+        super().__init__(app, allow_origins=sorted(allowed), allow_methods=("GET", "POST"), allow_headers=("*",),
+                         allow_private_network=True, max_age=600,
+                         expose_headers=("x-request-id", "retry-after", "retry-after-ms"))
+        self.allowed = allowed
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return origin_allowed(origin, self.allowed)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

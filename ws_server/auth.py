@@ -20,7 +20,8 @@ reaches a log, a history or a proxy is already spent or about to expire, and two
 handshakes cannot both use it. The key is looked up again when the ticket is redeemed: a key
 revoked in between does not get in. A reconnect asks for a new ticket. The ticket POST itself
 cannot be made from another site's page (a cross-origin request with ``Authorization`` needs
-a CORS preflight, which this edge never grants) and obeys the Origin allowlist.
+a CORS preflight, which this edge grants only to the Origin allowlist's origins) and obeys that
+allowlist.
 
 Handshake refusals (HTTP status, ``lanes_errors_total{code}``)::
 

@@ -88,6 +88,7 @@ class EdgeSettings(RedisSettings):
     key_recheck_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     #: Comma list of browser origins allowed to open the chat socket
     #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
+    #: The same origins, and only they, are granted CORS on the HTTP API (``asgi._AllowlistCORS``).
     allowed_origins: str = ""
     #: Per-key limits for keys that set none (and for ``api_key_hashes``); 0 = no limit.
     #: Enforced per edge process (see ``ratelimit.py``).
