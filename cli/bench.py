@@ -132,6 +132,13 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
     return Predictions(tokens, latency_ms, label, kendall_tau(true_tokens, tokens)), row_prompts
 
 
+def _scheduler_refresh_s() -> float:
+    """The live scheduler's refresh period (``LANES_PREDICTOR_REFRESH_MINUTES``' default), in s."""
+    from lanes.scheduler.settings import SchedulerSettings
+
+    return 60.0 * SchedulerSettings.model_fields["predictor_refresh_minutes"].default
+
+
 def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarray, true_tokens: np.ndarray,
                   model: Any, every_s: float, follow_routing: bool, max_short_to_long: float, window: int,
                   max_window_short_to_long: float, folds: int = 2, memory_weight: float = 0.0) -> Any:
@@ -226,12 +233,14 @@ def policy(
     prompt_source: Annotated[str | None, typer.Option(help="Only this source's prompts of --prompts (a data set "
                                                       "from `lanes predictor build-data`); A,B: the first half "
                                                       "of the trace gets A's prompts, the second B's.")] = None,
-    refresh_every_s: Annotated[float, typer.Option(min=0.0, help="--predictor real: run the scheduler's predictor "
+    refresh_every_s: Annotated[float | None, typer.Option(min=0.0, help="--predictor real: run the scheduler's predictor "
                                                    "refresh in the loop every this many trace seconds (refit on "
                                                    "finished requests, lane thresholds shipped with it; the live "
                                                    "scheduler's default, LANES_PREDICTOR_REFRESH_MINUTES=5, is 300); "
                                                    "with --predictor random the prompts are dealt to the rows at "
-                                                   "random, so the refits learn nothing; 0: off.")] = 0.0,
+                                                   "random, so the refits learn nothing; 0: off. Default: 300 (the "
+                                                   "scheduler's) with --predictor real or random and no --plot, "
+                                                   "else 0.")] = None,
     refresh_window: Annotated[int, typer.Option(min=50, help="--refresh-every-s: each refit reads the newest this "
                                                 "many finished requests (LANES_PREDICTOR_MAX_OBSERVATIONS).")] = REFRESH_WINDOW,
     max_window_short_to_long: Annotated[float, typer.Option(
@@ -265,6 +274,8 @@ def policy(
     loads = _loads(plot_loads) if plot is not None else []  # checked before the runs, not after
     if predictor not in PREDICTORS:
         raise typer.BadParameter(f"--predictor must be one of {', '.join(PREDICTORS)}, not {predictor!r}")
+    if refresh_every_s is None:  # what the system runs: the scheduler refits every few minutes
+        refresh_every_s = _scheduler_refresh_s() if predictor in ("real", "random") and plot is None else 0.0
     if refresh_every_s > 0 and (predictor not in ("real", "random") or plot is not None):
         raise typer.BadParameter("needs --predictor real or random and no --plot (the refresh's timing depends on "
                                  "the load)", param_hint="--refresh-every-s")
@@ -314,7 +325,9 @@ def policy(
         typer.echo(jsonout.dumps(results, indent=2))
     else:
         typer.echo(f"FCFS capacity {capacity_rps:.3f} req/s; offered {load:.2f} x = {load * capacity_rps:.3f} req/s; "
-                   f"predictor {predictions.source}, realised tau {predictions.tau:.3f}")
+                   f"predictor {predictions.source}, realised tau {predictions.tau:.3f}"
+                   + (f", refitted every {refresh_every_s:g} s as the scheduler does (--refresh-every-s 0: off)"
+                      if refresh_every_s > 0 else ""))
         typer.echo(format_table(results))
         for name, r in results.items():
             if "prefill_share" in r:
