@@ -70,7 +70,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         # refusals come back at once.
         return await refuse_unless_duplicate(lambda: _overloaded(edge, request_id, everywhere, "no lane can"))
     with edge.admission.predicting(pool):
-        predicted = await edge.lengths.predict(frame.messages, frame.max_tokens)
+        predicted = await edge.lengths.predict(frame.messages, frame.max_tokens, (pool, identity.key_id))
     lane = edge.policy.lane_for(predicted)
     decision = edge.admission.decide(pool, lane, frame.deadline_ms)
     if not decision.admitted:
