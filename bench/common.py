@@ -3,7 +3,6 @@ table, JSON and PNG outputs, and the machine's load (recorded beside every resul
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from lanes.cli import jsonout
 from lanes.cli.cluster import Cluster
 from rich.console import Console
 from rich.progress import (
@@ -84,8 +84,9 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[obje
 
 
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
-    """``--json``: print to stdout (path None) or write to a file."""
-    text = json.dumps(result, indent=2)
+    """``--json``: print to stdout (path None) or write to a file; NaN and infinities become
+    ``null`` (``cli.jsonout``), as in every other JSON the tools print."""
+    text = jsonout.dumps(result, indent=2)
     if path is None:
         print(text)
     else:

@@ -209,3 +209,22 @@ def test_bench_live_gives_the_workers_the_simulators_engine(tmp_path: Path, chun
 
     WorkerSettings(_env_file=None, max_slots=p.engine.max_num_seqs,
                    **{name.removeprefix("LANES_").lower(): value for name, value in worker.items()})
+
+
+def _strict(text: str) -> object:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in the JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_live_benchmarks_write_json_without_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench live / overhead / fanout / ...`` JSON goes through ``cli.jsonout``: NaN -> null."""
+    from lanes.bench.common import write_json
+
+    result = {"sim_gap": float("nan"), "gain": {"live": np.float64("inf")}, "rows": [1.5, float("-inf")]}
+    write_json(tmp_path / "out.json", result)
+    assert _strict((tmp_path / "out.json").read_text()) == {"sim_gap": None, "gain": {"live": None},
+                                                             "rows": [1.5, None]}
+    write_json(None, result)
+    assert _strict(capsys.readouterr().out)["sim_gap"] is None
