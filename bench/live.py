@@ -83,6 +83,7 @@ from lanes.scheduler.live_policy import (
 )
 from lanes.scheduler.policy import NO_BOUND_TOKENS, LaneThresholds, RoutingCalibration, routing_from_observations
 from lanes.scheduler.sim.engine import EngineConfig
+from lanes.scheduler.sim.metrics import class_masks
 from lanes.scheduler.sim.noise import kendall_tau
 from lanes.scheduler.sim.policies import SIM_MAX_TOKENS, LanesTuning, make_policy
 from lanes.scheduler.sim.predictions import pair_prompts
@@ -176,23 +177,20 @@ def routing_of(p: Plan) -> list[LaneThresholds]:
 # -- metrics ---------------------------------------------------------------------------------
 
 
-def class_masks(output_tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """short: answer <= p50 of the slice; long: > p90 (as ``sim.metrics.summarize``)."""
-    return {"short": output_tokens <= np.percentile(output_tokens, 50),
-            "long": output_tokens > np.percentile(output_tokens, 90),
-            "all": np.ones(len(output_tokens), dtype=bool)}
-
-
 def metrics(arrival_s: np.ndarray, first_s: np.ndarray, finish_s: np.ndarray,
-            output_tokens: np.ndarray) -> dict[str, dict[str, float]]:
-    """TTFT p50/p99 (ms) and throughput per class; times in trace seconds."""
+            output_tokens: np.ndarray) -> dict[str, dict[str, Any]]:
+    """TTFT p50/p99 (ms) and throughput per class (``sim.metrics.class_masks``); times in trace
+    seconds. A class with no requests gets the same keys, ``None`` (as ``sim.metrics.summarize``)."""
     ttft_ms = (first_s - arrival_s) * 1000.0
+    e2e_ms = (finish_s - arrival_s) * 1000.0
     throughput = len(arrival_s) / float(finish_s.max() - arrival_s.min())
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, mask in class_masks(output_tokens).items():
-        out[name] = {"num_requests": int(mask.sum()), "ttft_ms_p50": float(np.percentile(ttft_ms[mask], 50)),
-                     "ttft_ms_p99": float(np.percentile(ttft_ms[mask], 99)), "throughput_rps": throughput,
-                     "e2e_ms_p99": float(np.percentile((finish_s - arrival_s)[mask] * 1000.0, 99))}
+        def pct(values: np.ndarray, q: int) -> float | None:
+            return float(np.percentile(values[mask], q)) if mask.any() else None
+
+        out[name] = {"num_requests": int(mask.sum()), "ttft_ms_p50": pct(ttft_ms, 50), "ttft_ms_p99": pct(ttft_ms, 99),
+                     "throughput_rps": throughput, "e2e_ms_p99": pct(e2e_ms, 99)}
     return out
 
 
@@ -209,9 +207,10 @@ def simulate(p: Plan) -> dict[str, dict[str, Any]]:
 
 
 def short_p99_gain(results: dict[str, Any], cls: str = "short") -> float:
-    """fcfs TTFT p99 / lanes TTFT p99 of a class (the short one by default)."""
-    lanes_p99 = results["lanes"][cls]["ttft_ms_p99"]
-    return results["fcfs"][cls]["ttft_ms_p99"] / lanes_p99 if lanes_p99 > 0 else math.nan
+    """fcfs TTFT p99 / lanes TTFT p99 of a class (the short one by default); NaN for a class
+    with no requests."""
+    fcfs_p99, lanes_p99 = results["fcfs"][cls]["ttft_ms_p99"], results["lanes"][cls]["ttft_ms_p99"]
+    return fcfs_p99 / lanes_p99 if fcfs_p99 is not None and lanes_p99 else math.nan
 
 
 # -- the live run ----------------------------------------------------------------------------
@@ -311,9 +310,18 @@ async def _replay(cluster: Cluster, edges: list[str], p: Plan, time_scale: float
     return replay
 
 
+def drain_wall_s(time_scale: float, drain_trace_s: float = 240.0, min_wall_s: float = 120.0) -> float:
+    """Wall seconds the replay waits after the last arrival for the last answers: ``drain_trace_s``
+    of trace time (the system runs ``time_scale`` times faster than the trace), at least
+    ``min_wall_s`` (at a high time scale the CPU, not the cost model, sets the pace)."""
+    return max(min_wall_s, drain_trace_s / time_scale)
+
+
 def run_live(p: Plan, policy: str, *, time_scale: float, num_edges: int, num_clients: int, tick: Any,
-             timeout_s: float = 120.0) -> dict[str, Any]:
-    """One policy on a fresh cluster; per-class metrics (trace time) and the checks."""
+             timeout_s: float | None = None) -> dict[str, Any]:
+    """One policy on a fresh cluster; per-class metrics (trace time) and the checks. ``timeout_s``:
+    wall seconds to wait after the last arrival (default ``drain_wall_s(time_scale)``)."""
+    timeout_s = drain_wall_s(time_scale) if timeout_s is None else timeout_s
     common, edge_env, worker_env = live_env(p, policy, time_scale)
     with tempfile.TemporaryDirectory(prefix="lanes-live-") as logs, \
             Cluster.embedded(f"live{uuid.uuid4().hex[:6]}", Path(logs), base_env=common) as cluster:
@@ -378,6 +386,31 @@ def _live_result(p: Plan, replay: Replay, time_scale: float, cpu_s: dict[str, fl
     return result
 
 
+def _relative(live: float, sim: float) -> float:
+    """``live / sim - 1``; NaN where either is NaN or ``sim`` is 0."""
+    return live / sim - 1.0 if sim > 0 else math.nan
+
+
+def verdict(result: dict[str, Any], policies: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """What makes a run invalid, and what only needs a warning, one phrase per problem.
+
+    Invalid (module doc, step 5): a request that did not end with ``done``, a gap in a stream,
+    an answer of another length than the row's, a child process that crashed. Only warned: live
+    predictions that differ from the simulator's (the run is valid, but its ``sim_gap`` then
+    compares different inputs)."""
+    failed, warned = [], []
+    for name in policies:
+        c = result[name]["checks"]
+        problems = [f"{c['not_done']} of {c['num_requests']} requests did not end with done" if c["not_done"] else "",
+                    f"{c['gaps']} gaps in the streams" if c["gaps"] else "",
+                    f"{c['wrong_length']} answers of the wrong length" if c["wrong_length"] else "",
+                    f"crashed: {', '.join(c['crashed'])}" if c["crashed"] else ""]
+        failed += [f"{name}: {x}" for x in problems if x]
+        if c["predictions_differing_from_sim"]:
+            warned.append(f"{name}: {c['predictions_differing_from_sim']} live predictions differ from the simulator's")
+    return failed, warned
+
+
 def run(p: Plan, *, time_scale: float, num_edges: int = 2, num_clients: int = 32,
         policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """Both policies live, the simulator beside them, ``sim_gap`` and the machine's load."""
@@ -394,14 +427,14 @@ def run(p: Plan, *, time_scale: float, num_edges: int = 2, num_clients: int = 32
     gain_sim = short_p99_gain(sim)
     sim_gap = gain_live / gain_sim - 1.0 if complete and gain_sim > 0 else math.nan
     #: The same relative difference for each class's p99 gain (``sim_gap`` is the short one's).
-    by_class = {cls: short_p99_gain(live, cls) / short_p99_gain(sim, cls) - 1.0 if complete else math.nan
+    by_class = {cls: _relative(short_p99_gain(live, cls), short_p99_gain(sim, cls)) if complete else math.nan
                 for cls in CLASSES}
     for name in policies:
         for cls in CLASSES:
             if cls in live[name] and cls in sim[name]:
                 live[name][cls]["sim_ttft_ms_p99"] = sim[name][cls]["ttft_ms_p99"]
-                sim_p99 = sim[name][cls]["ttft_ms_p99"]
-                live[name][cls]["ttft_p99_vs_sim"] = live[name][cls]["ttft_ms_p99"] / sim_p99 - 1 if sim_p99 else None
+                live_p99, sim_p99 = live[name][cls]["ttft_ms_p99"], sim[name][cls]["ttft_ms_p99"]
+                live[name][cls]["ttft_p99_vs_sim"] = live_p99 / sim_p99 - 1 if live_p99 is not None and sim_p99 else None
     return {**live, "sim": sim, "sim_gap": sim_gap, "sim_gap_by_class": by_class, "short_p99_gain": {"live": gain_live, "sim": gain_sim},
             "sim_gap_goal": SIM_GAP_GOAL, "machine": {"before": load_before, "after": machine_load()},
             "config": {"requests": len(p.trace), "workers": p.workers, "slots": p.engine.max_num_seqs,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -575,7 +574,8 @@ def live(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (or write --json-file).")] = False,
     json_file: Annotated[Path | None, typer.Option(help="Write the JSON here (implies --json).",
                                                    callback=writable_file)] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of TTFT p50/p99, live vs simulated.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of TTFT p50/p99, live vs simulated.",
+                                              callback=writable_file)] = None,
     chunked_prefill_tokens: Annotated[int, typer.Option(min=0, help="Token budget per engine step with chunked "
                                                         "prefill, in the sim workers and the simulator alike; 0: vLLM "
                                                         "v0's prefill-or-decode steps (the tables before stop 35).")] = MAX_NUM_BATCHED_TOKENS,
@@ -612,9 +612,11 @@ def live(
         print_live_table(result, names)
     if plot is not None:
         write_live_plot(result, names, plot)
-    bad = {n: result[n]["checks"] for n in names if result[n]["checks"]["not_done"] or result[n]["checks"]["gaps"]}
-    if bad:
-        typer.echo(f"not every request ended with done, gap-free: {json.dumps(bad)}", err=True)
+    failed, warned = bench_live.verdict(result, names)
+    for warning in warned:
+        typer.echo(f"warning: {warning}", err=True)
+    if failed:
+        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
         raise typer.Exit(1)
 
 
@@ -637,10 +639,22 @@ def print_live_table(result: dict[str, Any], names: tuple[str, ...]) -> None:
     typer.echo(f"short TTFT p99 gain (fcfs/lanes): live {gain['live']:.2f}, sim {gain['sim']:.2f}; "
                f"sim_gap {result['sim_gap']:+.1%} (goal within {result['sim_gap_goal']:.0%}); "
                f"cores used by the run: {cores}; load average {machine['loadavg_1m']} on {machine['cores']} cores")
+    from lanes.bench.live import verdict
+
+    failed, warned = verdict(result, names)
+    for line in failed:
+        typer.echo(f"NOT VALID: {line}")
+    for line in warned:
+        typer.echo(f"warning: {line}")
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None or not np.isfinite(value) else f"{value:,.0f}"
+
+
+def _s(ms: float | None) -> float:
+    """Milliseconds to seconds for a plot: a class with no requests (None) plots no bar."""
+    return np.nan if ms is None else ms / 1000
 
 
 def write_live_plot(result: dict[str, Any], names: tuple[str, ...], path: Path) -> None:
@@ -651,8 +665,8 @@ def write_live_plot(result: dict[str, Any], names: tuple[str, ...], path: Path) 
     x = np.arange(len(labels))
     with figure(path, 2, width=10.0) as (fig, axes):
         for ax, q in zip(axes, ("p50", "p99"), strict=True):
-            live_v = [result[n].get(c, {}).get(f"ttft_ms_{q}", np.nan) / 1000 for n in names for c in ("short", "long")]
-            sim_v = [result["sim"][n][c][f"ttft_ms_{q}"] / 1000 for n in names for c in ("short", "long")]
+            live_v = [_s(result[n].get(c, {}).get(f"ttft_ms_{q}")) for n in names for c in ("short", "long")]
+            sim_v = [_s(result["sim"][n][c][f"ttft_ms_{q}"]) for n in names for c in ("short", "long")]
             ax.bar(x - 0.2, live_v, 0.4, label="live")
             ax.bar(x + 0.2, sim_v, 0.4, label="simulated")
             ax.set(xticks=x, xticklabels=labels, title=f"TTFT {q} (s, trace time)")

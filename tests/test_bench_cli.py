@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,58 @@ def test_live_benchmarks_write_json_without_nan(tmp_path: Path, capsys: pytest.C
                                                              "rows": [1.5, None]}
     write_json(None, result)
     assert _strict(capsys.readouterr().out)["sim_gap"] is None
+
+
+def test_bench_live_metrics_give_an_empty_class_null_figures() -> None:
+    """The two largest answers tie, so none is above the p90: the long class is empty (it raised
+    IndexError), and gets the keys with None, as ``bench policy``'s classes do."""
+    from lanes.bench.live import metrics, short_p99_gain
+    from lanes.cli.bench import _ms
+
+    tokens = np.array([1, 2, 3, 4, 5, 6, 7, 8, 100, 100], dtype=float)
+    arrival = np.arange(10, dtype=float)
+    out = metrics(arrival, arrival + 0.5, arrival + 2.0, tokens)
+    assert out["long"] == {"num_requests": 0, "ttft_ms_p50": None, "ttft_ms_p99": None,
+                           "throughput_rps": out["all"]["throughput_rps"], "e2e_ms_p99": None}
+    assert out["short"]["num_requests"] == 5 and out["all"]["ttft_ms_p99"] == pytest.approx(500.0)
+    assert math.isnan(short_p99_gain({"fcfs": out, "lanes": out}, "long"))
+    assert short_p99_gain({"fcfs": out, "lanes": out}, "short") == pytest.approx(1.0)
+    assert _ms(out["long"]["ttft_ms_p99"]) == "-"
+
+
+def _live_checks(**changed: object) -> dict[str, object]:
+    checks = {"num_requests": 40, "num_done": 40, "not_done": 0, "errors": {}, "gaps": 0, "wrong_length": 0,
+              "lanes": {"short": 30, "long": 10}, "predictions_differing_from_sim": 0, "crashed": []}
+    return {"checks": checks | changed}
+
+
+def test_bench_live_fails_on_a_crash_or_a_wrong_length_and_warns_on_predictions() -> None:
+    from lanes.bench.live import verdict
+
+    names = ("fcfs", "lanes")
+    assert verdict({"fcfs": _live_checks(), "lanes": _live_checks()}, names) == ([], [])
+    failed, warned = verdict({"fcfs": _live_checks(crashed=["w0"]), "lanes": _live_checks(wrong_length=3)}, names)
+    assert failed == ["fcfs: crashed: w0", "lanes: 3 answers of the wrong length"] and warned == []
+    failed, _ = verdict({"fcfs": _live_checks(not_done=2, gaps=1), "lanes": _live_checks()}, names)
+    assert failed == ["fcfs: 2 of 40 requests did not end with done", "fcfs: 1 gaps in the streams"]
+    # The docs require done, gap-free, the row's length: differing predictions only warn.
+    failed, warned = verdict({"fcfs": _live_checks(), "lanes": _live_checks(predictions_differing_from_sim=4)}, names)
+    assert failed == [] and warned == ["lanes: 4 live predictions differ from the simulator's"]
+
+
+def test_bench_live_checks_the_plot_path_before_the_runs(files: tuple[Path, Path], tmp_path: Path) -> None:
+    trace, prompts = files
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    out = lanes("bench", "live", "--trace", str(trace), "--prompts", str(prompts), "--requests", "10",
+                "--plot", str(not_a_dir / "live.png"))
+    assert out.returncode == 2 and "--plot" in out.stderr and "slice rows" not in out.stderr, out.stderr
+
+
+def test_bench_live_waits_for_the_last_answers_in_trace_time() -> None:
+    """After the last arrival the replay waits 240 s of trace time (120 s wall at the default time
+    scale 2): a slower replay (time scale 0.1) waits 2,400 s, not a fixed 120."""
+    from lanes.bench.live import drain_wall_s
+
+    assert drain_wall_s(2.0) == 120.0 and drain_wall_s(0.1) == pytest.approx(2400.0)
+    assert drain_wall_s(200.0) == 120.0, "at least 120 s of wall time"

@@ -16,6 +16,15 @@ STARVE_FLOOR_S = 1.0
 TTFT_WITHIN_S = (1, 5, 30)
 
 
+def class_masks(output_tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The request classes every report uses: short (answer <= the trace's p50), long (> its p90)
+    and all. Long can be empty (the two largest answers tie, so none is above the p90): each
+    report then gives that class its keys with ``None`` values, the tables "-"."""
+    return {"short": output_tokens <= np.percentile(output_tokens, 50),
+            "long": output_tokens > np.percentile(output_tokens, 90),
+            "all": np.ones(len(output_tokens), dtype=bool)}
+
+
 def _latency(result: SimResult, mask: np.ndarray) -> dict[str, Any]:
     ttft, e2e, wait = result.ttft_s[mask], result.e2e_s[mask], result.wait_s[mask]
     if not mask.any():  # a class with no requests (no answer above the trace's p90): the same keys, empty
@@ -42,14 +51,13 @@ def summarize(result: SimResult, output_tokens: np.ndarray, fcfs: SimResult | No
     With ``fcfs`` (the same trace under FCFS) also counts requests starved relative to it.
     """
     span_s = float(result.finish_s.max() - result.arrival_s.min())
-    short = output_tokens <= np.percentile(output_tokens, 50)
-    long = output_tokens > np.percentile(output_tokens, 90)
+    masks = class_masks(output_tokens)
     summary: dict[str, Any] = {
         "throughput_rps": len(output_tokens) / span_s,
         "output_tokens_per_s": float(output_tokens.sum()) / span_s,
-        "all": _latency(result, np.ones_like(short)),
-        "short": _latency(result, short),
-        "long": _latency(result, long),
+        "all": _latency(result, masks["all"]),
+        "short": _latency(result, masks["short"]),
+        "long": _latency(result, masks["long"]),
         "num_preemptions": int(result.num_preemptions.sum()),
         "num_reprefill_tokens": result.num_reprefill_tokens,
     }
