@@ -71,6 +71,8 @@ class LeanClient(asyncio.Protocol):
     on_end: Callable[[str, Stream], None] = lambda rid, stream: None
     streams: dict[str, Stream] = field(default_factory=dict)
     num_frames: int = 0
+    #: ``delta`` frames among them (``num_frames`` also counts ``accepted``, ``done``, ``error``).
+    num_deltas: int = 0
     #: The server's close code, once it closed the connection (4008: this client read too slowly).
     close_code: int | None = None
     closed: bool = False
@@ -170,6 +172,7 @@ class LeanClient(asyncio.Protocol):
             return
         kind = frame.type
         if kind == "delta":
+            self.num_deltas += 1
             if frame.seq != stream.next_seq:
                 stream.gaps += 1
             stream.next_seq = frame.seq + 1

@@ -488,25 +488,28 @@ def fanout(
 
     levels = _ints(concurrency, "--concurrency")
     result = bench.run(levels, seconds, warmup_s, workers, slots, time_scale)
+    failed = bench.verdict(result)
 
     def table() -> None:
         rows = []
         for r in result["runs"]:
             per = r["cpu_ms_per_1k_tokens"]
             rows.append([r["concurrency"], r["tokens_per_s"], r["server_cpu_ms_per_1k_tokens"], per["edge"],
-                         per["workers"], per["redis"], per["client"], r["gaps"], r["completed"], r["not_done"]])
+                         per["workers"], per["redis"], per["client"], r["gaps"], r["completed"], r["not_done"],
+                         len(r["clients_closed"]), ", ".join(r["crashed"]) or "-"])
         print_table(f"Token fan-out, {workers} sim workers (load {result['machine']['loadavg_1m']})",
                     ["in flight", "tokens/s", "server CPU ms/1k", "edge", "workers", "redis", "client (load)",
-                     "gaps", "done", "not done"], rows)
+                     "gaps", "done", "not done", "clients closed", "crashed"], rows)
+        for line in failed:
+            typer.echo(f"NOT VALID: {line}")
 
     _emit(result, as_json, table)
     if plot is not None:
         xs = [float(r["concurrency"]) for r in result["runs"]]
         plot_lines(plot, "Tokens/s delivered by one edge", "requests in flight", "tokens/s",
                    {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in result["runs"]])})
-    failures = sum(r["gaps"] + r["not_done"] for r in result["runs"])
-    if failures:
-        typer.echo(f"{failures} streams had gaps or did not end with done", err=True)
+    if failed:
+        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
         raise typer.Exit(1)
 
 

@@ -104,3 +104,69 @@ def test_background_short_chats_skip_the_long_ones_only_with_lanes(tmp_path: Pat
     # end; with lanes they get the slots the long lane may not take.
     assert fcfs["short_ttft_ms_p50"] > lanes_["short_ttft_ms_p99"]
     assert len(fcfs["short_ttft_ms"]) == 5 and (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def test_fanout_keeps_exactly_the_requests_in_flight_asked_for() -> None:
+    from lanes.bench.fanout import split_in_flight
+
+    assert split_in_flight(40) == [2] * 8 + [1] * 24, "40 in flight, not 32 (40 // 32 per client)"
+    assert split_in_flight(16) == [1] * 16 and split_in_flight(256) == [8] * 32
+    assert sum(split_in_flight(33)) == 33 and len(split_in_flight(33)) == 32
+
+
+def test_fanout_verdict_fails_on_a_closed_client_or_a_crash() -> None:
+    from lanes.bench.fanout import verdict
+
+    ok = {"concurrency": 16, "gaps": 0, "not_done": 0, "lost": 0, "clients_closed": [], "crashed": []}
+    assert verdict({"runs": [ok]}) == []
+    slow = ok | {"clients_closed": [4008]}
+    assert verdict({"runs": [slow]}) == ["at 16 in flight: the edge closed 1 load clients (codes 4008; 4008: the "
+                                         "client read too slowly)"]
+    gone = ok | {"not_done": 5, "lost": 5, "clients_closed": [None], "crashed": ["edge"]}
+    failed = verdict({"runs": [ok, gone]})
+    assert failed[0] == "at 16 in flight: crashed: edge" and "5 lost with their connection" in failed[1]
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child processes of ``pid`` and their command lines (Linux /proc)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def test_fanout_fails_when_the_edge_dies_mid_run() -> None:
+    """SIGKILL the edge during the window: its streams are lost with their connections, which
+    counts as not done, and the crash fails the run (it was rc 0, not_done 0)."""
+    import signal
+    import time
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    bench = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "bench", "fanout", "--concurrency", "4",
+                              "--seconds", "8", "--warmup-s", "0.5", "--workers", "1", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            children = _children(bench.pid)
+            edge = [pid for pid, cmd in children.items() if " edge" in cmd]
+            if edge and any(" worker" in cmd for cmd in children.values()):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no edge and worker started")
+        time.sleep(4)  # the worker's engine ready, then the warm-up: the kill lands in the window
+        os.kill(edge[0], signal.SIGKILL)
+        stdout, stderr = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 1, stderr[-3000:]
+    assert "crashed: edge" in stderr.splitlines()[-1], stderr[-3000:]
+    run = json.loads(stdout)["runs"][0]
+    assert run["crashed"] == ["edge"] and run["clients_closed"] and run["not_done"] >= run["lost"] > 0, run
