@@ -36,7 +36,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 import websockets
 from lanes.bench.common import console, machine_load, progress
 from lanes.cli.cluster import Cluster
+from lanes.cli.failures import Failure
 from lanes.queue.messages import ChatMessage
 from lanes.scheduler.live_policy import MAX_NUM_BATCHED_TOKENS
 from lanes.workers.engines.base import Engine, EngineRequest
@@ -118,7 +119,7 @@ async def lanes_request(ws: ClientConnection, request_id: str, content: str, max
         elif msg["type"] == "done":
             return accepted_ms, first_ms, msg["timing"]
         elif msg["type"] == "error":
-            raise RuntimeError(f"request {request_id} failed: {msg}")
+            raise Failure(f"request {request_id} got an error frame: {msg.get('code')}: {msg.get('message')}")
 
 
 async def one_round(engine: Engine, ws: ClientConnection, i: int, max_tokens: int) -> Round:
@@ -137,9 +138,41 @@ class Options:
     deadline_s: float = 600.0
 
 
+#: A round with no answer after this long has lost it.
+ROUND_TIMEOUT_S = 60.0
+#: How often a waiting round checks that no child process has died.
+CRASH_POLL_S = 0.2
+
+
+async def watched(work: Awaitable[Round], crashed: Callable[[], list[str]], what: str) -> Round:
+    """``work``'s result; ``Failure`` at once when a child process dies (``Cluster.crashed``), the
+    edge closes the connection, or no answer comes within ``ROUND_TIMEOUT_S``.
+
+    Polled with ``asyncio.wait``, not ``asyncio.wait_for``: Python 3.11's ``wait_for`` returns
+    the result instead of raising when the cancellation (SIGTERM, Ctrl-C) arrives as the inner
+    work finishes, so the run would go on."""
+    task = asyncio.ensure_future(work)
+    deadline = time.monotonic() + ROUND_TIMEOUT_S
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=CRASH_POLL_S)
+            if not task.done() and (dead := crashed()):
+                raise Failure(f"{what}: {', '.join(dead)} exited while it waited for its answer; the run is not valid")
+            if not task.done() and time.monotonic() > deadline:
+                raise Failure(f"{what}: no answer in {ROUND_TIMEOUT_S:.0f} s; the run is not valid")
+        try:
+            return task.result()
+        except websockets.ConnectionClosed as exc:
+            raise Failure(f"{what}: the edge closed the connection ({exc}); crashed: "
+                          f"{', '.join(crashed()) or 'nothing'}") from None
+    finally:
+        task.cancel()
+
+
 async def run_phase(name: str, engine: Engine, url: str, options: Options, deadline: float,
-                    tick: Callable[..., Any]) -> Phase:
-    """Warm up, then ``options.requests`` alternating rounds (stops early at the deadline)."""
+                    tick: Callable[..., Any], crashed: Callable[[], list[str]] = list) -> Phase:
+    """Warm up, then ``options.requests`` alternating rounds (stops early at the deadline);
+    ``Failure`` when a round fails (``watched``)."""
     phase = Phase(name)
     await engine.start()
     try:
@@ -148,7 +181,8 @@ async def run_phase(name: str, engine: Engine, url: str, options: Options, deadl
                 if time.monotonic() > deadline:
                     console.print(f"deadline reached: {name} stopped after {len(phase.rounds)} rounds")
                     break
-                result = await asyncio.wait_for(one_round(engine, ws, i, options.max_tokens), 60)
+                result = await watched(one_round(engine, ws, i, options.max_tokens), crashed,
+                                       f"{name} engine, round {i + 1}")
                 if i >= options.warmup:
                     phase.rounds.append(result)
                 tick()
@@ -251,7 +285,7 @@ async def measure(options: Options, work_dir: Path) -> list[Phase]:
                 worker_args, engine = sim_worker_args(), sim_engine()
             cluster.start_worker(f"worker-{name}", "", *worker_args)
             cluster.wait_workers(1, timeout_s=180)
-            phases.append(await run_phase(name, engine, url, options, deadline, tick))
+            phases.append(await run_phase(name, engine, url, options, deadline, tick, cluster.crashed))
             cluster.stop(names=[f"worker-{name}"])
     return phases
 
@@ -279,6 +313,12 @@ def run(options: Options, keep_logs: bool = False) -> dict[str, Any]:
         result[f"{prefix}added_ms_p50"] = summary["overhead_paired_ms"]["p50"]
         result[f"{prefix}added_ms_p99"] = summary["overhead_paired_ms"]["p99"]
     return result
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """Why the run is not valid (empty: valid): an engine that finished no timed round."""
+    return [f"{p['engine']} engine: no timed round finished before --deadline-s" for p in result["phases"]
+            if not p["num_requests"]]
 
 
 def write_plot(result: dict[str, Any], path: Path) -> None:

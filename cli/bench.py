@@ -440,7 +440,8 @@ def overhead(
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 8,
     engines: Annotated[str, typer.Option(help="sim (no model cost: the queue plane alone) and/or hf "
                                               "(the tiny transformers model).")] = "sim,hf",
-    deadline_s: Annotated[float, typer.Option(help="Stop measuring after this long.")] = 600.0,
+    deadline_s: Annotated[float, typer.Option(min=1.0, help="Stop measuring after this long (s, from the "
+                                                            "start of the processes).")] = 600.0,
     keep_logs: Annotated[bool, typer.Option(help="Keep the child processes' logs.")] = False,
     as_json: JsonOption = False,
     plot: PlotOption = None,
@@ -457,17 +458,29 @@ def overhead(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--engines") from None
 
+    failed = bench.verdict(result)
+
     def table() -> None:
         rows = []
         for label, key in bench.ROWS:
-            rows.append([label, *(f"{p[key][q]:.2f}" for p in result["phases"] for q in ("p50", "p99"))])
+            rows.append([label, *(_ms2(p[key][q]) for p in result["phases"] for q in ("p50", "p99"))])
         columns = ["ms", *(f"{p['engine']} {q}" for p in result["phases"] for q in ("p50", "p99"))]
         print_table(f"Added latency, {requests} requests per engine (load {result['machine']['loadavg_1m']})",
                     columns, rows)
+        for line in failed:
+            typer.echo(f"NOT VALID: {line}")
 
     _emit(result, as_json, table)
     if plot is not None:
         bench.write_plot(result, plot)
+    if failed:
+        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
+        raise typer.Exit(1)
+
+
+def _ms2(value: float) -> str:
+    """A table cell in ms; "-" where there is no figure (no rounds)."""
+    return f"{value:.2f}" if np.isfinite(value) else "-"
 
 
 @app.command("fanout")

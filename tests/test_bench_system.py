@@ -170,3 +170,55 @@ def test_fanout_fails_when_the_edge_dies_mid_run() -> None:
     assert "crashed: edge" in stderr.splitlines()[-1], stderr[-3000:]
     run = json.loads(stdout)["runs"][0]
     assert run["crashed"] == ["edge"] and run["clients_closed"] and run["not_done"] >= run["lost"] > 0, run
+
+
+def test_overhead_reports_an_error_frame_in_one_line() -> None:
+    out = lanes("overhead", "--engines", "sim", "--requests", "1", "--warmup", "0", "--max-tokens", "5000",
+                timeout=60)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "got an error frame: max_tokens_too_large" in out.stderr.splitlines()[-1]
+
+
+def test_overhead_refuses_a_deadline_below_one_second_and_fails_with_no_rounds() -> None:
+    from lanes.bench.overhead import verdict
+
+    for bad in ("0", "-1"):
+        out = lanes("overhead", "--engines", "sim", "--deadline-s", bad, timeout=60)
+        assert out.returncode == 2 and "--deadline-s" in out.stderr, out.stderr
+    assert verdict({"phases": [{"engine": "sim", "num_requests": 0}, {"engine": "hf", "num_requests": 3}]}) == [
+        "sim engine: no timed round finished before --deadline-s"]
+    assert verdict({"phases": [{"engine": "sim", "num_requests": 3}]}) == []
+
+
+def test_overhead_fails_at_once_when_the_worker_dies() -> None:
+    """SIGKILL the worker between rounds: one line naming it, rc 1, within seconds (it was a 60 s
+    wait and a bare TimeoutError traceback)."""
+    import signal
+    import time
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    bench = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "bench", "overhead", "--engines", "sim",
+                              "--requests", "100000", "--warmup", "0", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            worker = [pid for pid, cmd in _children(bench.pid).items() if " worker" in cmd]
+            if worker:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no worker started")
+        time.sleep(4)  # its engine ready, rounds under way
+        os.kill(worker[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = bench.communicate(timeout=60)
+        took_s = time.monotonic() - killed_at
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "worker-sim exited" in stderr.splitlines()[-1], stderr[-3000:]
+    assert took_s < 30, took_s
