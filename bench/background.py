@@ -62,7 +62,9 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
     # The worker runs them all up to its long cap (the default, as the worker has no override).
     defaults = WorkerSettings()
     running = min(options.num_long, defaults.slots(defaults.max_slots).max_long)
-    await _until(lambda: sum(s.first_delta_at is not None for s in longs) >= running, 60.0)
+    longs_started = await _until(lambda: sum(s.first_delta_at is not None for s in longs) >= running, 60.0)
+    # The background the short chats meet: long chats streaming (not yet ended) as the first is sent.
+    running_when_sent = sum(s.first_delta_at is not None and s.end is None for s in longs)
     shorts: list[Stream] = []
     for i in range(options.num_short):
         shorts.append(shorts_client.chat(f"short{tag}-{i}", SHORT_PROMPTS[i % len(SHORT_PROMPTS)],
@@ -84,11 +86,34 @@ async def measure(cluster: Cluster, options: Options) -> dict[str, Any]:
         "short_gaps": sum(s.gaps for s in shorts),
         "short_lanes": _lanes(shorts),
         "long_lanes": _lanes(longs),
-        "long_running_when_shorts_sent": sum(s.first_delta_at is not None and s.first_delta_at < shorts[0].sent_at
-                                             for s in longs) if shorts else 0,
+        #: Long chats still streaming when the first short chat was sent, of the ones the worker can run.
+        "long_running_when_shorts_sent": running_when_sent,
+        "long_running_expected": running,
+        "long_started_in_time": longs_started,
         "all_short_ended": all_ended,
         "short_ttft_ms": [round(float(x), 2) for x in ttft],
     }
+
+
+def verdict(result: dict[str, Any], options: Options, policies: tuple[str, ...] = POLICIES) -> list[str]:
+    """Why the run is not valid (empty: valid): short chats lost, or no background for them to
+    meet: long chats that had not all started, that ended before the short ones were sent, or
+    (lanes) that the edge did not put in the long lane (too few --long-tokens: the prediction is
+    capped by max_tokens)."""
+    failed = []
+    for policy in policies:
+        r = result[policy]
+        if r["short_done"] < options.num_short or r["short_gaps"]:
+            failed.append(f"{policy}: {options.num_short - r['short_done']} short chats did not end with done, "
+                          f"{r['short_gaps']} gaps")
+        if r["long_running_when_shorts_sent"] < r["long_running_expected"]:
+            failed.append(f"{policy}: {r['long_running_when_shorts_sent']} of {r['long_running_expected']} long chats "
+                          "were running when the short ones were sent"
+                          + ("" if r["long_started_in_time"] else " (they had not started after 60 s)"))
+        if policy == "lanes" and r["long_lanes"] != {"long": options.num_long}:
+            lanes = " ".join(f"{k}:{v}" for k, v in r["long_lanes"].items())
+            failed.append(f"lanes: the long chats were not all in the long lane ({lanes}); raise --long-tokens")
+    return failed
 
 
 def _lanes(streams: list[Stream]) -> dict[str, int]:

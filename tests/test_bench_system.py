@@ -222,3 +222,17 @@ def test_overhead_fails_at_once_when_the_worker_dies() -> None:
     assert bench.returncode == 1, stderr[-3000:]
     assert "Traceback" not in stderr and "worker-sim exited" in stderr.splitlines()[-1], stderr[-3000:]
     assert took_s < 30, took_s
+
+
+def test_background_fails_when_the_long_chats_are_no_background() -> None:
+    """Five-token "long" chats end before the short ones are sent, and lanes puts them in the short
+    lane: no background load, so no valid comparison (it printed a ratio, rc 0)."""
+    out = lanes("background", "--long", "8", "--long-tokens", "5", "--short", "2", "--interval-ms", "10",
+                "--time-scale", "40", "--json", timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("the run is not valid: ") and "long chats were running when the short ones" in last, last
+    assert "not all in the long lane" in last, last
+    result = json.loads(out.stdout)
+    for policy in ("fcfs", "lanes"):
+        assert result[policy]["long_running_when_shorts_sent"] < result[policy]["long_running_expected"] == 6
