@@ -47,3 +47,24 @@ def test_bench_live_small(tmp_path: Path) -> None:
     for policy in ("fcfs", "lanes"):
         assert result[policy]["all"]["throughput_rps"] == pytest.approx(result["sim"][policy]["all"]["throughput_rps"],
                                                                         rel=0.15)
+
+
+def test_bench_live_with_an_empty_long_class(tmp_path: Path) -> None:
+    """Ten rows whose two largest answers tie: no answer is above the p90, the long class is empty.
+    The run ends with "-" in the table and null in the JSON (it raised IndexError)."""
+    trace = tmp_path / "trace.csv"
+    outputs = [3, 5, 8, 12, 20, 30, 40, 60, 90, 90]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:00:{0.7 * i:09.6f}0,{200 + 10 * i},{n}\n" for i, n in enumerate(outputs)))
+    out = tmp_path / "live.json"
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+           **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
+    done = subprocess.run([sys.executable, "-m", "lanes.cli.main", "bench", "live", "--trace", str(trace),
+                           "--prompts", str(write_prompts(tmp_path / "prompts.json")), "--requests", "10",
+                           "--workers", "1", "--slots", "4", "--time-scale", "8", "--clients", "2",
+                           "--json-file", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for source in (result["fcfs"], result["sim"]["fcfs"]):
+        assert source["long"]["num_requests"] == 0 and source["long"]["ttft_ms_p99"] is None
+    assert result["sim_gap_by_class"]["long"] is None and "long" in done.stdout
