@@ -139,6 +139,18 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
+def _stop(bench: subprocess.Popen[str]) -> None:
+    """SIGTERM first: the command stops the processes it started (they run in their own sessions,
+    so a SIGKILL of the command alone would leave them running)."""
+    if bench.poll() is None:
+        bench.terminate()
+        try:
+            bench.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            bench.kill()
+            bench.wait()
+
+
 def test_fanout_fails_when_the_edge_dies_mid_run() -> None:
     """SIGKILL the edge during the window: its streams are lost with their connections, which
     counts as not done, and the crash fails the run (it was rc 0, not_done 0)."""
@@ -163,9 +175,7 @@ def test_fanout_fails_when_the_edge_dies_mid_run() -> None:
         os.kill(edge[0], signal.SIGKILL)
         stdout, stderr = bench.communicate(timeout=90)
     finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        _stop(bench)
     assert bench.returncode == 1, stderr[-3000:]
     assert "crashed: edge" in stderr.splitlines()[-1], stderr[-3000:]
     run = json.loads(stdout)["runs"][0]
@@ -216,9 +226,7 @@ def test_overhead_fails_at_once_when_the_worker_dies() -> None:
         _, stderr = bench.communicate(timeout=60)
         took_s = time.monotonic() - killed_at
     finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        _stop(bench)
     assert bench.returncode == 1, stderr[-3000:]
     assert "Traceback" not in stderr and "worker-sim exited" in stderr.splitlines()[-1], stderr[-3000:]
     assert took_s < 30, took_s
