@@ -3,6 +3,7 @@ table, JSON and PNG outputs, and the machine's load (recorded beside every resul
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -36,6 +37,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
+def _cpu_s_or_nan(pid: int) -> float:
+    try:
+        return cpu_s(pid)
+    except FileNotFoundError:
+        return math.nan
+
+
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -60,7 +68,9 @@ class CpuMeter:
         self._own = time.process_time()
 
     def stop(self) -> dict[str, float]:
-        used = {name: cpu_s(pid) - self._start[name] for name, pid in self.pids.items()}
+        """CPU seconds since ``start``; NaN for a process gone meanwhile (it crashed and was reaped:
+        its time is unknown, and the run is not valid anyway)."""
+        used = {name: _cpu_s_or_nan(pid) - self._start[name] for name, pid in self.pids.items()}
         used["client"] = time.process_time() - self._own
         return used
 

@@ -67,6 +67,7 @@ import math
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,7 +278,9 @@ class Replay:
     def _ended(self, rid: str, stream: Stream) -> None:
         self.num_ended += 1
 
-    async def run(self, tick: Any, timeout_s: float) -> None:
+    async def run(self, tick: Any, timeout_s: float, crashed: Callable[[], list[str]] = list) -> None:
+        """Send every request on time; return once all ended, ``timeout_s`` after the last
+        arrival, or as soon as a child process has crashed (the run is not valid then)."""
         loop = asyncio.get_running_loop()
         n = len(self.p.trace)
         self.streams = [None] * n
@@ -290,7 +293,7 @@ class Replay:
         span_s = float(self.p.trace.arrival_s[-1]) / self.time_scale
         deadline = self.t0 + span_s + timeout_s
         last = time.perf_counter()
-        while self.num_ended < n and time.perf_counter() < deadline:
+        while self.num_ended < n and time.perf_counter() < deadline and not crashed():
             await asyncio.sleep(0.2)
             now = time.perf_counter()
             tick((now - last) * self.time_scale)
@@ -303,7 +306,7 @@ async def _replay(cluster: Cluster, edges: list[str], p: Plan, time_scale: float
                                         cluster.edge_ports[edges[i % len(edges)]]) for i in range(num_clients)]
     replay = Replay(p, time_scale, clients)
     try:
-        await replay.run(tick, timeout_s)
+        await replay.run(tick, timeout_s, cluster.crashed)
     finally:
         for client in clients:
             client.close()

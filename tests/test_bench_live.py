@@ -68,3 +68,44 @@ def test_bench_live_with_an_empty_long_class(tmp_path: Path) -> None:
     for source in (result["fcfs"], result["sim"]["fcfs"]):
         assert source["long"]["num_requests"] == 0 and source["long"]["ttft_ms_p99"] is None
     assert result["sim_gap_by_class"]["long"] is None and "long" in done.stdout
+
+
+def test_bench_live_fails_at_once_when_a_worker_crashes(tmp_path: Path) -> None:
+    """SIGKILL the worker during the replay: the replay stops at once, the run exits 1 naming the
+    crash, and the table says NOT VALID (it exited 0, the crash only in the JSON)."""
+    import signal
+    import time
+
+    trace = write_trace(tmp_path / "trace.csv", 60, 0.3, 50, 4.0)
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+           **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
+    bench = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "bench", "live", "--trace", str(trace),
+                              "--prompts", str(write_prompts(tmp_path / "prompts.json")), "--requests", "60",
+                              "--workers", "1", "--slots", "2", "--time-scale", "1", "--clients", "2",
+                              "--policy", "fcfs", "--json-file", str(tmp_path / "live.json")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        worker: list[int] = []
+        while not worker and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for entry in Path("/proc").iterdir():
+                try:
+                    if (entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                            == bench.pid and b" worker" in (entry / "cmdline").read_bytes().replace(b"\0", b" ")):
+                        worker.append(int(entry.name))
+                except (OSError, ValueError):
+                    continue
+        assert worker, "no worker started"
+        time.sleep(5)  # ready, and the replay under way
+        os.kill(worker[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, stderr = bench.communicate(timeout=60)
+        took_s = time.monotonic() - killed_at
+    finally:
+        if bench.poll() is None:
+            bench.terminate()  # the command stops the processes it started
+            bench.wait(timeout=30)
+    assert bench.returncode == 1, stderr[-3000:]
+    assert "fcfs: crashed: w0" in stderr.splitlines()[-1] and "NOT VALID: fcfs: crashed: w0" in stdout, stderr[-3000:]
+    assert took_s < 20, took_s
