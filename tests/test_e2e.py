@@ -107,7 +107,10 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
         if json.loads(body).get("workers") == 1 or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
-    assert status == 200 and json.loads(body) == {"status": "ok", "edge_id": f"{sys_.prefix}-edge", "workers": 1}
+    health = json.loads(body)
+    assert status == 200 and health == {"status": "ok", "edge_id": f"{sys_.prefix}-edge", "workers": 1,
+                                        "instance": health["instance"]}
+    assert health["instance"].startswith(f"{sys_.prefix}-edge."), "its id in Redis: the name and this start's"
     status, body = await asyncio.to_thread(get, "/metrics")
     assert status == 200 and "lanes_requests_total" in body
     assert "queue depth" in (await asyncio.to_thread(get, "/dashboard"))[1]

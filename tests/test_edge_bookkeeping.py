@@ -8,6 +8,7 @@ few seconds, so requests are still running when connections drop, resume and rac
 from __future__ import annotations
 
 import asyncio
+import signal
 import urllib.error
 import urllib.request
 import uuid
@@ -40,7 +41,9 @@ def system(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                     "LANES_KEY_RATE_PER_S": "1000", "LANES_KEY_BURST": "1000", "LANES_RESUME_GRACE_S": str(GRACE_S)}
         url = sys_.start_edge(**edge_env)
         sys_.start_edge("edge2", **edge_env)  # for clients that hop between edges
-        sys_.start("worker", ["worker", "--engine", "sim", "--max-slots", "16"])
+        # No orphan grace beyond the requests' own (their resume grace and two heartbeats): a
+        # request whose edge died is cancelled within seconds.
+        sys_.start("worker", ["worker", "--engine", "sim", "--max-slots", "16"], LANES_ORPHAN_GRACE_S="0")
         sys_.wait_workers(1)
         yield sys_, url
     finally:
@@ -187,7 +190,7 @@ async def test_a_resume_on_another_edge_tells_the_old_edge_at_once(system: tuple
     sys_, url = system
     rid = f"hop-{uuid.uuid4().hex[:6]}"
     notices = aioredis.from_url(sys_.redis_url).pubsub()
-    await notices.subscribe(Keys(sys_.prefix).takeover_channel(sys_.child_id("edge")))
+    await notices.subscribe(Keys(sys_.prefix).takeover_channel(sys_.health("edge")["instance"]))
     old = await connect(url, ALICE)
     await old.chat(rid, "Tell me a long story.", max_tokens=LONG_TOKENS)
     await streaming(old, rid)
@@ -293,3 +296,44 @@ async def test_a_client_hopping_to_another_edge_and_back_keeps_its_answer(system
     assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), done
     assert contiguous(*((c, rid) for c in hops)) == list(range(done["usage"]["completion_tokens"]))
     await hops[-1].close()
+
+
+async def test_an_edge_restarted_under_its_name_does_not_keep_its_old_connections_requests(
+        system: tuple[System, str]) -> None:
+    """A client that dropped its connection and one still connected when its edge was stopped
+    (close 1012), neither ever resuming: once the edge is back under the same LANES_EDGE_ID (as
+    ``lanes up`` and the Procfile restart it), both requests are cancelled when their resume
+    grace runs out. The restarted edge used to listen on its predecessor's channel, so the
+    worker saw a listener and ran them to the end for nobody (~60 s here); and a resume still
+    finds them."""
+    sys_, url = system
+    url2 = url.replace(str(sys_.edge_ports["edge"]), str(sys_.edge_ports["edge2"]))
+    before = sys_.health("edge2")["instance"]
+    ids = {f"gone-{uuid.uuid4().hex[:6]}": 2000, f"kept-{uuid.uuid4().hex[:6]}": 2000,
+           f"back-{uuid.uuid4().hex[:6]}": LONG_TOKENS * 3}
+    client = await connect(url2, ALICE)
+    dropped = await connect(url2, ALICE)
+    for i, (rid, max_tokens) in enumerate(ids.items()):
+        await (dropped if i == 0 else client).chat(rid, "Tell me a long story.", max_tokens=max_tokens)
+    for i, rid in enumerate(ids):
+        await streaming(dropped if i == 0 else client, rid)
+    dropped.ws.transport.abort()
+    await asyncio.sleep(0.2)
+    await asyncio.to_thread(sys_.kill, "edge2", signal.SIGTERM)  # and waits for its exit
+    await asyncio.wait_for(client._reader, scaled(20))  # closed by the stopping edge
+    sys_.restart("edge2")
+    await asyncio.to_thread(sys_.wait_edge, "edge2", scaled(60))
+    assert sys_.health("edge2")["instance"] != before, "a new id in Redis at each start"
+    gone, kept, back = ids
+    resumer = await connect(url2, ALICE)  # the third comes back to the restarted edge
+    await resumer.send({"type": "resume", "id": back, "last_seq": contiguous((client, back))[-1]})
+    done = await resumer.wait(back, scaled(60))
+    assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), done
+    assert contiguous((client, back), (resumer, back)) == list(range(done["usage"]["completion_tokens"]))
+    scoped = {rid: scoped_id(key_id(hash_key(ALICE)), rid) for rid in (gone, kept)}
+    deadline = asyncio.get_running_loop().time() + scaled(30)
+    while (states := {rid: (await asyncio.to_thread(sys_.query, lambda plane, r=r: plane.request_status(r)))[0]
+                      for rid, r in scoped.items()}) != {gone: "cancelled", kept: "cancelled"}:
+        assert asyncio.get_running_loop().time() < deadline, f"not cancelled after the grace: {states}"
+        await asyncio.sleep(0.5)
+    await resumer.close()

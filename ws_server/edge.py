@@ -62,7 +62,14 @@ class Edge:
     def __init__(self, settings: EdgeSettings, plane: QueuePlane, lengths: LengthEstimator | None = None) -> None:
         self.settings = settings
         self.plane = plane
-        self.edge_id = settings.edge_id or f"edge-{uuid.uuid4().hex[:10]}"
+        #: The edge's name: ``LANES_EDGE_ID``, kept across restarts (``/healthz``, its statistics).
+        self.name = settings.edge_id or f"edge-{uuid.uuid4().hex[:10]}"
+        #: Its id in Redis (where its requests' tokens go), new at every start. A request of a
+        #: previous run's connection, whose grace timer died with that run, then has nobody on
+        #: its channel, and its worker cancels it when its resume grace runs out; under the name
+        #: alone the restarted edge listened on that channel, so the worker ran it to the end for
+        #: nobody. A resume re-points it here as from any other edge.
+        self.edge_id = f"{self.name}.{uuid.uuid4().hex[:6]}" if settings.edge_id else self.name
         self.limits = settings.limits()
         #: ``LANES_POLICY``: ``lanes`` routes by predicted length, ``fcfs`` puts everything in one lane.
         self.route_by(LaneThresholds(settings.short_max_tokens, settings.medium_max_tokens))
@@ -85,7 +92,7 @@ class Edge:
         self.keys = KeyGuard(plane, fleet_rate=settings.rate_limit_scope == "fleet")
         self.port = settings.port
         #: The dashboard's view from this edge (TTFT, refusals) and its relay of the samples.
-        self.stats = EdgeStats(self.edge_id, int(time.time() * 1000))
+        self.stats = EdgeStats(self.name, int(time.time() * 1000))
         self.stats_relay = StatsRelay(plane)
         self._conn_ids = itertools.count(1)
         self._ready = asyncio.Event()

@@ -45,8 +45,10 @@ def routes(edge: Edge) -> list[BaseRoute]:
 
     async def healthz(request: Request) -> Response:
         # JSON naming this edge, so a supervisor can tell its own edge from another server on
-        # the port; ``workers``: warm workers per the scheduler's latest snapshot (None: none yet).
-        health = {"status": "ok", "edge_id": edge.edge_id, "workers": edge.admission.num_workers()}
+        # the port; ``instance``: its id in Redis, new at each start; ``workers``: warm workers per
+        # the scheduler's latest snapshot (None: none yet).
+        health = {"status": "ok", "edge_id": edge.name, "instance": edge.edge_id,
+                  "workers": edge.admission.num_workers()}
         try:
             await edge.plane.ping()
         except QueueUnavailable:

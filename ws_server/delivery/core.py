@@ -9,9 +9,11 @@ reads the clock or touches a socket, so every interleaving is testable without a
 
 Invariants (checked by ``tests/test_delivery_state.py`` over random interleavings):
 
-- A connection's first frame for a request is ``accepted`` (chat) or ``resumed`` (resume); its
-  last is exactly one terminal frame: ``done``, ``error``, or ``resumed_elsewhere`` when a
-  resume on another connection took the request over. No stream ends silently.
+- A connection's first frame for a request is ``accepted`` (chat) or ``resumed`` (resume), or
+  else its only one, an ``error``: a refusal, or ``resumed_elsewhere`` for a resume that another
+  resume of the request overtook before it was answered. Its last is exactly one terminal
+  frame: ``done``, ``error``, or ``resumed_elsewhere`` when a resume on another connection took
+  the request over. No stream ends silently.
 - Deltas reach a connection in seq order, contiguous, never twice.
 - A request id is registered atomically with its duplicate check (no await in between).
 - An entry is forgotten at its terminal frame, or at the end of its disconnect grace: nothing
