@@ -73,3 +73,25 @@ def test_fractional_rates_below_one_per_second() -> None:
     assert limiter.check("k", limits, 0, now_s=0.0) is None
     refusal = limiter.check("k", limits, 0, now_s=1.0)
     assert refusal is not None and refusal.retry_after_ms == 9000
+
+
+def test_a_key_whose_bucket_is_full_again_is_forgotten() -> None:
+    """Buckets of keys seen once (keys created and revoked all day) do not pile up: a bucket
+    refilled to its burst is dropped, which changes no decision (a missing bucket is full)."""
+    limiter = KeyLimiter()
+    limits = KeyLimits(rate_per_s=2.0, burst=3)
+    for i in range(1000):  # one request per key, a millisecond apart
+        assert limiter.check(f"once-{i}", limits, 0, now_s=i / 1000) is None
+    assert len(limiter) < 1000, "keys whose buckets refilled (1 s after their request) are gone"
+    assert limiter.check("late", limits, 0, now_s=10.0) is None
+    for i in range(200):  # the next sweep, once they are all full again
+        limiter.check(f"later-{i}", limits, 0, now_s=10.0)
+    assert len(limiter) <= 202
+    # A busy key keeps its bucket and its refusals, sweep or not.
+    for _ in range(3):
+        assert limiter.check("busy", limits, 0, now_s=20.0) is None
+    for i in range(KeyLimiter.MIN_SWEEP * 4):
+        limiter.check(f"crowd-{i}", limits, 0, now_s=20.0)
+    refused = limiter.check("busy", limits, 0, now_s=20.1)
+    assert refused is not None and refused.code == RefusalCode.RATE_LIMITED and refused.retry_after_ms == 400
+    assert limiter.check("busy", limits, 0, now_s=20.5) is None, "the refill it had"

@@ -82,14 +82,25 @@ def take_token(bucket: TokenBucket | None, rate_per_s: float, burst: int, now_s:
 
 
 class KeyLimiter:
-    """The buckets of every key seen by this edge.
+    """The buckets of the keys this edge has seen recently.
 
-    Only authenticated keys get a bucket, and keys are created by operators, so the dict is
-    bounded by the number of issued keys, not by what clients send.
+    A bucket that has refilled to its burst is the same as none (a missing bucket starts
+    full), so such buckets are dropped: the dict holds only keys that sent a request within
+    their refill time, not every key ever seen (revoked ones included), which grew for the
+    edge's whole life where keys are created and revoked often. The sweep runs when the dict
+    has doubled since the last one, so it costs O(1) per request amortised.
     """
 
+    #: No sweep below this many buckets.
+    MIN_SWEEP = 64
+
     def __init__(self) -> None:
-        self._buckets: dict[str, TokenBucket] = {}
+        #: Per key: its bucket and when it will be full again (then it may be dropped).
+        self._buckets: dict[str, tuple[TokenBucket, float]] = {}
+        self._sweep_at = self.MIN_SWEEP
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def check(self, key: str, limits: KeyLimits, num_in_flight: int, now_s: float) -> Refusal | None:
         """Admit one new request of ``key`` (consuming a token) or say why not.
@@ -102,11 +113,20 @@ class KeyLimiter:
                            f"this API key may have at most {limits.max_in_flight} requests in flight")
         if limits.rate_per_s <= 0:
             return None
-        bucket, wait_s = take_token(self._buckets.get(key), limits.rate_per_s, limits.burst, now_s)
-        self._buckets[key] = bucket
+        held = self._buckets.get(key)
+        bucket, wait_s = take_token(None if held is None else held[0], limits.rate_per_s, limits.burst, now_s)
+        full_at = now_s + (max(1, limits.burst) - bucket.tokens) / limits.rate_per_s
+        self._buckets[key] = (bucket, full_at)
+        if len(self._buckets) >= self._sweep_at:
+            self._sweep(now_s)
         if wait_s == 0.0:
             return None
         retry_after_ms = max(1, math.ceil(wait_s * 1000))
         return Refusal(RefusalCode.RATE_LIMITED,
                        f"this API key is limited to {limits.rate_per_s:g} requests/s (burst {limits.burst}); "
                        f"retry in {retry_after_ms} ms", retry_after_ms)
+
+    def _sweep(self, now_s: float) -> None:
+        """Drop the buckets that are full again by now."""
+        self._buckets = {key: held for key, held in self._buckets.items() if held[1] > now_s}
+        self._sweep_at = max(self.MIN_SWEEP, 2 * len(self._buckets))
