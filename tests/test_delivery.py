@@ -254,6 +254,34 @@ def test_a_takeover_notice_checks_at_once_and_a_stale_one_changes_nothing() -> N
     assert set(d.entries) == {"b"}
 
 
+def test_an_end_that_beats_the_takeover_check_waits_for_it() -> None:
+    """The worker still sends to the old edge until its next heartbeat, and the new owner may
+    cancel at once: an end that arrives between the takeover notice and its check must not
+    reach the old connection as its own (audit: 1-2 % of resume-then-cancel races got
+    ``done: cancelled`` instead of ``resumed_elsewhere``). A stale notice delivers it."""
+    d = core()
+    open_accepted(d, 1, "a")
+    open_accepted(d, 1, "b")
+    d.tokens([tok("a", 0), tok("b", 0)], 0.1)
+    d.takeover_notice("a")
+    d.takeover_notice("b")
+    out = d.tokens([tok("a", 1), tok("a", 2, finish=FinishReason.CANCELLED),
+                    tok("b", 1), tok("b", 2, finish=FinishReason.STOP)], 0.2)
+    assert [f["type"] for f in frames(out)] == ["delta", "delta"], "deltas go on; the ends wait"
+    assert not any(isinstance(a, Finished) for a in out) and set(d.entries) == {"a", "b"}
+    out = d.checked({"a": ("edge-z", "cancelled"), "b": (EDGE, "done")}, 0.3, periodic=False)
+    assert [(f["id"], f["type"], f.get("code") or f.get("finish_reason")) for f in frames(out)] == [
+        ("a", "error", "resumed_elsewhere"), ("b", "done", "stop")]
+    assert d.entries == {}
+    # Without an answer to the notice's check, the tick's quiet check decides later.
+    open_accepted(d, 2, "c", now=1.0)
+    d.takeover_notice("c")
+    assert frames(d.tokens([tok("c", 0, finish=FinishReason.STOP)], 1.1)) == []
+    d.check_failed(periodic=False)
+    assert CheckRequests(("c",)) in d.tick(4.2)
+    assert [f["type"] for f in frames(d.checked({"c": (EDGE, "done")}, 4.3))] == ["done"]
+
+
 def test_caps_per_connection_and_per_key() -> None:
     d = core()
     for i in range(4):

@@ -220,6 +220,16 @@ class DeliveryMachine(RuleBasedStateMachine):
         if rid in self.world:
             self.world[rid].edge = "edge-b"
 
+    @rule(rid=st.sampled_from(IDS), lag=st.booleans())
+    def takeover_notice(self, rid: str, lag: bool) -> None:
+        """Another edge's notice (stale when the request is back here or never left); with
+        ``lag`` the request's worker has not heard of the move yet and still sends its next
+        event here, the end included."""
+        self._carry(self.core.takeover_notice(rid))
+        w = self.world.get(rid)
+        if lag and w is not None and w.events:
+            self._carry(self.core.tokens([w.events[-1]], self.now))
+
     @rule(data=st.data())
     def answer_io(self, data: st.DataObject) -> None:
         if not self.io:
@@ -249,7 +259,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         elif isinstance(action, CheckRequests):
             found = {rid: None if rid not in self.world else (self.world[rid].edge, self.world[rid].state)
                      for rid in action.request_ids}
-            self._carry(self.core.checked(found, self.now))
+            self._carry(self.core.checked(found, self.now, action.periodic))
 
     @rule(dt=st.sampled_from([0.1, 0.6, 1.5, 3.0, 6.0]))
     def advance(self, dt: float) -> None:

@@ -292,6 +292,11 @@ class Delivery:
                 continue  # its enqueue settles it (``accepted`` or ``refuse``), then the timers run
             if entry.grace_until is not None and now >= entry.grace_until:
                 actions += self._expire(entry)
+            elif entry.takeover_pending and entry.phase is Phase.ACTIVE:
+                # Its notice's check went unanswered (or came while a resume here was out):
+                # Redis must say whose it is before anything ends it here.
+                if now - entry.last_heard_at > self.config.quiet_s:
+                    quiet.append(entry.id)
             elif entry.cancel_until is not None and now >= entry.cancel_until:
                 actions += self._end(entry, Finish(FinishReason.CANCELLED, Usage(0, entry.num_tokens)), now)
             elif entry.phase is Phase.ACTIVE and entry.refill_at is not None and now >= entry.refill_at:
@@ -310,6 +315,7 @@ class Delivery:
         entry = self.entries.get(request_id)
         if entry is None or entry.phase is not Phase.ACTIVE:
             return []
+        entry.takeover_pending = True
         return [CheckRequests((request_id,), periodic=False)]
 
     def checked(self, found: dict[str, tuple[str, str] | None], now: float, periodic: bool = True) -> list[Action]:
@@ -321,6 +327,7 @@ class Delivery:
             entry = self.entries.get(request_id)
             if entry is None or entry.phase is not Phase.ACTIVE:
                 continue
+            held, entry.held_end, entry.takeover_pending = entry.held_end, None, False
             if record is None:
                 actions += self._lost(entry, now)
                 continue
@@ -328,6 +335,8 @@ class Delivery:
             entry.last_heard_at = now
             if edge != self.edge_id:  # resumed on another edge: this connection lost it
                 actions += self._moved(entry)
+            elif held is not None:  # the takeover notice was stale: the end is this connection's
+                actions += self._end(entry, held, now)
             elif state != "queued":  # tokens may have gone to another edge, or the end was missed
                 entry.redis_state = state
                 if not entry.filling:
@@ -435,7 +444,12 @@ class Delivery:
         return [ReadStream(entry.id, entry.next_seq - 1)]
 
     def _end(self, entry: Entry, finish: Finish, now: float) -> list[Action]:
-        """The terminal frame, once; then forget the request."""
+        """The terminal frame, once; then forget the request. Held while a takeover notice's
+        check is out: the connection may have lost the request, and then its last frame is
+        ``resumed_elsewhere``, not the new owner's end (``checked`` decides)."""
+        if entry.takeover_pending and entry.conn is not None:
+            entry.held_end = entry.held_end or finish
+            return []
         self._remove(entry)
         ttft = None if entry.first_token_at is None else entry.first_token_at - entry.received_at
         outcome = finish.reason.value if finish.reason is not FinishReason.ERROR else (finish.error_code or "error")

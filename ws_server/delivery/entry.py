@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from lanes.queue.messages import TokenEvent
+from lanes.queue.messages import Finish, TokenEvent
 
 
 class Phase(enum.Enum):
@@ -62,3 +62,8 @@ class Entry:
     #: A resume took over this chat before its enqueue returned: announce with ``resumed``
     #: (after this seq) instead of ``accepted`` once it is accepted.
     resumed_after: int | None = None
+    #: Another edge said it took the request over, and the check of Redis has not answered:
+    #: an end that arrives meanwhile waits in ``held_end`` for it (the worker may still send
+    #: here, not knowing of the resume, and the end may be the new owner's cancel).
+    takeover_pending: bool = False
+    held_end: Finish | None = None
