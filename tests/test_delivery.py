@@ -242,9 +242,9 @@ def test_a_takeover_notice_checks_at_once_and_a_stale_one_changes_nothing() -> N
     open_accepted(d, 1, "a")
     open_accepted(d, 1, "b")
     assert d.takeover_notice("nobody") == []
-    assert d.takeover_notice("a") == [CheckRequests(("a",), periodic=False)]
+    assert d.takeover_notice("a") == [CheckRequests(("a",), periodic=False, notices=1)]
     out = d.tick(3.5)  # the notice's check does not hold back the tick's own
-    assert CheckRequests(("a", "b")) in out
+    assert CheckRequests(("a", "b"), notices=1) in out
     out = d.checked({"a": ("edge-z", "running")}, 3.6, periodic=False)
     assert [(f["id"], f.get("code")) for f in frames(out)] == [("a", "resumed_elsewhere")]
     assert not any(isinstance(a, CheckRequests) for a in d.tick(3.7))  # the tick's check is still out
@@ -278,8 +278,54 @@ def test_an_end_that_beats_the_takeover_check_waits_for_it() -> None:
     d.takeover_notice("c")
     assert frames(d.tokens([tok("c", 0, finish=FinishReason.STOP)], 1.1)) == []
     d.check_failed(periodic=False)
-    assert CheckRequests(("c",)) in d.tick(4.2)
-    assert [f["type"] for f in frames(d.checked({"c": (EDGE, "done")}, 4.3))] == ["done"]
+    retry = next(a for a in d.tick(4.2) if isinstance(a, CheckRequests))
+    assert retry.request_ids == ("c",) and retry.notices == d.notices
+    assert [f["type"] for f in frames(d.checked({"c": (EDGE, "done")}, 4.3, True, retry.notices))] == ["done"]
+
+
+def test_a_check_read_before_the_notice_does_not_settle_it() -> None:
+    """A quiet check's answer, read from Redis before the other edge's re-point, arrives after
+    its notice (replies and notices come on different connections): it must not release an
+    end the notice's own check has yet to judge (review)."""
+    d = core()
+    open_accepted(d, 1, "a")
+    d.tokens([tok("a", 0)], 0.1)
+    quiet = next(a for a in d.tick(3.5) if isinstance(a, CheckRequests))
+    notice_check = d.takeover_notice("a")[0]
+    assert frames(d.checked({"a": (EDGE, "running")}, 3.6, True, quiet.notices)) == []
+    assert frames(d.tokens([tok("a", 1, finish=FinishReason.CANCELLED)], 3.7)) == [], "held"
+    out = d.checked({"a": ("edge-z", "cancelled")}, 3.8, False, notice_check.notices)
+    assert [(f["type"], f.get("code")) for f in frames(out)] == [("error", "resumed_elsewhere")]
+
+
+def test_a_notice_during_a_resume_here_is_checked_once_re_pointed() -> None:
+    """A client resumes on this edge and on another; the other's notice arrives while this
+    edge's re-point is out. Which re-point was last only Redis can say: the end waits for the
+    check issued once this one is answered (review)."""
+    d = core()
+    open_accepted(d, 1, "a")
+    d.tokens([tok("a", 0)], 0.1)
+    assert Repoint("a", "") in d.resume(2, "a", 0, "", 0.2)
+    assert d.takeover_notice("a") == []  # nothing to check until the re-point is answered
+    out = d.repointed("a", "", "running", 0.3)
+    check = next(a for a in out if isinstance(a, CheckRequests))
+    assert frames(d.tokens([tok("a", 1, finish=FinishReason.CANCELLED)], 0.4), conn=2) == []
+    out = d.checked({"a": ("edge-z", "cancelled")}, 0.5, False, check.notices)
+    assert [(f["type"], f.get("code")) for f in frames(out, conn=2)] == [("error", "resumed_elsewhere")]
+
+
+def test_a_resume_here_settles_the_notices_heard_before_it() -> None:
+    """A stale notice's check is still out when the client resumes here: the re-point is later
+    than the notice's, so the request's end is delivered at once, not after a quiet check."""
+    d = core()
+    open_accepted(d, 1, "a")
+    d.tokens([tok("a", 0)], 0.1)
+    d.takeover_notice("a")
+    d.resume(2, "a", 0, "", 0.2)
+    d.checked({"a": (EDGE, "running")}, 0.25, periodic=False)  # answered while re-pointing: skipped
+    out = d.repointed("a", "", "running", 0.3)
+    assert not any(isinstance(a, CheckRequests) for a in out)
+    assert [f["type"] for f in frames(d.tokens([tok("a", 1, finish=FinishReason.STOP)], 0.4), conn=2)] == ["done"]
 
 
 def test_caps_per_connection_and_per_key() -> None:

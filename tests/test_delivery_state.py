@@ -259,7 +259,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         elif isinstance(action, CheckRequests):
             found = {rid: None if rid not in self.world else (self.world[rid].edge, self.world[rid].state)
                      for rid in action.request_ids}
-            self._carry(self.core.checked(found, self.now, action.periodic))
+            self._carry(self.core.checked(found, self.now, action.periodic, action.notices))
 
     @rule(dt=st.sampled_from([0.1, 0.6, 1.5, 3.0, 6.0]))
     def advance(self, dt: float) -> None:

@@ -535,6 +535,19 @@ def test_cors_is_granted_to_the_allowed_origins_only(system: System, app_page: i
     assert "x-request-id" in unauthorized.value.headers["access-control-expose-headers"]
 
 
+def test_the_allowlist_takes_origins_only() -> None:
+    """``*`` (which Starlette's CORS reads as any origin, and the WebSocket check as no
+    browser at all) and a host without its scheme (which no browser's Origin ever equals) are
+    refused at start, naming the form an origin has (review)."""
+    import pydantic
+    from lanes.ws_server.settings import EdgeSettings
+
+    assert EdgeSettings(allowed_origins="https://app.example.com, http://localhost:3000/").allowed_origins
+    for bad in ("*", "app.example.com", "https://app.example.com/path"):
+        with pytest.raises(pydantic.ValidationError, match="scheme://host"):
+            EdgeSettings(allowed_origins=bad)
+
+
 #: What a page runs: a streaming completion by ``fetch``, read to its end (or the error).
 _FETCH = """async ([url, key, body]) => {
   try {

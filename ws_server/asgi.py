@@ -66,7 +66,8 @@ class _AllowlistCORS(CORSMiddleware):
     any other origin's preflight is refused (400), so its page cannot send a JSON body."""
 
     def __init__(self, app: Any, allowed: frozenset[str]) -> None:
-        super().__init__(app, allow_origins=sorted(allowed), allow_methods=("GET", "POST"), allow_headers=("*",),
+        # No origins for Starlette itself (its "*" would mean any): ``is_allowed_origin`` decides.
+        super().__init__(app, allow_origins=(), allow_methods=("GET", "POST"), allow_headers=("*",),
                          allow_private_network=True, max_age=600,
                          expose_headers=("x-request-id", "retry-after", "retry-after-ms"))
         self.allowed = allowed

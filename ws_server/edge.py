@@ -211,7 +211,7 @@ class Edge:
         except QueueUnavailable:
             self.core.check_failed(action.periodic)  # Redis down: the tick checks again once it is back
             return
-        self.carry(self.core.checked(found, time.monotonic(), action.periodic))
+        self.carry(self.core.checked(found, time.monotonic(), action.periodic, action.notices))
 
     # -- Redis side ----------------------------------------------------------------------
 

@@ -89,7 +89,7 @@ class LengthEstimator:
                 self._turns.append(tenant)
             else:
                 del self._waiting[tenant]
-            if job.future.done():  # its request was cancelled (the client left) while it waited
+            if job.future.done():  # its caller was cancelled while it waited (the edge stopping)
                 continue
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(PREDICT_THREADS, thread_name_prefix="lanes-predict")

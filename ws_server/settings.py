@@ -90,6 +90,16 @@ class EdgeSettings(RedisSettings):
     #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
     #: The same origins, and only they, are granted CORS on the HTTP API (``asgi._AllowlistCORS``).
     allowed_origins: str = ""
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, text: str) -> str:
+        for item in (i.strip() for i in text.split(",")):
+            if item and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+/?", item):
+                raise ValueError(f"{item!r} is not an origin: give each as scheme://host[:port] "
+                                 "(https://app.example.com); leave the list empty to allow any origin's "
+                                 "WebSocket (and CORS for none)")
+        return text
     #: Per-key limits for keys that set none (and for ``api_key_hashes``); 0 = no limit.
     #: Enforced per edge process (see ``ratelimit.py``).
     #: ``edge``: each edge process enforces a key's rate on its own (N edges: up to N x the

@@ -49,6 +49,9 @@ class CheckRequests:
     request_ids: tuple[str, ...]
     #: The tick's check of quiet requests (one at a time), not a takeover notice's.
     periodic: bool = True
+    #: Takeover notices the core had heard of when it asked: an answer settles a notice only
+    #: if it was asked for after it (an older read may predate the other edge's re-point).
+    notices: int = 0
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ class Delivery:
 
     def __init__(self, edge_id: str, config: DeliveryConfig) -> None:
         self.edge_id = edge_id
+        #: Takeover notices heard so far (``CheckRequests.notices``).
+        self.notices = 0
         self.config = config
         self.entries: dict[str, Entry] = {}
         #: Requests in flight per connection and per API key (what the caps count).
@@ -151,6 +153,9 @@ class Delivery:
         # back; this edge would hear of it only at its next check): point it here again first,
         # exactly as for a request this edge does not hold. Tokens meanwhile are buffered.
         entry.phase, entry.announced = Phase.RESUMING, False
+        # The re-point settles any notice heard so far (it is later than their re-points); an
+        # end held for one is in the stream, which the resume reads once re-pointed.
+        entry.takeover_pending, entry.held_end = False, None
         return actions + [Repoint(request_id, key)]
 
     def refuse_resume(self, request_id: str, key: str, message: str) -> list[Action]:
@@ -185,6 +190,8 @@ class Delivery:
         ended = state in _TERMINAL_STATES
         if not ended:
             entry.refill_at = now + self.config.refill_after_s
+        if entry.takeover_pending:  # a notice came while re-pointing: whose re-point was last?
+            actions.append(CheckRequests((request_id,), periodic=False, notices=self.notices))
         actions += self._drain(entry, now)
         if request_id in self.entries:
             entry.filling = True
@@ -306,20 +313,25 @@ class Delivery:
                 quiet.append(entry.id)
         if quiet and not self._checking:
             self._checking = True
-            actions.append(CheckRequests(tuple(quiet)))
+            actions.append(CheckRequests(tuple(quiet), notices=self.notices))
         return actions
 
     def takeover_notice(self, request_id: str) -> list[Action]:
         """Another edge says it took this request over: check Redis now (the notice may be
         stale: the request may have come back here since), not at the next quiet check."""
         entry = self.entries.get(request_id)
-        if entry is None or entry.phase is not Phase.ACTIVE:
+        if entry is None or entry.phase is Phase.OPENING:
             return []
-        entry.takeover_pending = True
-        return [CheckRequests((request_id,), periodic=False)]
+        self.notices += 1
+        entry.takeover_pending, entry.notice_no = True, self.notices
+        if entry.phase is Phase.RESUMING:  # a resume here is re-pointing it: check once that is done
+            return []
+        return [CheckRequests((request_id,), periodic=False, notices=self.notices)]
 
-    def checked(self, found: dict[str, tuple[str, str] | None], now: float, periodic: bool = True) -> list[Action]:
-        """Answer to ``CheckRequests``: per request ``(edge, state)`` from Redis, None if gone."""
+    def checked(self, found: dict[str, tuple[str, str] | None], now: float, periodic: bool = True,
+                notices: int | None = None) -> list[Action]:
+        """Answer to ``CheckRequests``: per request ``(edge, state)`` from Redis, None if gone.
+        ``notices``: the check's own count (``CheckRequests.notices``; None: asked after all)."""
         if periodic:
             self._checking = False
         actions: list[Action] = []
@@ -327,17 +339,23 @@ class Delivery:
             entry = self.entries.get(request_id)
             if entry is None or entry.phase is not Phase.ACTIVE:
                 continue
-            held, entry.held_end, entry.takeover_pending = entry.held_end, None, False
             if record is None:
+                entry.takeover_pending = False
                 actions += self._lost(entry, now)
                 continue
             edge, state = record
             entry.last_heard_at = now
             if edge != self.edge_id:  # resumed on another edge: this connection lost it
                 actions += self._moved(entry)
-            elif held is not None:  # the takeover notice was stale: the end is this connection's
-                actions += self._end(entry, held, now)
-            elif state != "queued":  # tokens may have gone to another edge, or the end was missed
+                continue
+            if entry.takeover_pending:
+                if notices is not None and notices < entry.notice_no:
+                    continue  # read before the latest notice: it may predate that re-point
+                held, entry.held_end, entry.takeover_pending = entry.held_end, None, False
+                if held is not None:  # the notice was stale: the end is this connection's
+                    actions += self._end(entry, held, now)
+                    continue
+            if state != "queued":  # tokens may have gone to another edge, or the end was missed
                 entry.redis_state = state
                 if not entry.filling:
                     entry.filling = True

@@ -67,3 +67,5 @@ class Entry:
     #: here, not knowing of the resume, and the end may be the new owner's cancel).
     takeover_pending: bool = False
     held_end: Finish | None = None
+    #: The core's notice count at the latest notice for this request.
+    notice_no: int = 0
