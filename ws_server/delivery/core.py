@@ -17,7 +17,8 @@ Invariants (checked by ``tests/test_delivery_state.py`` over random interleaving
 - Deltas reach a connection in seq order, contiguous, never twice.
 - A request id is registered atomically with its duplicate check (no await in between).
 - An entry is forgotten at its terminal frame, or at the end of its disconnect grace: nothing
-  outlives its request's end plus the grace.
+  outlives its request's end plus the grace, except an end held for a takeover notice's check
+  of Redis, which waits for Redis to answer one (a quiet check retries it).
 - Only the API key that submitted a request can resume or cancel it; another key's resume is
   answered ``unknown_id`` and changes nothing.
 
