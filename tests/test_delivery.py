@@ -328,6 +328,52 @@ def test_a_resume_here_settles_the_notices_heard_before_it() -> None:
     assert [f["type"] for f in frames(d.tokens([tok("a", 1, finish=FinishReason.STOP)], 0.4), conn=2)] == ["done"]
 
 
+def test_a_check_read_before_a_resume_here_does_not_move_the_new_owner() -> None:
+    """(Re-review.) The client hops A -> B -> A. A's notice check reads Redis (edge B) before the resume here
+    re-points it back; its answer arrives after ``repointed``. Redis now says edge A: the
+    connection that resumed here last must not be told resumed_elsewhere (the request then runs
+    on, its tokens published to A, with nobody listening)."""
+    d = core()
+    open_accepted(d, 1, "a")
+    d.tokens([tok("a", 0)], 0.1)
+    (check,) = d.takeover_notice("a")          # Redis read now: edge-b
+    out = d.resume(2, "a", 0, "", 0.2)
+    assert Repoint("a", "") in out            # Redis: edge-a again
+    d.repointed("a", "", "running", 0.3)
+    out = d.checked({"a": ("edge-b", "running")}, 0.4, check.periodic, check.notices)
+    assert frames(out, conn=2) == [], frames(out, conn=2)
+    assert "a" in d.entries
+
+
+def test_a_periodic_check_read_before_a_resume_here_does_not_move_the_new_entry() -> None:
+    """The same with a quiet check and no notice at all (a fresh entry created by the resume)."""
+    d = core()
+    open_accepted(d, 1, "a")
+    d.tokens([tok("a", 0)], 0.1)
+    quiet = next(a for a in d.tick(3.5) if isinstance(a, CheckRequests))  # read now: edge-b
+    d.resume(2, "a", 0, "", 3.6)
+    d.repointed("a", "", "running", 3.7)
+    out = d.checked({"a": ("edge-b", "running")}, 3.8, quiet.periodic, quiet.notices)
+    assert frames(out, conn=2) == [], frames(out, conn=2)
+
+
+def test_a_notice_heard_while_the_enqueue_is_out_still_holds_the_end() -> None:
+    """(Re-review.) The record exists in Redis once the enqueue's script ran; its reply reaches the edge
+    later. A resume on edge B meanwhile re-points it and notifies A, whose entry is OPENING:
+    the notice is dropped, nothing is pending, and the new owner's cancel, still published to
+    A by the worker that popped it before the move, reaches the old connection as done."""
+    d = core()
+    ok, _ = d.open_chat(1, "a", "", 0, 0.0)
+    assert ok
+    assert d.takeover_notice("a") == []          # OPENING: remembered, checked once accepted
+    out = d.accepted("a", "short", 42, 0.1)
+    assert CheckRequests(("a",), periodic=False, notices=d.notices) in out
+    out = d.tokens([tok("a", 0), tok("a", 1, finish=FinishReason.CANCELLED)], 0.2)
+    assert [f["type"] for f in frames(out)] == ["delta"], [f["type"] for f in frames(out)]
+    out = d.checked({"a": ("edge-b", "cancelled")}, 0.3, False, d.notices)
+    assert [(f["type"], f.get("code")) for f in frames(out)] == [("error", "resumed_elsewhere")]
+
+
 def test_caps_per_connection_and_per_key() -> None:
     d = core()
     for i in range(4):

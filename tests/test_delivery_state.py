@@ -1,11 +1,11 @@
 """The delivery core under random interleavings (Hypothesis state machine).
 
-A model of Redis and the workers answers the core's actions (stream reads, cancels, re-points,
-checks) with random delays, publishes tokens with duplicates and gaps, and moves requests to
-another edge. After every step the frames each connection received must obey the delivery
-rules; at the end, once every request has ended and the clocks ran past every grace, every
-connection that still listens has exactly one terminal frame per request and the core holds
-nothing.
+A model of Redis, the workers and another edge: (a) Redis work is executed at any time between
+its issue and its answer (a check's answer may be stale when it arrives), (b) workers keep
+publishing to the edge they last heard of until a heartbeat, (c) takeover notices arrive late,
+in any order, and stale ones too. After every step the frames each connection received must
+obey the delivery rules, and (d): a connection that held the request when it was moved to another
+edge before its end was published must not get ``done`` once this edge heard that move's notice.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lanes.ws_server.delivery import (
 )
 
 EDGE = "edge-a"
+OTHER = "edge-b"
 KEYS = ("alice", "bob")
 IDS = ("r0", "r1", "r2")
 GRACE_S = 5.0
@@ -40,33 +41,39 @@ TERMINAL = ("done", "error")
 
 @dataclass
 class World:
-    """What Redis and the workers hold for one request."""
-
     key: str
-    state: str = "queued"  # queued | running | done | cancelled
+    state: str = "queued"
     edge: str = EDGE
+    worker_edge: str = EDGE  # where the worker publishes (it learns ``edge`` at its heartbeat)
     events: list[TokenEvent] = field(default_factory=list)
     cancel_asked: bool = False
-    #: Cancelled while running: Redis says cancelled, but the worker has yet to write the end.
     ending: bool = False
+    moves: list[int] = field(default_factory=list)  # clock of each re-point from EDGE to OTHER
+    notice_at: dict[int, int] = field(default_factory=dict)  # move clock -> clock delivered
+    end_at: int | None = None  # clock the end was published (or a queued request cancelled)
 
     @property
     def live(self) -> bool:
-        """A worker may still write tokens and the end."""
         return self.state in ("queued", "running") or self.ending
 
 
 @dataclass
 class Episode:
-    """One chat or resume sent on one connection, and what came back."""
-
-    kind: str  # chat | resume
+    kind: str
     start_seq: int
     frames: list[dict[str, Any]] = field(default_factory=list)
+    anchor: int | None = None  # clock since which the request is this episode's (enqueue or re-point here)
 
     @property
     def closed(self) -> bool:
         return bool(self.frames) and self.frames[-1]["type"] in TERMINAL
+
+
+@dataclass
+class Io:
+    action: Any
+    executed: bool = False
+    result: Any = None
 
 
 class DeliveryMachine(RuleBasedStateMachine):
@@ -75,16 +82,21 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.core = Delivery(EDGE, DeliveryConfig(resume_grace_s=GRACE_S, cancel_grace_s=3.0, refill_after_s=0.5,
                                                   quiet_s=2.0, max_in_flight_per_connection=8))
         self.now = 0.0
+        self.clock = 0
         self.world: dict[str, World] = {}
         self.conn_key: dict[int, str] = {}
         self.open_conns: set[int] = set()
         self.episodes: dict[tuple[int, str], list[Episode]] = {}
-        self.io: list[Any] = []  # actions waiting for their answer
+        self.io: list[Io] = []
+        self.pending_notices: list[tuple[str, int | None]] = []
+        self.enqueued: dict[str, Any] = {}  # rid -> the core's entry whose enqueue ran in Redis
         self.next_conn = 1
         for key in KEYS:
             self._connect(key)
 
-    # -- helpers -------------------------------------------------------------------------
+    def _tick_clock(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def _connect(self, key: str) -> int:
         conn = self.next_conn
@@ -100,9 +112,13 @@ class DeliveryMachine(RuleBasedStateMachine):
             elif isinstance(action, (Finished, FirstToken)):
                 continue
             else:
-                self.io.append(action)
+                self.io.append(Io(action))
+
+    def _open_episodes(self, rid: str) -> list[Episode]:
+        return [h[-1] for (c, r), h in self.episodes.items() if r == rid and h and not h[-1].closed]
 
     def _received(self, conn: int, frame: dict[str, Any]) -> None:
+        self._tick_clock()
         assert conn in self.open_conns, f"frame sent to closed connection {conn}: {frame}"
         rid = frame.get("id")
         assert rid is not None, frame
@@ -111,7 +127,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         episode = history[-1]
         world = self.world.get(rid)
         entry = self.core.entries.get(rid)
-        if frame["type"] != "error":  # a resume may take over a chat whose enqueue is still in flight
+        if frame["type"] != "error":
             owner = world.key if world is not None else entry.key if entry is not None else None
             assert owner == self.conn_key[conn], f"{frame} reached another key"
         if not episode.frames:
@@ -119,13 +135,27 @@ class DeliveryMachine(RuleBasedStateMachine):
             assert frame["type"] in (opening, "error"), f"first frame of a {episode.kind} was {frame}"
         else:
             assert frame["type"] not in ("accepted", "resumed"), frame
-        if frame.get("code") == "request_lost":  # only a request that Redis really lost
+        if frame.get("code") == "request_lost":
             assert world is None, f"{rid} reported lost while Redis holds it ({world.state})"
         if frame["type"] == "delta":
             seqs = [f["seq"] for f in episode.frames if f["type"] == "delta"]
             expected = seqs[-1] + 1 if seqs else episode.start_seq
             assert frame["seq"] == expected, f"seq {frame['seq']} after {seqs} (start {episode.start_seq})"
             assert frame["text"] == world.events[frame["seq"]].text
+        if frame["type"] == "done" and world is not None and episode.anchor is not None:
+            end = world.end_at if world.end_at is not None else float("inf")
+            for m in world.moves:
+                if episode.anchor < m < end and m in world.notice_at:
+                    raise AssertionError(
+                        f"(d) {rid} on conn {conn} got done {frame.get('finish_reason')}: moved at {m} "
+                        f"(episode anchored {episode.anchor}), notice heard at {world.notice_at[m]}, "
+                        f"end published at {world.end_at}")
+        if frame.get("code") == "resumed_elsewhere" and "another edge" in frame.get("message", ""):
+            assert world is not None
+            anchor = episode.anchor if episode.anchor is not None else -1
+            assert any(m > anchor for m in world.moves), (
+                f"{rid} on conn {conn}: resumed_elsewhere (another edge) but no move since its anchor {anchor}; "
+                f"moves {world.moves}, Redis edge now {world.edge}")
         episode.frames.append(frame)
 
     def _start(self, conn: int, rid: str, kind: str, start_seq: int) -> None:
@@ -138,7 +168,9 @@ class DeliveryMachine(RuleBasedStateMachine):
     def _publish(self, rid: str, event: TokenEvent) -> None:
         w = self.world[rid]
         w.events.append(event)
-        if w.edge == EDGE:
+        if event.finish is not None:
+            w.end_at = self._tick_clock()
+        if w.worker_edge == EDGE:
             self._carry(self.core.tokens([event], self.now))
 
     # -- client rules --------------------------------------------------------------------
@@ -151,14 +183,32 @@ class DeliveryMachine(RuleBasedStateMachine):
         _, actions = self.core.open_chat(conn, rid, self.conn_key[conn], 0, self.now)
         self._carry(actions)
 
+    @rule(rid=st.sampled_from(IDS))
+    def enqueue_executes(self, rid: str) -> None:
+        """Redis has the record (a worker may run it, another edge re-point it); the enqueue's
+        reply has yet to reach the edge."""
+        entry = self.core.entries.get(rid)
+        if entry is None or entry.phase.value != "opening" or rid in self.world:
+            return
+        self.world[rid] = World(key=entry.key)
+        self.enqueued[rid] = entry
+        c = self._tick_clock()
+        for ep in self._open_episodes(rid):
+            ep.anchor = c
+
     @rule(rid=st.sampled_from(IDS), ok=st.booleans())
     def enqueue_returns(self, rid: str, ok: bool) -> None:
-        """The edge's limits, prediction and enqueue for a registered chat come back."""
         entry = self.core.entries.get(rid)
         if entry is None or entry.phase.value != "opening":
             return
+        if self.enqueued.get(rid) is entry:
+            del self.enqueued[rid]
+            self._carry(self.core.accepted(rid, "short", 10, self.now))
+            return
+        self.enqueued.pop(rid, None)  # that entry is gone: its reply finds nothing (not modelled)
         if ok and rid not in self.world:
-            self.world[rid] = World(key=entry.key)
+            self.enqueue_executes(rid)
+            del self.enqueued[rid]
             self._carry(self.core.accepted(rid, "short", 10, self.now))
         elif ok:
             self._carry(self.core.refuse(rid, "duplicate_id", "exists"))  # type: ignore[arg-type]
@@ -202,7 +252,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             w.state = "running"
         seq = len(w.events)
         self._publish(rid, TokenEvent(rid, 1, seq, f"<{rid}:{seq}>", (seq,)))
-        if dup and w.edge == EDGE:  # a retry or replay overlapping what was sent
+        if dup and w.worker_edge == EDGE:
             self._carry(self.core.tokens([w.events[seq // 2]], self.now))
 
     @rule(rid=st.sampled_from(IDS))
@@ -216,57 +266,122 @@ class DeliveryMachine(RuleBasedStateMachine):
         self._publish(rid, TokenEvent(rid, 1, seq, "", (), Finish(reason, Usage(1, seq))))
 
     @rule(rid=st.sampled_from(IDS))
+    def heartbeat(self, rid: str) -> None:
+        """The worker learns where the request's tokens go now."""
+        w = self.world.get(rid)
+        if w is not None:
+            w.worker_edge = w.edge
+
+    @rule(rid=st.sampled_from(IDS))
     def resumed_on_another_edge(self, rid: str) -> None:
-        if rid in self.world:
-            self.world[rid].edge = "edge-b"
+        """Edge B re-points the request; if it was ours, B publishes a notice to us (delivered later)."""
+        w = self.world.get(rid)
+        if w is None:
+            return
+        previous, w.edge = w.edge, OTHER
+        if previous == EDGE:
+            c = self._tick_clock()
+            w.moves.append(c)
+            self.pending_notices.append((rid, c))
+
+    @rule(rid=st.sampled_from(IDS))
+    def other_edge_cancels(self, rid: str) -> None:
+        """The new owner's client cancels at once (the case the fix is about)."""
+        w = self.world.get(rid)
+        if w is None or w.edge != OTHER or w.state not in ("queued", "running"):
+            return
+        w.cancel_asked = True
+        w.ending = w.state == "running"
+        if w.state == "queued":
+            w.end_at = self._tick_clock()
+        w.state = "cancelled"
 
     @rule(rid=st.sampled_from(IDS), lag=st.booleans())
-    def takeover_notice(self, rid: str, lag: bool) -> None:
-        """Another edge's notice (stale when the request is back here or never left); with
-        ``lag`` the request's worker has not heard of the move yet and still sends its next
-        event here, the end included."""
+    def stale_notice(self, rid: str, lag: bool) -> None:
+        """A notice that no move of ours caused (stale), as in the original machine."""
         self._carry(self.core.takeover_notice(rid))
         w = self.world.get(rid)
         if lag and w is not None and w.events:
             self._carry(self.core.tokens([w.events[-1]], self.now))
 
     @rule(data=st.data())
-    def answer_io(self, data: st.DataObject) -> None:
-        if not self.io:
+    def deliver_notice(self, data: st.DataObject) -> None:
+        if not self.pending_notices:
             return
-        action = self.io.pop(data.draw(st.integers(0, len(self.io) - 1)))
+        i = data.draw(st.integers(0, len(self.pending_notices) - 1))
+        rid, move = self.pending_notices.pop(i)
+        c = self._tick_clock()
+        w = self.world[rid]
+        if move is not None:
+            w.notice_at[move] = c
+        self._carry(self.core.takeover_notice(rid))
+
+    def _execute(self, io: Io) -> None:
+        if io.executed:
+            return
+        io.executed = True
+        action = io.action
         if isinstance(action, ReadStream):
             w = self.world.get(action.request_id)
             events = [e for e in (w.events if w else []) if e.seq > action.after_seq]
             last = w.events[-1] if (w and w.events and action.with_last) else None
-            self._carry(self.core.stream_read(action.request_id, events, last, self.now))
+            io.result = (events, last)
         elif isinstance(action, CancelRequest):
             w = self.world.get(action.request_id)
             previous = "absent" if w is None else "moved" if w.edge != EDGE else w.state
             if w is not None and w.edge == EDGE and w.state in ("queued", "running"):
                 w.cancel_asked = True
-                w.ending = w.state == "running"  # its worker writes the end; a queued one has none
+                w.ending = w.state == "running"
+                if w.state == "queued":
+                    w.end_at = self._tick_clock()
                 w.state = "cancelled"
-            if action.report:
-                self._carry(self.core.cancel_result(action.request_id, previous, self.now))
+            io.result = previous
         elif isinstance(action, Repoint):
             w = self.world.get(action.request_id)
             if w is None or w.key != action.key:
-                self._carry(self.core.repointed(action.request_id, action.key, None, self.now))
+                io.result = None
             else:
                 w.edge = EDGE
-                self._carry(self.core.repointed(action.request_id, action.key, w.state, self.now))
+                c = self._tick_clock()
+                for ep in self._open_episodes(action.request_id):
+                    ep.anchor = c
+                io.result = w.state
         elif isinstance(action, CheckRequests):
-            found = {rid: None if rid not in self.world else (self.world[rid].edge, self.world[rid].state)
-                     for rid in action.request_ids}
-            self._carry(self.core.checked(found, self.now, action.periodic, action.notices))
+            io.result = {rid: None if rid not in self.world else (self.world[rid].edge, self.world[rid].state)
+                         for rid in action.request_ids}
+
+    @rule(data=st.data())
+    def execute_io(self, data: st.DataObject) -> None:
+        """Redis runs an action's command now; its answer comes later (``answer_io``)."""
+        todo = [io for io in self.io if not io.executed]
+        if todo:
+            self._execute(todo[data.draw(st.integers(0, len(todo) - 1))])
+
+    @rule(data=st.data())
+    def answer_io(self, data: st.DataObject) -> None:
+        if not self.io:
+            return
+        io = self.io.pop(data.draw(st.integers(0, len(self.io) - 1)))
+        self._answer(io)
+
+    def _answer(self, io: Io) -> None:
+        self._execute(io)
+        action = io.action
+        if isinstance(action, ReadStream):
+            events, last = io.result
+            self._carry(self.core.stream_read(action.request_id, events, last, self.now))
+        elif isinstance(action, CancelRequest):
+            if action.report:
+                self._carry(self.core.cancel_result(action.request_id, io.result, self.now))
+        elif isinstance(action, Repoint):
+            self._carry(self.core.repointed(action.request_id, action.key, io.result, self.now))
+        elif isinstance(action, CheckRequests):
+            self._carry(self.core.checked(io.result, self.now, action.periodic, action.notices))
 
     @rule(dt=st.sampled_from([0.1, 0.6, 1.5, 3.0, 6.0]))
     def advance(self, dt: float) -> None:
         self.now += dt
         self._carry(self.core.tick(self.now))
-
-    # -- invariants ----------------------------------------------------------------------
 
     @invariant()
     def counts_match_entries(self) -> None:
@@ -275,21 +390,27 @@ class DeliveryMachine(RuleBasedStateMachine):
         assert sum(self.core.per_key.values()) == len(self.core.entries)
         owned = sum(1 for e in self.core.entries.values() if e.conn is not None)
         assert sum(self.core.per_conn.values()) == owned
+        for e in self.core.entries.values():
+            assert e.conn is None or e.conn in self.open_conns
 
     def teardown(self) -> None:
-        """End every request, answer every action, run the clock past every grace: then every
-        listening connection has its terminal frame and the core holds nothing."""
         if not hasattr(self, "core"):
             return
         for _ in range(12):
             for rid, w in self.world.items():
+                w.worker_edge = w.edge
                 if w.live:
                     self.finish(rid)
             for rid in list(self.core.entries):
                 if self.core.entries[rid].phase.value == "opening":
                     self.enqueue_returns(rid, True)
+            while self.pending_notices:
+                rid, move = self.pending_notices.pop(0)
+                if move is not None:
+                    self.world[rid].notice_at[move] = self._tick_clock()
+                self._carry(self.core.takeover_notice(rid))
             while self.io:
-                self.answer_io_first()
+                self._answer(self.io.pop(0))
             self.now += GRACE_S + 1
             self._carry(self.core.tick(self.now))
         assert self.core.entries == {}, self.core.entries
@@ -297,17 +418,12 @@ class DeliveryMachine(RuleBasedStateMachine):
             if conn in self.open_conns:
                 assert history[-1].closed, f"{rid} on {conn} never ended: {history[-1]}"
 
-    def answer_io_first(self) -> None:
-        self.answer_io(_FirstChoice())
-
 
 class _FirstChoice:
-    """Stands in for ``st.data()`` in teardown: always the first pending action."""
-
     def draw(self, _strategy: Any) -> int:
         return 0
 
 
 TestDeliveryMachine = DeliveryMachine.TestCase
-TestDeliveryMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow])
+TestDeliveryMachine.settings = settings(max_examples=300, stateful_step_count=60,
+                                   deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -105,6 +105,8 @@ class Delivery:
                 actions.append(Send(entry.conn, protocol.resumed_frame(request_id, entry.resumed_after)))
         if entry.cancel_pending:
             actions.append(CancelRequest(request_id, report=True))
+        if entry.takeover_pending:  # a notice came while the enqueue was out
+            actions.append(CheckRequests((request_id,), periodic=False, notices=self.notices))
         return actions + self._drain(entry, now)
 
     def refuse(self, request_id: str, code: ErrorCode, message: str, lane: str = NO_LANE,
@@ -132,8 +134,9 @@ class Delivery:
                 return [self._too_many(conn, request_id)]
             if self._key_full(key, key_max_in_flight):
                 return [_send_error(conn, ErrorCode.TOO_MANY_IN_FLIGHT, _key_cap_message(key_max_in_flight), request_id)]
+            self.notices += 1
             self._add(Entry(request_id, key, conn, Phase.RESUMING, received_at=now, next_seq=last_seq + 1,
-                            last_heard_at=now))
+                            last_heard_at=now, notice_no=self.notices))
             return [Repoint(request_id, key)]
         if entry.key != key:  # another key's id must look exactly like an unknown one
             return [_unknown(conn, request_id)]
@@ -157,6 +160,8 @@ class Delivery:
         # The re-point settles any notice heard so far (it is later than their re-points); an
         # end held for one is in the stream, which the resume reads once re-pointed.
         entry.takeover_pending, entry.held_end = False, None
+        self.notices += 1  # a check read before this re-point must not say it moved
+        entry.notice_no = self.notices
         return actions + [Repoint(request_id, key)]
 
     def refuse_resume(self, request_id: str, key: str, message: str) -> list[Action]:
@@ -321,11 +326,11 @@ class Delivery:
         """Another edge says it took this request over: check Redis now (the notice may be
         stale: the request may have come back here since), not at the next quiet check."""
         entry = self.entries.get(request_id)
-        if entry is None or entry.phase is Phase.OPENING:
+        if entry is None:
             return []
         self.notices += 1
         entry.takeover_pending, entry.notice_no = True, self.notices
-        if entry.phase is Phase.RESUMING:  # a resume here is re-pointing it: check once that is done
+        if entry.phase is not Phase.ACTIVE:  # the enqueue or a re-point here is out: check once answered
             return []
         return [CheckRequests((request_id,), periodic=False, notices=self.notices)]
 
@@ -340,6 +345,8 @@ class Delivery:
             entry = self.entries.get(request_id)
             if entry is None or entry.phase is not Phase.ACTIVE:
                 continue
+            if notices is not None and notices < entry.notice_no:
+                continue  # read before the latest notice or re-point here: it may predate either
             if record is None:
                 entry.takeover_pending = False
                 actions += self._lost(entry, now)
@@ -350,8 +357,6 @@ class Delivery:
                 actions += self._moved(entry)
                 continue
             if entry.takeover_pending:
-                if notices is not None and notices < entry.notice_no:
-                    continue  # read before the latest notice: it may predate that re-point
                 held, entry.held_end, entry.takeover_pending = entry.held_end, None, False
                 if held is not None:  # the notice was stale: the end is this connection's
                     actions += self._end(entry, held, now)
