@@ -302,7 +302,7 @@ async def test_an_edge_restarted_under_its_name_does_not_keep_its_old_connection
         system: tuple[System, str]) -> None:
     """A client that dropped its connection and one still connected when its edge was stopped
     (close 1012), neither ever resuming: once the edge is back under the same LANES_EDGE_ID (as
-    ``lanes up`` and the Procfile restart it), both requests are cancelled when their resume
+    ``lanes up`` restarts it), both requests are cancelled when their resume
     grace runs out. The restarted edge used to listen on its predecessor's channel, so the
     worker saw a listener and ran them to the end for nobody (~60 s here); and a resume still
     finds them."""
