@@ -8,9 +8,13 @@ heartbeats); new tests get one from the ``make_cluster`` fixture (``conftest.py`
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +22,31 @@ import websockets
 
 from lanes.cli.cluster import FAST_FAILOVER_ENV, ChildExited, Cluster, wait_http
 
-__all__ = ["ChildExited", "Client", "System", "wait_http"]
+__all__ = ["ChildExited", "Client", "System", "fixed_http_server", "wait_http"]
+
+
+@contextlib.contextmanager
+def fixed_http_server(body: bytes, content_type: str) -> Iterator[int]:
+    """A loopback HTTP server (a thread) that answers every GET with ``body``; yields its port."""
+
+    class Fixed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fixed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @dataclass

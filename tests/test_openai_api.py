@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import http.server
 import json
 import shutil
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +15,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from e2e_support import System
+from e2e_support import System, fixed_http_server
 from lanes.ws_server.auth import generate_key, hash_key
 
 pytestmark = pytest.mark.e2e
@@ -31,23 +29,8 @@ def app_page() -> Iterator[int]:
     """A web app's page on a real loopback HTTP server (its port). As ``http://localhost:PORT``
     it is on the "cors" edge's allowlist; as ``http://127.0.0.1:PORT`` it is another origin. A
     page Chromium fetches from no server is a public one, which may not reach loopback at all."""
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
-            body = b"<html><body>app</body></html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with fixed_http_server(b"<html><body>app</body></html>", "text/html") as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,11 @@ SIGTERM and Ctrl-C stop every process at once and print no traceback."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ import psutil
 import pytest
 import redis
 from conftest import scaled
+from e2e_support import fixed_http_server
 
 from lanes.cli.up import Backoff
 from lanes.queue.embedded import free_port
@@ -130,31 +129,13 @@ def test_sigterm_during_start_up_stops_everything_at_once(tiny_model, tmp_path: 
     assert "ready: chat at" not in up.output and "Traceback" not in up.output, up.output[-3000:]
 
 
-class _OtherServer(http.server.BaseHTTPRequestHandler):
-    """Something else on the port: answers /healthz with 200 and another edge's id."""
-
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-        body = json.dumps({"status": "ok", "edge_id": "someone-else"}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_a_taken_port_stops_up_with_the_edges_message(tmp_path: Path, up_runs: list[Up]) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        port = server.server_address[1]
+    # Something else on the port: it answers /healthz with 200 and another edge's id.
+    with fixed_http_server(json.dumps({"status": "ok", "edge_id": "someone-else"}).encode(),
+                           "application/json") as port:
         up = Up(tmp_path, "--port", str(port), "--engine", "sim")
         up_runs.append(up)
         assert up.wait(scaled(60)) == 2
-    finally:
-        server.shutdown()
     output = up.output
     assert "ready: chat at" not in output, "another server's health answer was taken for our edge"
     assert "edge stopped with a configuration error" in output
