@@ -424,6 +424,23 @@ def _ints(text: str, option: str) -> list[int]:
     return values
 
 
+def _say_not_valid(failed: list[str], warned: list[str] | None = None) -> None:
+    """The table's last lines: what makes the run not valid, then what only needs a warning."""
+    for line in failed:
+        typer.echo(f"NOT VALID: {line}")
+    for line in warned or []:
+        typer.echo(f"warning: {line}")
+
+
+def _fail_if_not_valid(failed: list[str], warned: list[str] | None = None) -> None:
+    """On stderr, the warnings and, for a run that is not valid, one line before exit 1."""
+    for line in warned or []:
+        typer.echo(f"warning: {line}", err=True)
+    if failed:
+        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
+        raise typer.Exit(1)
+
+
 def _emit(result: dict[str, Any], as_json: bool, table: Any) -> None:
     from lanes.bench.common import write_json
 
@@ -467,15 +484,12 @@ def overhead(
         columns = ["ms", *(f"{p['engine']} {q}" for p in result["phases"] for q in ("p50", "p99"))]
         print_table(f"Added latency, {requests} requests per engine (load {result['machine']['loadavg_1m']})",
                     columns, rows)
-        for line in failed:
-            typer.echo(f"NOT VALID: {line}")
+        _say_not_valid(failed)
 
     _emit(result, as_json, table)
     if plot is not None:
         bench.write_plot(result, plot)
-    if failed:
-        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
-        raise typer.Exit(1)
+    _fail_if_not_valid(failed)
 
 
 def _ms2(value: float) -> str:
@@ -513,17 +527,14 @@ def fanout(
         print_table(f"Token fan-out, {workers} sim workers (load {result['machine']['loadavg_1m']})",
                     ["in flight", "tokens/s", "server CPU ms/1k", "edge", "workers", "redis", "client (load)",
                      "gaps", "done", "not done", "clients closed", "crashed"], rows)
-        for line in failed:
-            typer.echo(f"NOT VALID: {line}")
+        _say_not_valid(failed)
 
     _emit(result, as_json, table)
     if plot is not None:
         xs = [float(r["concurrency"]) for r in result["runs"]]
         plot_lines(plot, "Tokens/s delivered by one edge", "requests in flight", "tokens/s",
                    {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in result["runs"]])})
-    if failed:
-        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
-        raise typer.Exit(1)
+    _fail_if_not_valid(failed)
 
 
 @app.command("connections")
@@ -622,18 +633,15 @@ def live(
                + (f"{plan.num_calibration} pool prompts the slice does not use)" if plan.calibrated_on == "held-out"
                   else "the slice's first rows: the slice leaves too few of the pool's prompts unused)"), err=True)
     result = bench_live.run(plan, time_scale=time_scale, num_edges=edges, num_clients=clients, policies=names)
+    failed, warned = bench_live.verdict(result, names)
     if as_json or json_file is not None:
         write_json(json_file, result)
     if json_file is not None or not as_json:
         print_live_table(result, names)
+        _say_not_valid(failed, warned)
     if plot is not None:
         write_live_plot(result, names, plot)
-    failed, warned = bench_live.verdict(result, names)
-    for warning in warned:
-        typer.echo(f"warning: {warning}", err=True)
-    if failed:
-        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
-        raise typer.Exit(1)
+    _fail_if_not_valid(failed, warned)
 
 
 def print_live_table(result: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -655,13 +663,6 @@ def print_live_table(result: dict[str, Any], names: tuple[str, ...]) -> None:
     typer.echo(f"short TTFT p99 gain (fcfs/lanes): live {gain['live']:.2f}, sim {gain['sim']:.2f}; "
                f"sim_gap {result['sim_gap']:+.1%} (goal within {result['sim_gap_goal']:.0%}); "
                f"cores used by the run: {cores}; load average {machine['loadavg_1m']} on {machine['cores']} cores")
-    from lanes.bench.live import verdict
-
-    failed, warned = verdict(result, names)
-    for line in failed:
-        typer.echo(f"NOT VALID: {line}")
-    for line in warned:
-        typer.echo(f"warning: {line}")
 
 
 def _ms(value: float | None) -> str:
@@ -719,8 +720,7 @@ def background(
         print_table(f"Short TTFT (ms) with {long} long chats in the background, time scale {time_scale:g} "
                     f"(load {result['machine']['loadavg_1m']})",
                     ["policy", "p50", "p99", "max", "done", "short lanes", "long lanes", "long running"], rows)
-        for line in failed:
-            typer.echo(f"NOT VALID: {line}")
+        _say_not_valid(failed)
 
     _emit(result, as_json, table)
     if plot is not None:
@@ -732,6 +732,4 @@ def background(
             series[policy] = ([100 * (i + 0.5) / len(ttft) for i in range(len(ttft))], ttft)
         plot_lines(plot, f"Short chats' TTFT with {long} long chats in the background", "percentile",
                    "TTFT (ms)", series, logy=True)
-    if failed:
-        typer.echo(f"the run is not valid: {'; '.join(failed)}", err=True)
-        raise typer.Exit(1)
+    _fail_if_not_valid(failed)
