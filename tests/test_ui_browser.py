@@ -85,9 +85,11 @@ class Tab:
         await self.page.press("#prompt", "Enter")
 
     async def answer(self, index: int = -1) -> dict[str, Any]:
+        """An answer's state, its raw text (as streamed: the page shows it rendered as Markdown)
+        and its meta line."""
         return await self.page.evaluate("""i => {
             const el = [...document.querySelectorAll('.turn.assistant')].at(i);
-            return {...el.dataset, text: el.querySelector('.text').textContent,
+            return {...el.dataset, text: window.lanesChat.answers.get(el.dataset.id).text,
                     meta: el.querySelector('.meta').textContent};
         }""", index)
 
@@ -128,9 +130,34 @@ def only_local(tab: Tab, base: str) -> None:
 # -- chat ------------------------------------------------------------------------------
 
 
+#: A fixed answer (served by the edge, streamed in pieces like a model's) in Markdown, with
+#: markup a prompt could make a model write: none of it may reach the page as HTML.
+MARKDOWN_QUESTION = "show me the markdown sample"
+MARKDOWN_ANSWER = """## Steps
+
+1. Install it with `pip install lanes`.
+2. Run **both** commands:
+   - `up.sh`
+   - `test.sh`
+
+```python
+print("a < b")
+```
+
+| lane | bound |
+| --- | ---: |
+| short | 150 |
+
+<img src=x onerror="window.pwned = 1"> <script>window.pwned = 2</script>
+[docs](https://example.com/docs) [bad](javascript:window.pwned=3) ![leak](https://example.com/x.png?q=secret)"""
+
+
 @pytest.fixture(scope="module")
-def chat_system(make_cluster) -> System:
-    return make_cluster(workers=1, env=CHAT_ENV)
+def chat_system(make_cluster, tmp_path_factory: pytest.TempPathFactory) -> System:
+    fixed = tmp_path_factory.mktemp("fixed") / "fixed_answers.toml"
+    fixed.write_text("[[answers]]\nname = \"markdown\"\n"
+                     f"questions = [\"{MARKDOWN_QUESTION}\"]\nanswer = '''{MARKDOWN_ANSWER}'''\n")
+    return make_cluster(workers=1, env={**CHAT_ENV, "LANES_FIXED_ANSWERS_FILE": str(fixed)})
 
 
 async def test_chat_page_streams_an_answer(chat_system: System, new_tab, greedy_reference) -> None:
@@ -147,6 +174,39 @@ async def test_chat_page_streams_an_answer(chat_system: System, new_tab, greedy_
     await tab.ask("And what is a method?", max_tokens=48, temperature=0.7)  # the conversation goes on
     follow_up = await tab.finished()
     assert follow_up["state"] == "done" and follow_up["text"]
+    only_local(tab, base)
+
+
+async def test_answers_render_as_markdown_and_never_as_html(chat_system: System, new_tab) -> None:
+    """An answer is shown as Markdown (headings, lists, code, tables, links) built from text
+    nodes only: the answer's HTML is shown as text, no script runs, a ``javascript:`` link is
+    not a link, and an image is never fetched (its URL could carry the conversation out)."""
+    tab, base = await new_tab(), base_url(chat_system)
+    await tab.page.goto(base + "/")
+    await tab.ask(MARKDOWN_QUESTION, max_tokens=256)
+    answer = await tab.finished()
+    assert answer["state"] == "done" and answer["text"] == MARKDOWN_ANSWER
+    shown = await tab.page.evaluate("""() => {
+        const t = document.querySelector('.turn.assistant:last-of-type .text');
+        const all = (sel) => [...t.querySelectorAll(sel)].map((e) => e.textContent);
+        return {h2: all('h2'), items: all('ol > li').length, nested: all('ol li ul li'),
+                code: all('pre code'), lang: t.querySelector('pre code')?.dataset.lang,
+                inline: all('li code'), strong: all('strong'), cells: all('td'),
+                align: t.querySelector('td:last-child')?.style.textAlign,
+                links: [...t.querySelectorAll('a')].map((a) => [a.textContent, a.href, a.rel]),
+                elements: t.querySelectorAll('img, script, iframe, [onerror]').length,
+                text: t.textContent, pwned: window.pwned ?? null};
+    }""")
+    assert shown["h2"] == ["Steps"] and shown["items"] == 2 and shown["nested"] == ["up.sh", "test.sh"]
+    assert shown["code"] == ['print("a < b")'] and shown["lang"] == "python"
+    assert "pip install lanes" in shown["inline"] and shown["strong"] == ["both"]
+    assert shown["cells"] == ["short", "150"] and shown["align"] == "right"
+    assert shown["links"] == [["docs", "https://example.com/docs", "noopener noreferrer nofollow"],
+                              ["[image: leak]", "https://example.com/x.png?q=secret", "noopener noreferrer nofollow"]]
+    assert shown["elements"] == 0 and shown["pwned"] is None, "the answer's markup became elements"
+    assert '<img src=x onerror="window.pwned = 1">' in shown["text"] and "<script>" in shown["text"]
+    assert "bad" in shown["text"], "the javascript: link is kept as its text"
+    assert not [u for u in tab.urls if "x.png" in u], "the image was fetched"
     only_local(tab, base)
 
 

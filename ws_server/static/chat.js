@@ -5,9 +5,14 @@
 // connection drops, `Connection` reconnects and every unfinished answer sends `resume` with the
 // last seq it shows, so the edge replays exactly what is missing: deltas at or below that seq
 // (a replay overlapping what arrived before the drop) are ignored, never shown twice.
+//
+// Answers are rendered as Markdown (markdown.js: no HTML from the answer ever reaches the page),
+// at most once per animation frame while they stream; `lanesChat.answers` keeps each one's raw
+// text, and the Copy button copies that.
 
 import { Connection } from "./connection.js";
 import { askForKey, takeKeyFromFragment } from "./key.js";
+import { renderMarkdown } from "./markdown.js";
 
 takeKeyFromFragment();
 
@@ -32,6 +37,7 @@ class Answer {
     this.numRepeated = 0;
     this.el = addTurn("assistant", "");
     this.el.dataset.id = id;
+    this.renderPending = false;
     this.setState("streaming");
   }
 
@@ -76,8 +82,16 @@ class Answer {
     this.lastSeq = frame.seq;
     this.el.dataset.lastSeq = String(frame.seq);
     this.text += frame.text;
+    if (!this.renderPending) {
+      this.renderPending = true;
+      requestAnimationFrame(() => this.render());
+    }
+  }
+
+  render() {
+    this.renderPending = false;
     const following = window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
-    this.el.querySelector(".text").textContent = this.text;
+    renderMarkdown(this.el.querySelector(".text"), this.text);
     if (following) window.scrollTo(0, document.body.scrollHeight); // a reader scrolled up stays put
   }
 
@@ -118,9 +132,17 @@ class Answer {
 
   end(state) {
     this.finished = true;
+    this.render(); // the whole text, now (a background tab runs no animation frames)
     this.setState(state);
     if (this.text) {
       turns.push({ role: "assistant", content: this.text });
+      if (navigator.clipboard) { // secure contexts only (https, localhost)
+        const copy = Object.assign(document.createElement("button"), {
+          type: "button", className: "copy", textContent: "Copy", title: "Copy the answer as Markdown" });
+        copy.addEventListener("click", () => navigator.clipboard.writeText(this.text).then(
+          () => { copy.textContent = "Copied"; }, () => { copy.textContent = "Copy failed"; }));
+        this.el.querySelector(".meta").append(copy);
+      }
     } else if (turns.at(-1)?.content === this.question) {
       // No answer (refused, failed or cancelled before a token): the question leaves the
       // history, so the next message is not sent after it, and comes back to the prompt box.
