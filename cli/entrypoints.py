@@ -72,9 +72,10 @@ def run_until_signal(main: Coroutine[Any, Any, None], watchdog_s: float = STOP_W
     asyncio.run(runner())
 
 
-async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_S) -> None:
+async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_S, *, writes: bool = True) -> None:
     """One round trip to Redis; ``ConfigFailure`` naming ``LANES_REDIS_URL`` and the address
-    tried (never the password) if it does not answer."""
+    tried (never the password) if it does not answer, or if it is a replica and the caller
+    ``writes`` (a command that only reads, such as ``lanes keys list``, may use a replica)."""
     url = safe_url(plane.settings.redis_url)
     try:
         await asyncio.wait_for(plane.server_time_ms(), timeout_s)
@@ -92,7 +93,7 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
             f"cannot reach Redis at {url} (LANES_REDIS_URL): {reason}. Start Redis there or "
             "point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL starts its own)"
         ) from None
-    if await _is_replica(plane):
+    if writes and await _is_replica(plane):
         # Every process writes (enqueues, leases, heartbeats): on a replica each write fails,
         # which the edge would report to clients as "unavailable; retry shortly" for good.
         raise ConfigFailure(f"Redis at {url} is a read-only replica (LANES_REDIS_URL): point it at the primary")

@@ -32,15 +32,16 @@ app = typer.Typer(help="API keys: create (printed once, stored hashed), list, re
 T = TypeVar("T")
 
 
-def _with_store(use: Callable[[Fleet], Awaitable[T]]) -> T:
-    """Run ``use`` against the key store (``LANES_REDIS_URL`` / ``LANES_KEY_PREFIX``)."""
+def _with_store(use: Callable[[Fleet], Awaitable[T]], *, writes: bool = True) -> T:
+    """Run ``use`` against the key store (``LANES_REDIS_URL`` / ``LANES_KEY_PREFIX``); one that
+    only reads (``writes=False``) may run on a replica."""
 
     async def run() -> T:
         from lanes.cli.entrypoints import check_redis
 
         plane = QueuePlane.from_settings(RedisSettings())
         try:
-            await check_redis(plane)  # an unreachable Redis is one line naming LANES_REDIS_URL
+            await check_redis(plane, writes=writes)  # an unreachable Redis is one line naming LANES_REDIS_URL
             return await use(plane.fleet)
         finally:
             await plane.close()
@@ -99,7 +100,7 @@ def create(
 @app.command(name="list")
 def list_keys() -> None:
     """Show stored keys (name, hash prefix, hint, limits); never the keys themselves."""
-    records = _with_store(_records)
+    records = _with_store(_records, writes=False)  # reads only: a replica serves it
     typer.echo(f"{'name':<24} {'sha256':<14} {'hint':<12} {'rate/s':>7} {'burst':>6} {'in-flight':>9} "
                f"{'conns':>7}  created")
     for key_hash, r in records:

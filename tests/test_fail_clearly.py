@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -412,7 +414,8 @@ def test_lanes_up_reads_lanes_port_and_lanes_engine(monkeypatch: pytest.MonkeyPa
     assert started == [(18123, ["--engine", "sim"]), (9001, ["--engine", "hf"])]
 
 
-@pytest.mark.parametrize("command", [["worker", "--engine", "sim"], ["edge", "--port", "0"], ["keys", "list"]])
+@pytest.mark.parametrize("command", [["worker", "--engine", "sim"], ["edge", "--port", "0"],
+                                     ["keys", "create", "someone"], ["keys", "revoke", "someone"]])
 def test_a_read_only_replica_is_one_line_naming_the_primary(redis_server, command: list[str]) -> None:
     """A replica answered the start-up check; then the worker died of ReadOnlyError (285 lines,
     restarted forever under `lanes up`), `keys create` printed 207 lines, and the edge told every
@@ -427,6 +430,29 @@ def test_a_read_only_replica_is_one_line_naming_the_primary(redis_server, comman
         assert out.stderr.strip().splitlines()[-1] == (
             f"configuration error: Redis at {replica.url} is a read-only replica (LANES_REDIS_URL): point it "
             "at the primary")
+        no_traceback(out)
+    finally:
+        replica.stop()
+
+
+def test_keys_list_reads_a_replica(redis_server) -> None:
+    """``lanes keys list`` only reads, so a replica serves it (it was refused like the commands
+    that write): a key created on the primary is listed from its replica."""
+    from lanes.queue.embedded import EmbeddedRedis
+
+    host, port = redis_server.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    prefix = f"replica-{uuid.uuid4().hex[:6]}"
+    created = lanes("keys", "create", "on-primary", LANES_REDIS_URL=redis_server.url, LANES_KEY_PREFIX=prefix)
+    assert created.returncode == 0, created.stderr[-2000:]
+    replica = EmbeddedRedis(extra_args=("--replicaof", host, port)).start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the first full sync takes a moment
+            out = lanes("keys", "list", LANES_REDIS_URL=replica.url, LANES_KEY_PREFIX=prefix, timeout_s=60)
+            if "on-primary" in out.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert out.returncode == 0 and "on-primary" in out.stdout, out.stdout + out.stderr[-2000:]
         no_traceback(out)
     finally:
         replica.stop()
