@@ -250,7 +250,7 @@ def test_a_checkpoint_that_quantizes_the_kv_cache_is_refused_unless_asked(tmp_pa
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(
         {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     files = read_checkpoint_files(str(tmp_path))
-    assert checkpoint_kv_cache_quant(files) == ("FP8", "hf_quant_config.json")
+    assert checkpoint_kv_cache_quant(files) == ("FP8", "hf_quant_config.json: quantization.kv_cache_quant_algo")
     settings = WorkerSettings(_env_file=None, engine="hf", model=str(tmp_path))
     with pytest.raises(ConfigError, match="LANES_KV_CACHE_QUANTIZATION=true"):
         refuse_kv_cache_quant(settings, files)
@@ -260,6 +260,72 @@ def test_a_checkpoint_that_quantizes_the_kv_cache_is_refused_unless_asked(tmp_pa
     assert checkpoint_kv_cache_quant(weights_only) is None
     assert checkpoint_kv_cache_quant({"config.json": {"quantization_config": {"quant_method": "awq"}}}) is None
     assert checkpoint_kv_cache_quant(read_checkpoint_files("")) is None, "the demo model"
+
+
+@pytest.mark.parametrize("quantization_config, where", [
+    # What vLLM's get_kv_cache_quant_algo_string reads (vllm/utils/torch_utils.py): a scheme as
+    # ModelOpt and llm-compressor write it into config.json, flat or under "quantization".
+    ({"quant_method": "modelopt", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}},
+     "quantization_config.kv_cache_scheme"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}},
+     "quantization_config.quantization.kv_cache_quant_algo"),
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+     "quantization_config.kv_cache_scheme"),
+])
+def test_every_place_a_checkpoint_declares_a_quantized_kv_cache_is_read(quantization_config, where) -> None:
+    """Only the flat ``kv_cache_quant_algo`` and hf_quant_config.json were read: a checkpoint
+    declaring its FP8 cache as a ``kv_cache_scheme`` got one from vLLM at "auto", unasked."""
+    from lanes.workers.engines.engine_config import checkpoint_kv_cache_quant
+
+    found = checkpoint_kv_cache_quant({"config.json": {"quantization_config": quantization_config}})
+    assert found is not None and found[1] == f"config.json: {where}"
+
+
+@pytest.mark.parametrize("files, found", [
+    ({"config.json": {"model_type": "llama"}}, ""),
+    ({"config.json": {"quantization_config": {"quant_method": "awq", "bits": 4}}}, "awq"),
+    ({"config.json": {"quantization_config": {"quant_method": "fp8"}}}, "fp8"),
+    ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, "gptq"),
+    ({"config.json": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "type": "int"}}}}}}, "awq"),
+    ({"config.json": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"num_bits": 8, "type": "float"}}}}}}, "fp8"),
+    ({"config.json": {"model_type": "llama"}, "hf_quant_config.json": {"quantization": {"quant_algo": "W4A16_AWQ"}}},
+     "awq"),
+    ({"config.json": {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}}, "fp8"),
+    ({"config.json": None}, None),
+])
+def test_the_weights_a_checkpoint_declares(files, found) -> None:
+    from lanes.workers.engines.engine_config import checkpoint_weight_quant
+
+    assert checkpoint_weight_quant(files) == found
+
+
+def test_a_quantization_the_checkpoint_does_not_hold_is_refused() -> None:
+    """LANES_QUANTIZATION=awq on a 16-bit checkpoint ran it unquantized, with no word, on both
+    engines (and fp8 on TensorRT-LLM, whose PyTorch backend does not quantize at load)."""
+    from lanes.workers.engines.engine_config import refuse_weight_quant_mismatch
+
+    plain = {"config.json": {"model_type": "llama"}}
+    awq = {"config.json": {"quantization_config": {"quant_method": "awq"}}}
+    fp8 = {"config.json": {"quantization_config": {"quant_method": "fp8"}}}
+
+    def check(quantization: str, files: dict, itself: bool) -> None:
+        settings = WorkerSettings(_env_file=None, engine="vllm", model="m", quantization=quantization)
+        refuse_weight_quant_mismatch(settings, files, quantizes_fp8_itself=itself)
+
+    for itself in (True, False):
+        with pytest.raises(ConfigError, match="LANES_QUANTIZATION=awq, but the checkpoint m holds unquantized"):
+            check("awq", plain, itself)
+        with pytest.raises(ConfigError, match="holds fp8 weights"):
+            check("awq", fp8, itself)
+        check("awq", awq, itself)
+        check("fp8", fp8, itself)
+        check("none", awq, itself)  # none runs any checkpoint as it is
+        check("awq", {"config.json": None}, itself)  # unreadable: nothing to go on, the engine says
+    check("fp8", plain, True)  # vLLM quantizes to FP8 as it loads
+    with pytest.raises(ConfigError, match="LANES_QUANTIZATION=fp8, but the checkpoint m holds unquantized"):
+        check("fp8", plain, False)
 
 
 def test_a_dtype_neither_gpu_engine_takes_is_refused_at_start() -> None:

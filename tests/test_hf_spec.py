@@ -255,6 +255,37 @@ async def test_sampling_runs_without_speculation(tiny) -> None:
     await engine.close()
 
 
+@pytest.mark.parametrize("method", ["none", "prompt_lookup"])
+async def test_the_context_bounds_the_prompt_and_the_answer(tiny, greedy_ref, method) -> None:
+    """As HFEngine and the vLLM / TensorRT-LLM adapters: a prompt that fills the context is
+    refused ``prompt_too_long``, and an answer ends ``length`` where the context does (the
+    engine took a 6,307-token prompt on a 2,048-token model and generated on)."""
+    from lanes.workers.engines.base import RequestRejected
+
+    prompt, _, _ = greedy_ref
+    engine = await started(tiny.target, method=method, max_model_len=len(prompt) + 5)
+    deltas = await collect(engine, request(max_tokens=48))
+    assert len(joined(deltas)[0]) <= 5 and deltas[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(RequestRejected) as refused:
+        await collect(engine, EngineRequest(id="long", messages=(ChatMessage("user", "word " * 4000),),
+                                            max_tokens=8, temperature=0.0))
+    assert refused.value.code == "prompt_too_long"
+    await engine.close()
+    default = await started(tiny.target, method=method)  # the model's own limit
+    assert default._max_model_len == default._target.config.max_position_embeddings
+    await default.close()
+
+
+def test_speculative_hf_worker_runs_on_its_own_gpu(tiny) -> None:
+    """``LANES_DEVICE=cuda`` means the worker's GPU (``gpu_index``, from honcho's worker.N)
+    for the speculative engine too: every such worker ran on GPU 0."""
+    from lanes.workers.settings import WorkerSettings
+
+    settings = WorkerSettings(model=str(tiny.target), draft_model=str(tiny.draft), spec_method="draft_model",
+                              device="cuda", gpu_index=2)
+    assert HFSpeculativeEngine.from_settings(settings).device == torch.device("cuda:2")
+
+
 def test_prompt_lookup_copies_what_followed_the_last_match() -> None:
     assert prompt_lookup([5, 6, 7, 8, 1, 5, 6], 3, 2) == [7, 8, 1]
     assert prompt_lookup([1, 2, 3], 3, 2) == []

@@ -186,23 +186,50 @@ def tokenizer(tiny_model) -> Any:
 async def started(monkeypatch: pytest.MonkeyPatch, package: Package, tiny_model, **kw: Any) -> VllmEngine:
     for name, module in package.modules().items():
         monkeypatch.setitem(sys.modules, name, module)
-    engine = VllmEngine(WorkerSettings(_env_file=None, engine="vllm", model=str(tiny_model.target),
-                                       max_slots=4, **kw))
+    engine = VllmEngine(WorkerSettings(_env_file=None, engine="vllm", **{"model": str(tiny_model.target),
+                                                                         "max_slots": 4, **kw}))
     await engine.start()
     return engine
+
+
+def awq_checkpoint(tiny_model, folder) -> str:
+    """The tiny model's files, declaring AutoAWQ weights (``quantization_config``) as an AWQ
+    checkpoint does (the fake engine loads it as it is)."""
+    import json
+    import shutil
+
+    model = folder / "awq"
+    shutil.copytree(tiny_model.target, model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    (model / "config.json").write_text(json.dumps(config))
+    return str(model)
 
 
 async def collect(engine: VllmEngine, req: EngineRequest) -> list[EngineDelta]:
     return [d async for d in engine.generate(req)]
 
 
+async def test_awq_asked_of_an_unquantized_checkpoint_is_refused_at_start(monkeypatch, tiny_model, tokenizer) -> None:
+    """LANES_QUANTIZATION=awq on a 16-bit checkpoint ran it unquantized with no word (the
+    adapter leaves AWQ to the checkpoint); fp8 on one is quantized by vLLM as it loads."""
+    package = Package(tokenizer, MAIN)
+    with pytest.raises(ConfigError, match="LANES_QUANTIZATION=awq, but the checkpoint .* holds unquantized weights"):
+        await started(monkeypatch, package, tiny_model, quantization="awq")
+    assert not package.engines, "refused before loading"
+    engine = await started(monkeypatch, package, tiny_model, quantization="fp8")
+    assert package.engines[0].engine_args.quantization == "fp8"
+    await engine.close()
+
+
 @pytest.mark.parametrize("release", [V0_11, MAIN])
 async def test_start_passes_the_adapters_arguments_and_warms_up(monkeypatch, tiny_model, tokenizer, release,
-                                                                caplog) -> None:
+                                                                caplog, tmp_path) -> None:
     package = Package(tokenizer, release)
-    engine = await started(monkeypatch, package, tiny_model, enforce_eager=True, quantization="awq")
+    model = awq_checkpoint(tiny_model, tmp_path)
+    engine = await started(monkeypatch, package, tiny_model, model=model, enforce_eager=True, quantization="awq")
     args = package.engines[0].engine_args
-    assert (args.model, args.max_num_seqs, args.max_num_batched_tokens) == (str(tiny_model.target), 4, 2048)
+    assert (args.model, args.max_num_seqs, args.max_num_batched_tokens) == (model, 4, 2048)
     assert args.scheduling_policy == "priority" and args.enable_chunked_prefill is True
     assert args.enforce_eager is True
     assert args.quantization is None, "awq comes from the checkpoint (awq_marlin), never forced"

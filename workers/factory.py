@@ -54,8 +54,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
         return HFSpeculativeEngine.from_settings(settings)
     from lanes.workers.engines.hf import HFEngine
 
-    device = settings.device if settings.device != "cuda" else f"cuda:{settings.gpu_index}"
-    return HFEngine(settings.model, max_slots=settings.max_slots, device=device, max_model_len=settings.max_model_len)
+    return HFEngine(settings.model, max_slots=settings.max_slots, device=settings.torch_device,
+                    max_model_len=settings.max_model_len)
 
 
 def check_torch_device(device: str) -> None:

@@ -212,6 +212,12 @@ class WorkerSettings(RedisSettings):
         return self
 
     @property
+    def torch_device(self) -> str:
+        """The ``hf`` engines' torch device: ``cuda`` is the GPU ``gpu_index`` (each worker of a
+        ``honcho -c worker=N`` on its own GPU), anything else as set."""
+        return f"cuda:{self.gpu_index}" if self.device == "cuda" else self.device
+
+    @property
     def chunks_prefill(self) -> bool:
         """Whether this worker's engine runs chunked prefill (the ``hf`` engines do not)."""
         return self.engine in CHUNKED_PREFILL_ENGINES or (self.engine == "sim" and self.sim_chunked_prefill)

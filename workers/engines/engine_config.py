@@ -125,19 +125,37 @@ def validate(
 _QUANT_FILES = (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization"))
 
 
+def _kv_scheme_name(value: object) -> str | None:
+    """A declared KV-cache quantization as a name (``FP8``, ``float8``...), None when none."""
+    if isinstance(value, Mapping) and value:  # compressed-tensors / ModelOpt ``kv_cache_scheme``
+        return f"{value.get('type', '?')}{value.get('num_bits', '?')}"
+    if isinstance(value, str) and value.strip() and value.strip().lower() not in ("none", "auto"):
+        return value.strip()
+    return None
+
+
 def checkpoint_kv_cache_quant(files: Mapping[str, Mapping[str, Any] | None]) -> tuple[str, str] | None:
-    """The KV-cache quantization a checkpoint declares (``kv_cache_quant_algo``, ModelOpt's key),
-    with the file that says it, from its parsed JSON files by name; None when it declares none.
+    """The KV-cache quantization a checkpoint declares, with where it says so
+    (``hf_quant_config.json: quantization.kv_cache_quant_algo``), from its parsed JSON files by
+    name; None when it declares none.
 
     Both engines adopt it when given ``kv_cache_dtype="auto"``: vLLM
-    (``vllm/utils/torch_utils.py``, ``resolve_kv_cache_dtype_string``) and TensorRT-LLM
-    (``llmapi/llm_utils.py``, ``ModelLoader._update_from_hf_quant_config``, which lets no other
-    dtype override it)."""
+    (``vllm/utils/torch_utils.py``, ``get_kv_cache_quant_algo_string`` via
+    ``resolve_kv_cache_dtype_string``, which reads ``kv_cache_scheme`` or
+    ``kv_cache_quant_algo`` in ``quantization_config`` or in its nested ``quantization``) and
+    TensorRT-LLM (``llmapi/llm_utils.py``, ``ModelLoader._update_from_hf_quant_config``, which
+    lets no other dtype override it). Every one of those places is read here, whatever the
+    ``quant_method``: a declared KV-cache scheme is refused rather than guessed about."""
     for name, section in _QUANT_FILES:
         quant = (files.get(name) or {}).get(section)
-        algo = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
-        if isinstance(algo, str) and algo.strip() and algo.strip().lower() not in ("none", "auto"):
-            return algo, name
+        if not isinstance(quant, Mapping):
+            continue
+        nested = quant.get("quantization")
+        places = [(f"{section}.quantization", nested)] if isinstance(nested, Mapping) else []
+        for where, block in [*places, (section, quant)]:
+            for key in ("kv_cache_scheme", "kv_cache_quant_algo"):
+                if (algo := _kv_scheme_name(block.get(key))) is not None:
+                    return algo, f"{name}: {where}.{key}"
     return None
 
 
@@ -147,16 +165,75 @@ def refuse_kv_cache_quant(settings: WorkerSettings, files: Mapping[str, Mapping[
     engine can be told to keep such a checkpoint's cache unquantized."""
     if settings.kv_cache_quantization or (found := checkpoint_kv_cache_quant(files)) is None:
         return
-    algo, name = found
+    algo, where = found
     raise ConfigError(
-        f"the checkpoint {settings.model} quantizes the KV cache ({name}: kv_cache_quant_algo={algo}), "
+        f"the checkpoint {settings.model} quantizes the KV cache ({where}={algo}), "
         "which the engine would adopt; lanes quantizes weights only unless asked: set "
         "LANES_KV_CACHE_QUANTIZATION=true to run it so, or use a checkpoint without a quantized KV cache"
     )
 
 
+def checkpoint_weight_quant(files: Mapping[str, Mapping[str, Any] | None]) -> str | None:
+    """How a checkpoint's weights are quantized, as ``awq`` (4-bit integer weights: AutoAWQ,
+    ModelOpt ``W4A16_AWQ``, compressed-tensors 4-bit), ``fp8``, another method's name, or
+    ``""`` for none; None when its ``config.json`` could not be read (nothing to go on)."""
+    modelopt = (files.get("hf_quant_config.json") or {}).get("quantization")
+    config = files.get("config.json")
+    quant = config.get("quantization_config") if isinstance(config, Mapping) else None
+    algos = [block.get("quant_algo") for block in (modelopt, quant, (quant or {}).get("quantization"))
+             if isinstance(block, Mapping)]
+    algo = next((a for a in algos if isinstance(a, str) and a.strip()), None)
+    if algo is not None:  # ModelOpt: W4A16_AWQ, W4A8_AWQ, FP8, NVFP4...
+        upper = algo.upper()
+        return "awq" if "AWQ" in upper else "fp8" if upper.startswith("FP8") else algo.lower()
+    if not isinstance(quant, Mapping):
+        return None if config is None else ""
+    method = str(quant.get("quant_method", "")).lower()
+    if method in ("awq", "awq_marlin"):
+        return "awq"
+    if method in ("fp8", "fbgemm_fp8"):
+        return "fp8"
+    if method == "compressed-tensors":  # llm-compressor's output, its AWQ and FP8 recipes included
+        groups = quant.get("config_groups")
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, Mapping)] if isinstance(groups, Mapping) else []
+        kinds = {(w.get("type"), w.get("num_bits")) for w in weights if isinstance(w, Mapping)}
+        if ("int", 4) in kinds:
+            return "awq"
+        if ("float", 8) in kinds:
+            return "fp8"
+    return method or "unknown"
+
+
+def refuse_weight_quant_mismatch(settings: WorkerSettings, files: Mapping[str, Mapping[str, Any] | None], *,
+                                 quantizes_fp8_itself: bool) -> None:
+    """``ConfigError`` when ``LANES_QUANTIZATION`` asks for weights the checkpoint does not hold:
+    neither engine quantizes to AWQ at load, and TensorRT-LLM's PyTorch backend does not to FP8
+    either (vLLM does: ``quantizes_fp8_itself``), so the setting alone would run the checkpoint
+    as it is, unquantized, with no word."""
+    wanted = settings.quantization
+    if wanted == "none" or (found := checkpoint_weight_quant(files)) is None or found == wanted:
+        return
+    if wanted == "fp8" and quantizes_fp8_itself and found == "":
+        return  # vLLM quantizes a 16-bit checkpoint to FP8 as it loads it
+    held = f"{found} weights" if found else "unquantized weights"
+    how = {"awq": "AWQ (AutoAWQ, llm-compressor's AWQ recipe, or ModelOpt W4A16_AWQ)",
+           "fp8": "FP8 (llm-compressor or ModelOpt)"}[wanted]
+    raise ConfigError(
+        f"LANES_QUANTIZATION={wanted}, but the checkpoint {settings.model} holds {held} "
+        f"(its config.json / hf_quant_config.json): the engine would run it as it is. Use a checkpoint "
+        f"quantized to {how}, or set LANES_QUANTIZATION to match this one (none runs any checkpoint as it is)"
+    )
+
+
+def check_checkpoint_quant(settings: WorkerSettings, *, quantizes_fp8_itself: bool) -> None:
+    """Both checks above on ``settings.model``'s files (read from its directory or the hub)."""
+    files = read_checkpoint_files(settings.model)
+    refuse_kv_cache_quant(settings, files)
+    refuse_weight_quant_mismatch(settings, files, quantizes_fp8_itself=quantizes_fp8_itself)
+
+
 def read_checkpoint_files(model: str) -> dict[str, dict[str, Any] | None]:
-    """The checkpoint's files ``checkpoint_kv_cache_quant`` reads: from a local directory, else
+    """The checkpoint's files the checks above read: from a local directory, else
     from the Hugging Face hub (which the engine downloads from anyway); None where absent."""
     import json
     from pathlib import Path

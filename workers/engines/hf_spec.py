@@ -61,13 +61,16 @@ class HFSpeculativeEngine:
 
     def __init__(self, model_dir: str | Path, *, draft_dir: str | Path | None = None,
                  method: HFSpecMethod = "draft_model", num_speculative_tokens: int = 4,
-                 device: str = "cpu", max_concurrency: int = 1, prompt_lookup_max: int = 3) -> None:
+                 device: str = "cpu", max_concurrency: int = 1, prompt_lookup_max: int = 3,
+                 max_model_len: int = 0) -> None:
         if method == "draft_model" and draft_dir is None:
             raise EngineError("method=draft_model needs draft_dir")
         self.model_dir, self.draft_dir = Path(model_dir), draft_dir and Path(draft_dir)
         self.method, self.k = method, num_speculative_tokens
         self.device, self.max_concurrency = torch.device(device), max_concurrency
         self.prompt_lookup_max = prompt_lookup_max
+        #: Prompt + answer tokens the model takes (0: the model's ``max_position_embeddings``).
+        self._max_model_len = max_model_len
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="hf-spec")
         self._cancels: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
@@ -84,7 +87,8 @@ class HFSpeculativeEngine:
         method: HFSpecMethod = {"ngram": "prompt_lookup", "prompt_lookup": "prompt_lookup",
                                 "draft_model": "draft_model"}.get(settings.spec_method, "none")
         return cls(settings.model, draft_dir=settings.draft_model or None, method=method,
-                   num_speculative_tokens=settings.num_speculative_tokens, device=settings.device)
+                   num_speculative_tokens=settings.num_speculative_tokens, device=settings.torch_device,
+                   max_model_len=settings.max_model_len)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -112,6 +116,8 @@ class HFSpeculativeEngine:
         if self._tokenizer.eos_token_id is not None:
             eos_ids.add(self._tokenizer.eos_token_id)
         self._eos_ids = frozenset(eos_ids)
+        if not self._max_model_len:
+            self._max_model_len = int(getattr(self._target.config, "max_position_embeddings", 2048))
 
     def prompt_ids(self, request: EngineRequest) -> list[int]:
         return list(self._tokenizer.encode(render_chat(self._tokenizer, request.messages),
@@ -163,7 +169,13 @@ class HFSpeculativeEngine:
     def _decode_request(self, request: EngineRequest, cancel: threading.Event,
                         emit: Callable[[EngineDelta | BaseException], None]) -> None:
         prompt = self.prompt_ids(request)
-        n_prompt, max_new = len(prompt), remaining_tokens(request)
+        n_prompt = len(prompt)
+        if n_prompt >= self._max_model_len:  # as HFEngine and the vLLM / TensorRT-LLM adapters
+            raise RequestRejected("prompt_too_long",
+                                  f"prompt has {n_prompt} tokens; the model takes {self._max_model_len}")
+        # The answer ends where the context does (finish "length"), as on the other engines.
+        max_new = max(0, min(remaining_tokens(request),
+                             self._max_model_len - n_prompt - len(request.resume_token_ids)))
         # As the hf engine: the text of the tokens an earlier attempt streamed is the base (less
         # a partial character it held), and what it held back as a possible stop string is held
         # again, so it is sent (or the stop spanning the seam is cut). Before, the base counted

@@ -30,6 +30,12 @@ from typing import Any
 from lanes.queue.errors import ErrorCode
 from lanes.queue.messages import FinishReason
 from lanes.scheduler.policy import trtllm_priority
+from lanes.workers.detokenize import (
+    Decoder,
+    IncrementalDetokenizer,
+    StopMatcher,
+    end_without_tokens,
+)
 from lanes.workers.engines.base import (
     ConfigError,
     EngineDead,
@@ -43,19 +49,17 @@ from lanes.workers.engines.base import (
 from lanes.workers.engines.engine_config import (
     ClassSpec,
     SpecCounters,
+    check_checkpoint_quant,
     filter_supported,
     fit_max_tokens,
     map_finish_reason,
     max_sequence_tokens,
-    read_checkpoint_files,
-    refuse_kv_cache_quant,
     remaining_tokens,
     supported_names,
     trtllm_llm_kwargs,
     trtllm_sampling_kwargs,
     validate,
 )
-from lanes.workers.detokenize import Decoder, IncrementalDetokenizer, StopMatcher, end_without_tokens
 from lanes.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -233,7 +237,7 @@ class TrtllmEngine:
         import tensorrt_llm
         from tensorrt_llm import llmapi
 
-        refuse_kv_cache_quant(self.settings, await asyncio.to_thread(read_checkpoint_files, self.settings.model))
+        await asyncio.to_thread(check_checkpoint_quant, self.settings, quantizes_fp8_itself=False)
         try:
             # Inside the try: a release may reject one of the config objects.
             wanted = trtllm_llm_kwargs(self.settings)

@@ -35,10 +35,9 @@ from lanes.workers.engines.base import (
 )
 from lanes.workers.engines.engine_config import (
     SpecCounters,
+    check_checkpoint_quant,
     filter_supported,
     map_finish_reason,
-    read_checkpoint_files,
-    refuse_kv_cache_quant,
     remaining_tokens,
     supported_names,
     validate,
@@ -204,7 +203,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        refuse_kv_cache_quant(self.settings, await asyncio.to_thread(read_checkpoint_files, self.settings.model))
+        await asyncio.to_thread(check_checkpoint_quant, self.settings, quantizes_fp8_itself=True)
         kwargs, dropped = filter_supported(vllm_engine_kwargs(self.settings),
                                            supported_names(AsyncEngineArgs))
         self.dropped_args = dropped
