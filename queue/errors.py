@@ -74,6 +74,16 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
 
 
+#: The client's own doing (bad input, or a request the engine refused as asked: what an HTTP
+#: server answers with a 400): never the service's failure, in spans or error rates.
+CLIENT_FAULTS = frozenset({
+    ErrorCode.BINARY_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.INVALID_JSON, ErrorCode.INVALID_FRAME,
+    ErrorCode.UNKNOWN_TYPE, ErrorCode.MISSING_FIELD, ErrorCode.INVALID_FIELD, ErrorCode.TOO_MANY_MESSAGES,
+    ErrorCode.PROMPT_TOO_LONG, ErrorCode.MAX_TOKENS_TOO_LARGE, ErrorCode.BAD_MAX_TOKENS, ErrorCode.INVALID_REQUEST,
+    ErrorCode.DUPLICATE_ID,
+})
+
+
 #: Raised by every ``QueuePlane`` call when Redis is unreachable or refuses a command: callers
 #: catch this, never a redis-py class (it *is* redis-py's base class, re-exported).
 QueueUnavailable = RedisError

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from lanes.queue.backoff import Backoff
 from lanes.queue.connection import raise_if_cancelled
-from lanes.queue.errors import ErrorCode, QueueUnavailable
+from lanes.queue.errors import CLIENT_FAULTS, ErrorCode, QueueUnavailable
 from lanes.queue.messages import (
     Control,
     DepthSnapshot,
@@ -369,8 +369,10 @@ class Worker:
                     span.set_attribute("lanes.outcome", "handed_back")
                     return
                 if finish.reason is FinishReason.ERROR:
-                    span.set_attribute("lanes.error_code", str(finish.error_code or ErrorCode.ENGINE_ERROR))
-                    span.set_status(Status(StatusCode.ERROR, finish.error_code or None))
+                    code = str(finish.error_code or ErrorCode.ENGINE_ERROR)
+                    span.set_attribute("lanes.error_code", code)
+                    if code not in CLIENT_FAULTS:  # a prompt too long for the model is the client's doing
+                        span.set_status(Status(StatusCode.ERROR, code))
                 if finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
                     self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens, claim.owner)
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from lanes.queue.errors import ErrorCode
+from lanes.queue.errors import CLIENT_FAULTS, ErrorCode
 from lanes.queue.messages import ChatMessage
 from lanes.ws_server.protocol import ChatFrame, Limits, ProtocolError, chat_frame
 
@@ -182,10 +182,6 @@ def _param(err: ProtocolError, max_tokens_field: str) -> str | None:
 # -- our error codes in OpenAI's shape ---------------------------------------------------
 
 _TOO_MANY = {ErrorCode.RATE_LIMITED, ErrorCode.TOO_MANY_IN_FLIGHT, ErrorCode.OVERLOADED}
-_CLIENT = {c for c in ErrorCode if c.value in (
-    "binary_frame", "frame_too_large", "invalid_json", "invalid_frame", "unknown_type", "missing_field",
-    "invalid_field", "too_many_messages", "prompt_too_long", "max_tokens_too_large", "bad_max_tokens",
-    "invalid_request", "duplicate_id")}
 
 
 def error_from_frame(frame: dict[str, Any]) -> APIError:
@@ -201,7 +197,7 @@ def error_from_frame(frame: dict[str, Any]) -> APIError:
         return APIError(429, message, "rate_limit_error", code, retry_after_ms=retry or 1000)
     if code == ErrorCode.UNAVAILABLE:
         return APIError(503, message, "server_error", code, retry_after_ms=retry or 1000)
-    if code in _CLIENT:
+    if code in CLIENT_FAULTS:
         return APIError(400, message, code=code)
     return APIError(500, message, "server_error", code)
 
