@@ -278,6 +278,29 @@ async def test_the_batch_size_metric_counts_every_request_on_the_engine(plane: Q
     assert (total - added["4.0"]) / total >= 0.9, added
 
 
+async def test_a_request_alone_on_the_engine_is_a_batch_of_one_to_its_last_step(plane: QueuePlane) -> None:
+    """The flush of a run's last step came after its task had ended, so that step was sampled
+    as a batch of 0 (a worker that ran 4 requests: 1,322 samples summing to 1,319)."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.telemetry import metrics
+    from lanes.workers.engines.sim import SimEngine
+
+    def count_and_sum() -> tuple[float, float]:
+        found = {s.name: s.value for m in metrics.BATCH_SIZE.collect() for s in m.samples}
+        return found["lanes_batch_size_count"], found["lanes_batch_size_sum"]
+
+    before = count_and_sum()
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", sim_time_scale=20, heartbeat_s=0.2)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=4))
+    for i in range(3):  # one at a time: each alone on the engine
+        await enqueue(plane, f"alone-{i}", 20)
+        await asyncio.wait_for(worker.serve(burst=True), 60)
+    after = count_and_sum()
+    count, total = after[0] - before[0], after[1] - before[1]
+    assert count >= 3 and total == count, f"{count} samples summing to {total}: every one should be 1"
+
+
 async def test_a_malformed_request_fails_alone_and_the_worker_serves_on(plane: QueuePlane) -> None:
     """A job whose record is not lanes' (a payload that is not JSON, written by hand or by another
     program on the prefix) killed the worker that claimed it with a traceback, and the next ones

@@ -486,8 +486,10 @@ class Worker:
             if not batch:
                 continue
             # Every request on the engine, not those with output in this flush: a flush can
-            # catch one step half-submitted (1 request, then the other 7 in the next).
-            metrics.BATCH_SIZE.observe(len(self._tasks))
+            # catch one step half-submitted (1 request, then the other 7 in the next). A run
+            # whose task has just ended is still in this step's batch (its final events are
+            # here): counted by id, so a last step is not sampled as a batch of 0.
+            metrics.BATCH_SIZE.observe(len(self._tasks.keys() | {run.id for run, _ in batch}))
             try:
                 result = await flush(self.plane, self.worker_id, batch)
             except QueueUnavailable as exc:
