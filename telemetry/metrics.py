@@ -34,6 +34,11 @@ SCHEDULER = CollectorRegistry(auto_describe=True)
 # -- edge
 REQUESTS = Counter("lanes_requests_total", "Chat requests by pool, lane and outcome", ["pool", "lane", "outcome"],
                    registry=EDGE)
+#: A request taken over here by ``resume`` after its own entry ended (the answer finished in its
+#: resume grace, or its edge went away): its end, kept out of ``lanes_requests_total`` and the
+#: latency histograms, which count each request once, where its chat arrived.
+RESUMES = Counter("lanes_resumes_total", "Requests resumed on this edge from an ended entry or another edge, by "
+                  "pool and outcome", ["pool", "outcome"], registry=EDGE)
 ERRORS = Counter("lanes_errors_total", "Error frames sent, by code", ["code"], registry=EDGE)
 REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were enqueued, by pool and lane ('none' "
                      "before one was chosen) and reason (lane_full, deadline_unmeetable, no_capacity, no_workers, "

@@ -75,14 +75,24 @@ def contiguous(*clients_and_ids: tuple[Client, str]) -> list[int]:
     return [f["seq"] for client, rid in clients_and_ids for f in client.deltas(rid)]
 
 
-def edge_in_flight(sys_: System) -> float:
+def edge_metrics(sys_: System) -> dict[str, float]:
+    """The edge's samples by series (``name{labels}``)."""
     request = urllib.request.Request(f"http://127.0.0.1:{sys_.edge_ports['edge']}/metrics",
                                      headers={"Authorization": f"Bearer {ALICE}"})
     with urllib.request.urlopen(request, timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("lanes_edge_in_flight "):
-                return float(line.split()[1])
-    raise AssertionError("no lanes_edge_in_flight")
+        lines = resp.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
+
+
+def edge_in_flight(sys_: System) -> float:
+    return edge_metrics(sys_)["lanes_edge_in_flight"]
+
+
+def counted(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s series whose labels include ``labels``."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for series, v in samples.items()
+               if series.split("{")[0] == name and all(w in series for w in wanted))
 
 
 async def test_a_finished_request_leaves_nothing_behind(system: tuple[System, str]) -> None:
@@ -98,6 +108,7 @@ async def test_a_finished_request_leaves_nothing_behind(system: tuple[System, st
     await second.chat(rid, "Say hi again.", max_tokens=5)
     refusal = await second.wait(rid, scaled(10))
     assert refusal["code"] == "duplicate_id" and "already exists (done)" in refusal["message"], refusal
+    before = edge_metrics(sys_)
     await second.send({"type": "resume", "id": rid, "last_seq": -1})  # the way back to a finished answer
 
     async def replayed() -> None:
@@ -109,7 +120,14 @@ async def test_a_finished_request_leaves_nothing_behind(system: tuple[System, st
     assert second.text(rid) == first.text(rid)
     await second.close()
     await asyncio.sleep(0.3)
-    assert edge_in_flight(sys_) == 0
+    after = edge_metrics(sys_)
+    assert after["lanes_edge_in_flight"] == 0
+    # One request, counted once where its chat came: the replay is a resume (it was a second
+    # request, lane "resumed", with an end-to-end time of the replay's few milliseconds).
+    done = first.frames[rid][-1]["finish_reason"]
+    assert counted(after, "lanes_resumes_total", outcome=done) == counted(before, "lanes_resumes_total", outcome=done) + 1
+    assert counted(after, "lanes_requests_total", lane="resumed") == 0
+    assert counted(after, "lanes_e2e_seconds_count", lane="resumed") == 0
 
 
 async def test_another_keys_resume_disturbs_nothing(system: tuple[System, str]) -> None:

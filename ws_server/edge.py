@@ -534,6 +534,9 @@ async def _deny(send: Any, refusal: Refusal) -> None:
 def _record(finished: delivery.Finished, pool: str) -> None:
     if finished.outcome == ErrorCode.REQUEST_LOST:
         log.warning("request %s vanished from Redis (restarted without persistence, or flushed)", finished.request_id)
+    if finished.lane == delivery.Entry.lane:  # a resume of a request counted where its chat came
+        metrics.RESUMES.labels(pool, finished.outcome).inc()  # (its e2e here would time the replay)
+        return
     metrics.REQUESTS.labels(pool, finished.lane, finished.outcome).inc()
     if finished.e2e_s is not None:
         metrics.E2E.labels(pool, finished.lane).observe(finished.e2e_s)
