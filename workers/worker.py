@@ -237,6 +237,10 @@ class Worker:
                     if self._blocker_id is None:
                         self._blocker_id = await self.plane.client_id(blocker)
                     popped = await self.plane.pop(blocker, lanes, timeout_s=0.5 if burst else 2.0)
+                    # Redis answered, empty-handed or not: an outage ends here. (Counted from the
+                    # next claim only, a restart with no traffic after it was logged as an
+                    # outage lasting until the next request: "recovered after 149.3 s".)
+                    backoff.succeeded()
                     if popped is None:
                         if burst and not self.table.runs and await self._lanes_empty():
                             return
