@@ -74,7 +74,7 @@ def _load_trace(trace: Path, start: int = 0, requests: int = 0) -> Any:
     except (ValueError, OSError, UnicodeDecodeError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--trace") from exc
     full = loaded.trace
-    if start < 0 or requests < 0 or start + max(requests, 2) > len(full):
+    if start < 0 or requests < 0 or requests == 1 or start + max(requests, 2) > len(full):
         raise typer.BadParameter(f"the trace has {len(full)} rows; need --start + --requests <= {len(full)} "
                                  "and at least 2 rows", param_hint="--start / --requests")
     end = start + requests if requests else len(full)
@@ -287,6 +287,12 @@ def policy(
                               chunked_prefill_tokens=chunked_prefill_tokens)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--chunked-prefill-tokens") from None
+    try:
+        from lanes.scheduler.sim.policies import lanes_slots
+
+        lanes_slots(engine.max_num_seqs, tuning)  # a lane that could never run stops here, not mid-run
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-medium-long-share / --max-wait-s") from None
     requests = _load_trace(trace, start, requests)
     true = requests.output_tokens
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)
@@ -355,7 +361,7 @@ def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt
             raise typer.BadParameter(f"must be in [0, 1], got {min_long_share}", param_hint="--min-long-share")
         tuning = replace(tuning, min_long_share=min_long_share)
     if max_wait_s is not None:
-        if max_wait_s < 0:
+        if not max_wait_s >= 0:  # NaN too (it meant no bound, silently)
             raise typer.BadParameter(f"must be >= 0 (0: no bound), got {max_wait_s}", param_hint="--max-wait-s")
         tuning = replace(tuning, max_wait_ms=wait_bound_ms(max_wait_s * 1000.0))
     if max_medium_long_share is not None:
@@ -384,7 +390,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     for name, r in results.items():
         s, lg, al = r["short"], r["long"], r["all"]
         within = "/".join(num(s[f"ttft_within_{b}s"], ".2f") for b in (1, 5, 30))
-        rows.append(f"{name:<13} {num(s['ttft_s_p50'], '.2f'):>10} / {num(s['ttft_s_p99'], '.1f'):<8} {within:>14} "
+        p99_spec = ".2f" if (s["ttft_s_p99"] or 0) < 10 else ".1f"  # never "0.05 / 0.0"
+        rows.append(f"{name:<13} {num(s['ttft_s_p50'], '.2f'):>10} / {num(s['ttft_s_p99'], p99_spec):<8} {within:>14} "
                     f"{num(s['e2e_s_p99'], '.1f'):>13} {num(lg['e2e_s_p99'], '.1f'):>12} {al['e2e_s_mean']:>8.1f} "
                     f"{r['throughput_rps']:>6.3f} {al['max_wait_s']:>8.0f} {r.get('num_starved_vs_fcfs', 0):>7} "
                     f"{r['num_preemptions']:>7}")

@@ -81,6 +81,8 @@ def long_threshold_from_observations(predicted_tokens: Sequence[float], observed
     if not shorts:
         return NO_BOUND_TOKENS
     allowed = math.floor(max_short_to_long * len(shorts))  # shorts that may lie above the threshold
+    if allowed >= len(shorts):  # all of them (a budget of 1): below the lowest (the index wrapped to the highest)
+        return math.floor(shorts[0]) - 1
     return math.floor(shorts[len(shorts) - 1 - allowed])
 
 
@@ -273,6 +275,13 @@ class SlotConfig:
             raise ValueError("guaranteed shares must be >= 0 and fit in max_slots")
         if not self.fcfs_above_prefill_share >= 0.0:
             raise ValueError("fcfs_above_prefill_share must be >= 0 (1 or more: never)")
+        if not (self.max_wait_ms < math.inf or self.borrow_when_idle):  # else a lane capped at 0 never runs
+            for lane, cap, share in (("medium", self.max_medium_long, self.min_medium),
+                                     ("long", min(self.max_long, self.max_medium_long), self.min_long)):
+                if cap == 0 and share == 0:
+                    raise ValueError(
+                        f"the {lane} lane could never run: its cap is 0 slots, with no guaranteed share, "
+                        "no wait bound and no borrowing of idle slots; give it a slot, a share or a wait bound")
 
 
 def eligible_lanes(running: Mapping[Lane, int], config: SlotConfig) -> tuple[Lane, ...]:
@@ -323,7 +332,8 @@ def lanes_to_pop(
         for lane, share in shares.items()
         if running.get(lane, 0) < share
         and oldest_wait_ms.get(lane, -1.0) >= config.starve_after_ms
-        and all(oldest_wait_ms.get(a, 0.0) < config.protect_after_ms for a in LANE_ORDER[: LANE_ORDER.index(lane)])
+        # An empty lane ahead has nobody to protect (at protect_after_ms 0 it blocked every guarantee).
+        and all(oldest_wait_ms.get(a, -math.inf) < config.protect_after_ms for a in LANE_ORDER[: LANE_ORDER.index(lane)])
     ]
     starving.sort(key=lambda lane: -oldest_wait_ms[lane])
     eligible = [lane for lane in eligible_lanes(running, config) if lane not in starving]

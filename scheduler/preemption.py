@@ -22,8 +22,10 @@ The worker's contract:
   claimed from a later lane and, with ``hand_back_demoted``, demoted runs
   (``policy.effective_lane``). Never one handed back ``max_preemptions`` times already, one
   that (re)started less than ``min_run_ms`` ago, one within ``min_remaining_tokens`` of its
-  ``max_tokens``, or one whose re-prefill costs more than ``max_cost_ratio`` tokens per token
-  of slot time it frees.
+  ``max_tokens`` or of its predicted end (``max_tokens`` alone rarely bound: clients set them
+  high, the simulator at 4,096), or one whose re-prefill costs more than ``max_cost_ratio``
+  tokens per token of slot time it frees. A run that has outlived its prediction may be near
+  its end with nothing to tell so.
 - Among candidates: the lowest ``reprefill_tokens / expected_remaining_tokens``.
 """
 
@@ -118,13 +120,20 @@ def requeue_lane(run: RunView, config: PreemptionConfig) -> Lane:
     return effective_lane(run.lane, run.generated_tokens, config.demotion)
 
 
+def _near_its_end(run: RunView, min_remaining_tokens: int) -> bool:
+    """Within ``min_remaining_tokens`` of its ``max_tokens``, or of the end its prediction
+    gives (clients' ``max_tokens`` are rarely near an answer's end; the simulator's are 4,096)."""
+    return (run.max_tokens - run.generated_tokens <= min_remaining_tokens
+            or 0 < run.predicted_tokens - run.generated_tokens <= min_remaining_tokens)
+
+
 def _cost_ratio(run: RunView, waiting_before: int, now_ms: float, config: PreemptionConfig) -> float | None:
     """Re-prefill tokens per token of slot time freed, or None when the run is no candidate."""
     lane = requeue_lane(run, config) if config.hand_back_demoted else run.lane
     if (LANE_ORDER.index(lane) <= waiting_before
             or run.num_preemptions >= config.max_preemptions
             or now_ms - run.started_at_ms < config.min_run_ms
-            or run.max_tokens - run.generated_tokens <= config.min_remaining_tokens):
+            or _near_its_end(run, config.min_remaining_tokens)):
         return None
     cost = reprefill_tokens(run.prompt_tokens, run.generated_tokens, config.prompt_cached_share)
     ratio = cost / expected_remaining_tokens(run)

@@ -82,6 +82,18 @@ def test_bench_policy_min_long_share_reaches_the_tuning_and_is_checked(files: tu
     assert bad.returncode == 2 and "--min-long-share" in bad.stderr and "[0, 1]" in bad.stderr
 
 
+def test_bench_policy_refuses_what_it_cannot_run_in_one_line(files: tuple[Path, Path]) -> None:
+    """Each of these ended in a traceback (a one-row slice; a lane no slot, share or wait bound
+    could ever serve: "backlog can never be popped" mid-run), or ran on meaning something else
+    (--max-wait-s nan: no bound)."""
+    trace, prompts = files
+    for args, hint in ((["--requests", "1"], "--requests"),
+                       (["--max-medium-long-share", "0", "--max-wait-s", "0"], "could never run"),
+                       (["--max-wait-s", "nan"], "--max-wait-s")):
+        out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), *args)
+        assert out.returncode == 2 and hint in out.stderr and "Traceback" not in out.stderr, (args, out.stderr[-2000:])
+
+
 def test_bench_policy_with_a_fixed_predictor_time_repeats_exactly(files: tuple[Path, Path]) -> None:
     trace, prompts = files
     args = ("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--json", "--policy", "fcfs,lanes",

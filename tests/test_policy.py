@@ -62,7 +62,7 @@ def test_starving_long_lane_takes_its_guaranteed_share_first() -> None:
 
 
 def test_guaranteed_share_overrides_caps_but_not_a_full_worker() -> None:
-    config = SlotConfig(max_slots=4, max_long=0, max_medium_long=0, min_long=1, starve_after_ms=0)
+    config = SlotConfig(max_slots=4, max_long=0, max_medium_long=0, min_medium=1, min_long=1, starve_after_ms=0)
     assert lanes_to_pop(running(short=1), {L: 5.0}, config) == (L, S)
     assert lanes_to_pop(running(short=4), {L: 5.0}, config) == ()
 
@@ -89,7 +89,26 @@ def test_wait_bound_pops_an_overdue_lane_first_past_caps_guarantees_and_protecti
     assert lanes_to_pop(running(), {S: 12_000.0, L: 10_000.0}, config)[:2] == (S, L)
     # Never past a full worker, and no bound by default.
     assert lanes_to_pop(running(short=8), {L: 1e9}, config) == ()
-    assert lanes_to_pop(running(), {S: 600.0, L: 1e9}, SlotConfig(max_slots=8, max_long=0, max_medium_long=0))[0] == S
+    unbounded = SlotConfig(max_slots=8, max_long=0, max_medium_long=0, borrow_when_idle=True)
+    assert lanes_to_pop(running(), {S: 600.0, L: 1e9}, unbounded)[0] == S
+
+
+def test_a_lane_that_could_never_run_is_refused() -> None:
+    """A lane capped at 0 slots with no share, no wait bound and no borrowing never runs: the
+    simulator stopped with "backlog can never be popped", and a worker would starve it for good."""
+    for medium_long, long_, lane in ((0, 0, "medium"), (4, 0, "long")):
+        with pytest.raises(ValueError, match=f"the {lane} lane could never run"):
+            SlotConfig(max_slots=8, max_long=long_, max_medium_long=medium_long)
+    SlotConfig(max_slots=8, max_long=0, max_medium_long=0, max_wait_ms=600_000)  # the wait bound serves them
+    SlotConfig(max_slots=8, max_long=0, max_medium_long=0, min_medium=1, min_long=1)  # so do guarantees
+
+
+def test_an_empty_lane_ahead_does_not_block_a_guarantee_at_protect_after_0() -> None:
+    """``protect_after_ms=0`` read an empty lane ahead as one that had waited 0 ms, so protected:
+    the long lane's guarantee never applied."""
+    config = SlotConfig(8, max_long=2, max_medium_long=6, min_long=3, starve_after_ms=1000, protect_after_ms=0)
+    assert lanes_to_pop(running(long=2), {L: 5000.0}, config) == (L, S, M)
+    assert lanes_to_pop(running(long=2), {S: 0.0, L: 5000.0}, config)[0] == S, "a waiting short lane is protected"
 
 
 def test_borrow_when_idle_lets_long_use_reserved_slots() -> None:
@@ -211,3 +230,14 @@ def test_routing_also_holds_answers_short_by_the_longer_window_after_a_drift() -
                                      window) == newest_only, "1.0: off"
     assert routing_from_observations(predicted, [1] * 400, RoutingCalibration(), [1] * 5) == \
         routing_from_observations(predicted, [1] * 400), "never below the first budget's threshold"
+
+
+def test_a_budget_of_every_short_request_sends_them_all_long() -> None:
+    """At ``max_short_to_long`` 1.0 the index wrapped to the highest prediction: the threshold
+    sent no short request long, where it should send them all (0.99 sent nearly all)."""
+    from lanes.scheduler.policy import long_threshold_from_observations
+
+    predicted, observed = [10, 20, 30, 40, 50], [5, 5, 5, 5, 5]
+    assert long_threshold_from_observations(predicted, observed, 100, 0.8) == 10
+    assert long_threshold_from_observations(predicted, observed, 100, 1.0) == 9
+    assert long_threshold_from_observations(predicted, observed, 100, 0.0) == 50

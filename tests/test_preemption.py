@@ -119,6 +119,13 @@ def test_preemption_is_bounded_per_request_near_the_end_and_in_time() -> None:
     assert choose_preemption([run("a", preempted=1)], overdue, NOW_MS, NEVER_MS, config) == "a"
     near_end = run("a", generated=4070, max_tokens=4096, predicted=8000)
     assert choose_preemption([near_end], overdue, NOW_MS, NEVER_MS, config) is None
+    # Near the end its prediction gives: the max_tokens clients send (and the simulator's 4,096)
+    # rarely bound, so that guard alone never fired in the simulator (one hand-back re-prefilled
+    # 1,603 tokens to free 23).
+    predicted_end = run("a", prompt=100, generated=980, max_tokens=4096, predicted=1000)
+    assert choose_preemption([predicted_end], overdue, NOW_MS, NEVER_MS, config) is None
+    assert choose_preemption([run("a", prompt=100, generated=960, max_tokens=4096, predicted=1000)], overdue,
+                             NOW_MS, NEVER_MS, config) == "a"
     assert choose_preemption([run("a", started_at_ms=NOW_MS - 999)], overdue, NOW_MS, NEVER_MS, config) is None
     assert choose_preemption([run("a")], overdue, NOW_MS, NOW_MS - 499, config) is None
     assert choose_preemption([run("a")], overdue, NOW_MS, NOW_MS - 500, config) == "a"
@@ -126,7 +133,7 @@ def test_preemption_is_bounded_per_request_near_the_end_and_in_time() -> None:
 
 def test_preemption_refuses_a_reprefill_dearer_than_the_slot_time_it_frees() -> None:
     config = PreemptionConfig(demotion=BOUNDS, wait_bound_ms=0, max_cost_ratio=4.0)
-    code_like = run("a", prompt=2000, generated=20, predicted=40)  # 2020 tokens to free ~20
+    code_like = run("a", prompt=2000, generated=20, predicted=100)  # 2020 tokens to free ~80
     assert choose_preemption([code_like], {S: 1.0}, NOW_MS, NEVER_MS, config) is None
     assert choose_preemption([code_like], {S: 1.0}, NOW_MS, NEVER_MS, replace(config, max_cost_ratio=200)) == "a"
 
