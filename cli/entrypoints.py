@@ -23,7 +23,7 @@ from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
 from lanes.telemetry import metrics
 from lanes.telemetry.logs import setup_logging
-from lanes.telemetry.tracing import setup_tracing
+from lanes.telemetry.tracing import begin_stop, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ def run_until_signal(main: Coroutine[Any, Any, None], watchdog_s: float = STOP_W
             if stopping:
                 force_exit(f"{sig.name} again while stopping")
             stopping.append(sig)
+            begin_stop()  # the last spans go out while the process drains, not after
             task.cancel()
             loop.call_later(watchdog_s, force_exit, f"still stopping {watchdog_s:.0f} s after {sig.name}")
 

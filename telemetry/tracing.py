@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 
 from opentelemetry import context, propagate, trace
@@ -20,8 +21,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "lanes"
-#: How long a process's exit waits for its last spans to be exported.
+#: How long a process's stop waits for its last spans to be exported, counted from the signal
+#: that stops it (the export runs while the process drains) or, with no signal, from its exit.
 EXIT_FLUSH_S = 2.0
+#: The least an exit past that deadline still waits: a collector that answers (a local one, in
+#: milliseconds) then takes the spans the drain ended; one that never answers costs only this.
+EXIT_FLUSH_MIN_S = 0.2
+#: This process's last export (``setup_tracing``), started by ``begin_stop``.
+_exit_flush: ExitFlush | None = None
 
 
 def setup_tracing(service_name: str, exporter: str = "none") -> None:
@@ -34,8 +41,10 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
     # Our own exit hook, not the SDK's: its flush at exit waits up to 30 s for a collector that
     # refuses or never answers (each export retries for OTEL_EXPORTER_OTLP_TIMEOUT, 10 s), which
     # made every SIGTERM under honcho or Kubernetes end in SIGKILL.
+    global _exit_flush
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}), shutdown_on_exit=False)
-    atexit.register(shutdown_within, provider, EXIT_FLUSH_S)
+    _exit_flush = ExitFlush(provider)
+    atexit.register(_exit_flush.at_exit)
     if exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     elif exporter == "otlp":
@@ -49,6 +58,42 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
     trace.set_tracer_provider(provider)
 
 
+class ExitFlush:
+    """A process's last export, bounded by one deadline for its whole stop. A worker drains for
+    up to ``LANES_DRAIN_TIMEOUT_S`` and then needs 1-3 s to exit; waiting ``EXIT_FLUSH_S`` more
+    for a collector that never answers, after the drain, overran honcho's 5 s before SIGKILL."""
+
+    def __init__(self, provider: TracerProvider, budget_s: float = EXIT_FLUSH_S) -> None:
+        self.provider = provider
+        self.budget_s = budget_s
+        #: ``time.monotonic()`` by which the export must be done; None until the stop begins.
+        self.deadline: float | None = None
+
+    def begin(self) -> None:
+        """The stop is asked (SIGTERM): export what has ended so far, on a thread, while the
+        process drains; the deadline starts now. Idempotent."""
+        if self.deadline is not None:
+            return
+        self.deadline = time.monotonic() + self.budget_s
+        threading.Thread(target=self.provider.force_flush, name="lanes-trace-flush", daemon=True).start()
+
+    def exit_wait_s(self) -> float:
+        """How long the exit may wait: the whole budget without a signal, else what is left of
+        it, at least ``EXIT_FLUSH_MIN_S``."""
+        if self.deadline is None:
+            return self.budget_s
+        return max(self.deadline - time.monotonic(), EXIT_FLUSH_MIN_S)
+
+    def at_exit(self) -> None:
+        shutdown_within(self.provider, self.exit_wait_s())
+
+
+def begin_stop() -> None:
+    """Start this process's last export now (the signal that stops it has come)."""
+    if _exit_flush is not None:
+        _exit_flush.begin()
+
+
 def shutdown_within(provider: TracerProvider, timeout_s: float) -> bool:
     """Flush and shut ``provider`` down, giving up after ``timeout_s`` (the exporter's threads
     are daemons: what is left unsent is dropped at exit). Whether it finished in time."""
@@ -56,7 +101,7 @@ def shutdown_within(provider: TracerProvider, timeout_s: float) -> bool:
     done.start()
     done.join(timeout_s)
     if done.is_alive():
-        log.warning("traces not flushed within %.0f s at exit (is the OTLP collector reachable? "
+        log.warning("traces not flushed within %.1f s at exit (is the OTLP collector reachable? "
                     "OTEL_EXPORTER_OTLP_ENDPOINT); the last spans are dropped", timeout_s)
         return False
     return True

@@ -117,3 +117,35 @@ def test_exit_does_not_wait_long_for_a_collector_that_never_answers() -> None:
     fine = TracerProvider(shutdown_on_exit=False)
     fine.get_tracer("t").start_span("s").end()
     assert shutdown_within(fine, 5.0) is True
+
+
+async def test_a_collector_that_never_answers_costs_a_stop_no_time_beyond_the_drain(make_cluster) -> None:
+    """Honcho SIGKILLs 5 s after its SIGTERM. The last export used to start at exit, after the
+    worker's drain, and waited 2 s more for a collector that never answered: drain + 2 s +
+    teardown, over 5 s. It starts at the signal now, so it runs while the process drains."""
+    import asyncio
+    import socket
+    import time
+
+    from conftest import scaled
+
+    with socket.socket() as silent:  # the kernel accepts connections to it; nothing ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        env = {"LANES_OTEL_EXPORTER": "otlp", "LANES_DRAIN_TIMEOUT_S": "3",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+        system = make_cluster(workers=1, env=env, worker_args=["--engine", "sim"])
+        client = await Client.connect(system.edge_urls["edge"])
+        await client.chat("long", "Write a long essay", max_tokens=3000)
+        while not client.deltas("long"):  # running on the worker: its stop drains it for 3 s
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        system.stop(timeout_s=scaled(10))
+        elapsed_s = time.monotonic() - started
+        await client.close()
+    codes = {name: child.process.returncode for name, child in system.children.items()}
+    assert codes == {"scheduler": 0, "edge": 0, "worker": 0}, codes
+    assert elapsed_s < scaled(4.5), f"the stop took {elapsed_s:.1f} s"
+    for name in codes:
+        log = (system.log_dir / f"{name}.log").read_text()
+        assert "Traceback" not in log, log[-3000:]
