@@ -37,6 +37,21 @@ async def test_top_p_is_applied_per_request(engine: HFEngine) -> None:
     assert any(ids != greedy for ids in free), "temperature 1.5 over the whole vocabulary drew the greedy answer 3 times"
 
 
+async def test_kv_cache_usage_counts_the_blocks_of_running_requests_only(engine: HFEngine) -> None:
+    """``lanes_kv_cache_usage`` read 1 - the cache's free capacity, and transformers keeps a
+    finished request's complete blocks for prefix reuse, not free: an idle worker showed 0.08 to
+    0.28 for good. It is the share of blocks that running requests hold: 0 when idle."""
+    assert engine.stats()["kv_cache_usage"] == 0.0
+    seen: list[float] = []
+    long_prompt = (ChatMessage("user", "Tell me about lists and dictionaries. " * 40),)
+    async for _ in engine.generate(EngineRequest("long", long_prompt, max_tokens=48, temperature=0.0)):
+        seen.append(engine.stats()["kv_cache_usage"])  # the last deltas may come after its blocks went
+    assert max(seen) > 0, seen
+    for i in range(3):
+        await _tokens(engine, f"after-{i}", temperature=0.0)
+    assert engine.stats()["kv_cache_usage"] == 0.0, "no request runs"
+
+
 async def test_a_chat_template_that_refuses_the_messages_rejects_the_request(engine: HFEngine) -> None:
     """Many templates raise on roles they do not take ("System role not supported"). That is the
     request's fault: ``invalid_request`` with the template's words (a 400 at the OpenAI edge).

@@ -224,11 +224,19 @@ class HFEngine:
                 "at_ms": int(time.time() * 1000), **self._counters}
 
     def _kv_usage(self) -> float | None:
-        """Share of the paged KV cache in use (transformers exposes it only on internals)."""
+        """Share of the paged KV cache that running requests hold: 0 when idle. Not 1 - the
+        cache's free capacity: a finished request's complete blocks stay cached for prefix reuse
+        (evicted when memory is short) and do not count as free. Read from transformers'
+        internals (5.x): each allocator's block table, one list of block ids per live request."""
         try:
             cache = self._manager.batch_processor.cache
-            return round(1.0 - float(cache.compute_free_capacity(relative=True)), 4)
-        except (AttributeError, TypeError, ValueError):
+            held_bytes = 0
+            for allocator in cache.cache_allocators.values():
+                # list(): one step under the GIL, as the batching thread adds and drops requests
+                held = {block for blocks in list(allocator.block_table.values()) for block in blocks}
+                held_bytes += len(held) * allocator.bytes_per_block
+            return round(held_bytes / (cache.num_sectors * cache.bytes_per_sector), 4)
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError, RuntimeError):
             return None
 
     async def close(self) -> None:
