@@ -50,6 +50,16 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
+
+
+class _TraceOnly(msgspec.Struct):
+    """The one field of a payload that a requeue's span needs (the rest is not decoded)."""
+
+    trace: dict[str, str] = {}
+
+
+_trace_decoder = msgspec.json.Decoder(_TraceOnly)
+
 #: A script's reply that cannot be read: a field missing from a record comes back as a nil,
 #: which cuts the reply short or puts None where bytes were due.
 _REPLY_FAULTS = (ValueError, TypeError, AttributeError, msgspec.DecodeError)
@@ -103,6 +113,8 @@ class Reaped:
     expired: int = 0
     #: What is wrong with its record, for action ``malformed`` (failed, ``quarantine``).
     reason: str = ""
+    #: The worker whose lease expired, for actions ``requeued`` and ``failed``.
+    worker: str = ""
 
 
 class MalformedRequest(Exception):
@@ -419,13 +431,14 @@ class QueuePlane(TokenStreams):
         for raw in due:
             request_id = raw.decode("utf-8", "replace")
             try:
-                action, edge, attempt, *expired = await self._requeue(
+                action, edge, attempt, *lost = await self._requeue(
                     keys=[k.request(request_id), k.watch, *k.pending_all()],
                     args=[request_id, self.settings.start_timeout_ms, self.settings.max_attempts, FINISHED_TTL_S,
                           now_ms],
                 )
-                reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt),
-                                     int(expired[0]) if expired else 0))
+                expired, worker = (int(lost[0]), lost[1].decode()) if lost else (0, "")
+                reaped.append(Reaped(request_id, action.decode(), edge.decode(), int(attempt), expired,
+                                     worker=worker))
             except (ResponseError, *_REPLY_FAULTS) as exc:
                 # One malformed record must not stop the reaper for the whole pool: it is failed,
                 # and the rest are reaped (before, every pass stopped at it, for good).
@@ -435,6 +448,19 @@ class QueuePlane(TokenStreams):
                 edge_id, attempt_no = await self.quarantine(request_id)
                 reaped.append(Reaped(request_id, "malformed", edge_id, attempt_no, reason=fault.reason))
         return reaped
+
+    async def trace_and_streamed(self, request_id: str) -> tuple[dict[str, str], int]:
+        """A request's W3C trace context (its payload's ``trace``; empty where it has none or
+        its record is gone or unreadable) and how many deltas its stream holds (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.request(request_id), "p")
+            pipe.xlen(self.keys.stream(request_id))
+            raw, num_deltas = await pipe.execute()
+        try:
+            trace = _trace_decoder.decode(raw).trace if raw else {}
+        except msgspec.DecodeError:
+            trace = {}
+        return trace, int(num_deltas)
 
     async def queued_ids(self, limit: int = 1000, enqueued_before_ms: int | None = None) -> list[str]:
         """Up to ``limit`` ids waiting in this pool's lanes, oldest first per lane; with

@@ -114,15 +114,16 @@ return {1, h[2] or '', tonumber(h[3] or '0')}
 #: KEYS: req, watch, pending:short, pending:medium, pending:long.
 #: ARGV: id, start_timeout_ms, max_attempts, finished_ttl_s, now_ms (the Redis clock, read by
 #: the caller just before). Handles one expired watch entry. Returns {action, edge, attempt,
-#: expired} with action one of skip (renewed meanwhile), gone, finished, waiting, restored,
-#: requeued, failed. ``expired`` counts this request's lease expiries (its workers' deaths): a
+#: expired, worker} with action one of skip (renewed meanwhile), gone, finished, waiting, restored,
+#: requeued, failed; ``expired`` and ``worker`` (the one whose lease expired) for the last two.
+#: ``expired`` counts this request's lease expiries (its workers' deaths): a
 #: request fails after ``max_attempts`` of them. Hand-backs (preemption, a drain, a busy engine)
 #: also start a new attempt but are no failure: before, they used up the same budget.
 REQUEUE = """
 local now = tonumber(ARGV[5])
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not score or tonumber(score) > now then return {'skip', '', 0} end
-local h = redis.call('HMGET', KEYS[1], 'state', 'lane', 'attempt', 'enq_ms', 'edge')
+local h = redis.call('HMGET', KEYS[1], 'state', 'lane', 'attempt', 'enq_ms', 'edge', 'worker')
 if not h[1] then redis.call('ZREM', KEYS[2], ARGV[1]); return {'gone', '', 0} end
 if h[1] ~= 'queued' and h[1] ~= 'running' then
   redis.call('ZREM', KEYS[2], ARGV[1]); return {'finished', h[5], tonumber(h[3])}
@@ -143,12 +144,12 @@ if expired >= tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[1], 'state', 'failed')
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
-  return {'failed', h[5], tonumber(h[3]), expired}
+  return {'failed', h[5], tonumber(h[3]), expired, h[6] or ''}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'ready_ms', now)
 redis.call('ZADD', pending, h[4], ARGV[1])
 redis.call('ZADD', KEYS[2], deadline, ARGV[1])
-return {'requeued', h[5], tonumber(h[3]), expired}
+return {'requeued', h[5], tonumber(h[3]), expired, h[6] or ''}
 """
 
 #: Lua, shared by APPEND and APPEND_PUBLISH: appends the (seq, event) pairs ARGV[first..last]

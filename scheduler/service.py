@@ -25,12 +25,13 @@ from lanes.queue.messages import (
     DepthSnapshot,
     WorkerReport,
 )
-from lanes.queue.plane import QueuePlane
+from lanes.queue.plane import QueuePlane, Reaped
 from lanes.scheduler.autoscale import capacity_per_worker, desired_workers
 from lanes.scheduler.refresh import refresh_predictor
 from lanes.scheduler.sampling import Sampler
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
+from lanes.telemetry.tracing import extract_context, tracer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Scheduler:
         #: dashboard sample uses them (``last_snapshot``: all pools merged).
         self.last_pool_snapshots: list[DepthSnapshot] = []
         self.last_reports: list[WorkerReport] = []
+        self.tracer = tracer()
 
     async def serve(self) -> None:
         log.info("scheduler ready: reaper every %.2f s, depths every %.2f s",
@@ -162,6 +164,7 @@ class Scheduler:
                 if item.action == "requeued":
                     log.info("lease of %s expired (attempt %d, expiry %d): back in its lane", item.id, item.attempt,
                              item.expired)
+                    await self._trace_requeue(plane, item)
                 elif item.action == "malformed":
                     log.error("request %s failed without running: its record in Redis is malformed (%s); written "
                               "by something other than this lanes version? The rest of the pool is reaped",
@@ -174,6 +177,18 @@ class Scheduler:
                     await self._notify_failed(plane, item.id, item.edge, item.attempt,
                                               message=f"the request's worker died {item.expired} times; giving up")
         return num
+
+    async def _trace_requeue(self, plane: QueuePlane, item: Reaped) -> None:
+        """A ``lanes.requeue`` span in the request's trace (a sibling of the lost attempt's
+        ``lanes.generate``): without it a worker's death showed only as the next attempt's number.
+        Best effort: the requeue is done, and a failed read must not stop this reaper pass."""
+        try:
+            trace_headers, num_deltas = await plane.trace_and_streamed(item.id)
+        except QueueUnavailable:
+            return
+        attrs = {"lanes.request_id": item.id, "lanes.attempt": item.attempt, "lanes.worker": item.worker,
+                 "lanes.lease_expiries": item.expired, "lanes.streamed_deltas": num_deltas}
+        self.tracer.start_span("lanes.requeue", context=extract_context(trace_headers), attributes=attrs).end()
 
     async def _notify_failed(self, plane: QueuePlane, request_id: str, edge: str, attempt: int,
                              code: ErrorCode = ErrorCode.WORKER_FAILED, message: str = "") -> None:

@@ -196,7 +196,8 @@ async def test_request_path_on_each_master(redis_cluster: LocalCluster, plane: Q
                 assert await p.pop(blocker, (Lane.SHORT,), 1) == (f"{pool}-c", Lane.SHORT)
                 await p.claim(f"{pool}-c", "w9")
                 reaped = await p.reap(await p.server_time_ms() + 5000)
-                assert [(r.id, r.action) for r in reaped] == [(f"{pool}-c", "requeued")]
+                assert [(r.id, r.action, r.worker) for r in reaped] == [(f"{pool}-c", "requeued", "w9")]
+                assert await p.trace_and_streamed(rid) == ({}, 3), "its record and its stream: two slots"
             finally:
                 await blocker.aclose()
         assert await plane.take_token("key1", rate_per_s=1.0, burst=1) == 0
