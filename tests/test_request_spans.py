@@ -1,10 +1,23 @@
 """The edge's ``lanes.request`` spans (``ws_server/spans.py``): one per request, ended once,
-with its first token and its outcome; never left open by a request the core forgot."""
+with its first token and its outcome; never left open by a request the core forgot; naming the
+request as the client sees it."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import pytest
+from conftest import StartEdge
 from lanes.ws_server import delivery
-from lanes.ws_server.spans import FORGOTTEN, RequestSpans, server_fault, use
+from lanes.ws_server.spans import (
+    FORGOTTEN,
+    MAX_CALLER_REQUEST_ID,
+    RequestSpans,
+    caller_request_id,
+    server_fault,
+    use,
+)
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -65,3 +78,60 @@ def test_a_request_the_core_forgot_ends_at_the_next_prune_and_none_stays_open() 
     assert len(spans) == 0 and exporter.get_finished_spans()[-1].attributes["lanes.outcome"] == "edge_stopped"
     spans.finished(delivery.Finished("kept", "short", "stop"), "default")  # already ended: nothing happens
     assert len(exporter.get_finished_spans()) == 3
+
+
+def test_a_callers_own_x_request_id_is_kept_when_short_and_printable() -> None:
+    assert caller_request_id(" req-42 ") == "req-42"
+    assert caller_request_id("x" * 500) == "x" * MAX_CALLER_REQUEST_ID
+    assert caller_request_id(None) is None and caller_request_id("  ") is None
+    assert caller_request_id("evil\x1b[31m") is None and caller_request_id("na\u00efve") is None
+
+
+async def test_the_edges_spans_name_the_id_the_client_sees(start_edge: StartEdge,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With API keys on, ``lanes.request_id`` is the id in Redis (``<key id>/chatcmpl-...``), which
+    no client sees: the frames and ``x-request-id`` carry ``chatcmpl-...``, and a caller's own
+    ``x-request-id`` was dropped. Both are on the spans now, each in its own attribute."""
+    import urllib.error
+    import urllib.request
+
+    import websockets
+    from e2e_support import Client
+    from lanes.ws_server import intake
+    from lanes.ws_server import spans as spans_module
+    from lanes.ws_server.auth import generate_key, hash_key, key_id
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(spans_module, "tracer", lambda: provider.get_tracer("test"))
+    monkeypatch.setattr(intake, "tracer", lambda: provider.get_tracer("test"))
+    key = generate_key()
+    base = await start_edge(api_key_hashes=hash_key(key))
+    scope = key_id(hash_key(key))
+
+    def post() -> str:  # a model nobody serves: refused at once, the answer naming the request
+        body = json.dumps({"model": "nobody-serves-this", "messages": [{"role": "user", "content": "hi"}]})
+        request = urllib.request.Request(f"http://{base}/v1/chat/completions", data=body.encode(), headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {key}", "x-request-id": "caller-7"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 404
+        return refused.value.headers["x-request-id"]
+
+    seen = await asyncio.to_thread(post)
+    (http,) = [s for s in exporter.get_finished_spans() if s.name == "lanes.request"]
+    assert seen.startswith("chatcmpl-") and http.attributes["lanes.request_id"] == f"{scope}/{seen}"
+    assert http.attributes["lanes.client_request_id"] == seen
+    assert http.attributes["lanes.client_x_request_id"] == "caller-7"
+
+    ws = await websockets.connect(f"ws://{base}/v1/chat", additional_headers={"Authorization": f"Bearer {key}"})
+    client = Client(ws)
+    await client.chat("q1", "hello")  # no worker here: it is enqueued and waits
+    async with asyncio.timeout(10):
+        while not client.frames["q1"]:
+            await asyncio.sleep(0.01)
+    await client.close()
+    (enqueue,) = [s for s in exporter.get_finished_spans() if s.name == "lanes.enqueue"]
+    assert enqueue.attributes["lanes.request_id"] == f"{scope}/q1"
+    assert enqueue.attributes["lanes.client_request_id"] == "q1"

@@ -25,6 +25,7 @@ from lanes.telemetry import metrics
 from lanes.telemetry.tracing import caller_context
 from lanes.ws_server import openai_compat as oai
 from lanes.ws_server.protocol import nesting_exceeds
+from lanes.ws_server.spans import caller_request_id
 from lanes.ws_server.auth import Identity, Refusal
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -225,7 +226,8 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
     handed_to_stream = False  # the streaming response's own ``finally`` closes the session
     try:
         with caller_context(request.headers):
-            await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id))
+            await edge.on_chat(conn, identity, dataclasses.replace(parsed.frame, id=request_id),
+                               caller_request_id(request.headers.get("x-request-id")))
         first = await session.frames.get()  # accepted, or the error that refused it (already queued)
         if (refused := oai.ending_error(first)) is not None:
             finished = True

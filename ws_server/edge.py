@@ -357,15 +357,19 @@ class Edge:
                 if isinstance(action, delivery.Repoint):
                     await self._repoint(action)
 
-    async def on_chat(self, conn: int, identity: Identity, frame: protocol.ChatFrame) -> None:
+    async def on_chat(self, conn: int, identity: Identity, frame: protocol.ChatFrame,
+                      caller_request_id: str | None = None) -> None:
+        """``caller_request_id``: an HTTP client's own ``x-request-id`` (``spans.caller_request_id``),
+        kept on the request's span."""
         request_id = protocol.scoped_id(identity.key_id, frame.id or uuid.uuid4().hex)
         registered, actions = self.core.open_chat(conn, request_id, identity.key_id, identity.limits.max_in_flight,
                                                   time.monotonic())
         self.carry(actions)
         if not registered:
             return
+        caller = {"lanes.client_x_request_id": caller_request_id} if caller_request_id else {}
         span = self.spans.start(request_id, **{"lanes.max_tokens": frame.max_tokens,
-                                              "lanes.model": frame.model or ""})
+                                              "lanes.model": frame.model or "", **caller})
         try:
             with use(span):  # lanes.enqueue, and through it the worker's span, are its children
                 actions = await admit_and_enqueue(self, request_id, identity, frame)

@@ -77,7 +77,8 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         return await refuse_unless_duplicate(
             lambda: _overloaded(edge, request_id, decision, f"lane {lane.value} cannot", lane.value))
     with tracer().start_as_current_span("lanes.enqueue", attributes={
-        "lanes.request_id": request_id, "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
+        "lanes.request_id": request_id, "lanes.client_request_id": protocol.client_id(request_id),
+        "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
         "lanes.pool": pool,
     }):
         payload = RequestPayload(

@@ -20,12 +20,24 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from lanes.queue.errors import ErrorCode
 from lanes.telemetry.tracing import tracer
-from lanes.ws_server import delivery
+from lanes.ws_server import delivery, protocol
 from lanes.ws_server.openai_compat import error_from_frame
 
 _CODES = frozenset(code.value for code in ErrorCode)
 #: An end no-one had to be told about: ``forgotten`` is a resume that never got going.
 FORGOTTEN = "forgotten"
+#: The longest client ``x-request-id`` kept on a span (longer ones are cut to this).
+MAX_CALLER_REQUEST_ID = 128
+
+
+def caller_request_id(header: str | None) -> str | None:
+    """A client's own ``x-request-id`` fit for a span attribute: cut to ``MAX_CALLER_REQUEST_ID``
+    characters; None when absent, empty, or holding anything but printable ASCII (the header
+    is the client's to fill: no control characters in our traces)."""
+    value = (header or "").strip()[:MAX_CALLER_REQUEST_ID]
+    if not value or not all(" " <= char <= "~" for char in value):
+        return None
+    return value
 
 
 def server_fault(outcome: str) -> bool:
@@ -51,10 +63,13 @@ class RequestSpans:
         return request_id in self._open
 
     def start(self, request_id: str, name: str = "lanes.request", **attributes: str | float) -> Span:
-        """A span for the request, a child of the current context (an OpenAI caller's trace)."""
+        """A span for the request, a child of the current context (an OpenAI caller's trace).
+        ``lanes.request_id`` is the id in Redis (scoped by API key), ``lanes.client_request_id``
+        the one the client sees (frames, ``x-request-id``)."""
         self.end(request_id, FORGOTTEN)  # never two for one id: the older one ends here
         span = (self._tracer or tracer()).start_span(name, kind=SpanKind.SERVER, attributes={
-            "lanes.request_id": request_id, "lanes.edge": self.edge_id, **attributes})
+            "lanes.request_id": request_id, "lanes.client_request_id": protocol.client_id(request_id),
+            "lanes.edge": self.edge_id, **attributes})
         self._open[request_id] = span
         return span
 
