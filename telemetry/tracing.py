@@ -9,14 +9,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from typing import TextIO
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,12 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
     _exit_flush = ExitFlush(provider)
     atexit.register(_exit_flush.at_exit)
     if exporter == "console":
-        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        # Batched: the write happens on the processor's thread, not on the event loop per span.
+        # Line buffered: each span's line is one write, whole, where stdout shares a file or a
+        # pipe with the logs on stderr (honcho, lanes up, the tests' logs).
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(line_buffering=True)
+        provider.add_span_processor(BatchSpanProcessor(console_exporter()))
     elif exporter == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -56,6 +63,12 @@ def setup_tracing(service_name: str, exporter: str = "none") -> None:
     elif exporter != "none":
         raise SystemExit(f"unknown otel_exporter {exporter!r}: use none, console or otlp")
     trace.set_tracer_provider(provider)
+
+
+def console_exporter(out: TextIO | None = None) -> ConsoleSpanExporter:
+    """Spans as JSON lines on ``out`` (stdout): one compact object per span and line (the SDK's
+    default prints each span as indented JSON over many lines)."""
+    return ConsoleSpanExporter(out=out or sys.stdout, formatter=lambda span: span.to_json(indent=None) + "\n")
 
 
 class ExitFlush:

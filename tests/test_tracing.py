@@ -17,13 +17,9 @@ CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def spans(log: Path) -> list[dict]:
-    """The JSON spans ConsoleSpanExporter printed into a process log."""
-    text, decoder, found, at = log.read_text(), json.JSONDecoder(), [], 0
-    while (at := text.find('{\n    "name": ', at)) >= 0:
-        span, end = decoder.raw_decode(text, at)
-        found.append(span)
-        at = end
-    return found
+    """The spans the console exporter printed into a process log (its stdout and stderr): one
+    JSON object per line, among the log lines."""
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"name": ')]
 
 
 async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_path: Path,
@@ -87,6 +83,27 @@ async def test_one_trace_from_edge_to_worker(redis_url: str, tiny_model, tmp_pat
     refused = request["too-long"]  # the client's error, not the service's: no error status
     assert refused["attributes"]["lanes.outcome"] == "prompt_too_long" and refused["status"]["status_code"] == "UNSET"
     assert not [e for e in refused["events"] if e["name"] == "lanes.first_token"]
+
+
+def test_the_console_exporter_writes_one_json_object_per_line() -> None:
+    """``LANES_OTEL_EXPORTER=console`` promised JSON lines; the SDK's default printed each span as
+    indented JSON over some 40 lines, which no line-based log shipper can take."""
+    import io
+
+    from lanes.telemetry.tracing import console_exporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    out = io.StringIO()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(console_exporter(out)))
+    for i in range(3):
+        with provider.get_tracer("t").start_as_current_span(f"s{i}", attributes={"lanes.note": "two\nlines"}) as span:
+            span.add_event("lanes.first_token", {"lanes.ttft_ms": 1.5})
+    provider.shutdown()
+    lines = out.getvalue().splitlines()
+    assert [json.loads(line)["name"] for line in lines] == ["s0", "s1", "s2"]
+    assert json.loads(lines[0])["attributes"]["lanes.note"] == "two\nlines"
 
 
 def test_exit_does_not_wait_long_for_a_collector_that_never_answers() -> None:
