@@ -54,11 +54,6 @@ def summarize(result: SimResult, output_tokens: np.ndarray, fcfs: SimResult | No
     masks = class_masks(output_tokens)
     summary: dict[str, Any] = {
         "throughput_rps": len(output_tokens) / span_s,
-        # On an open-loop trace throughput_rps is the arrival rate unless a policy leaves a
-        # backlog at the end: it cannot show capacity a policy wastes. This can: the requests
-        # per second the fleet would serve if kept busy with this policy's work (re-prefills,
-        # swaps and smaller batches lower it).
-        "capacity_rps": len(output_tokens) * result.num_workers / result.busy_s if result.busy_s > 0 else None,
         "output_tokens_per_s": float(output_tokens.sum()) / span_s,
         "all": _latency(result, masks["all"]),
         "short": _latency(result, masks["short"]),

@@ -46,10 +46,6 @@ class SimResult:
     num_reprefill_tokens: int = 0
     #: What the discipline reports at the end (the lanes': ``prefill_share``, ``prefill_heavy_pop_share``).
     info: dict[str, float] = field(default_factory=dict)
-    #: Seconds the workers ran iterations (idle time left out), summed over workers: the engine
-    #: time the policy needed for the trace. Re-prefills, swaps and smaller batches add to it.
-    busy_s: float = 0.0
-    num_workers: int = 1
 
     @property
     def wait_s(self) -> np.ndarray:
@@ -81,7 +77,7 @@ def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers:
     generated, num_preemptions = [0] * n, [0] * n
     workers = [Worker(engine) for _ in range(num_workers)]
     events = [(0.0, w) for w in range(num_workers)]
-    next_arrival, num_done, num_iterations, idle_polls, num_reprefill, busy_s = 0, 0, 0, 0, 0, 0.0
+    next_arrival, num_done, num_iterations, idle_polls, num_reprefill = 0, 0, 0, 0, 0
     while num_done < n:
         now, w = heapq.heappop(events)
         while next_arrival < n and enqueue[next_arrival] <= now:
@@ -103,9 +99,7 @@ def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers:
             backlog.push(level, idx)
         iteration = _chunked_iteration if engine.chunked_prefill_tokens else _v0_iteration
         end = iteration(worker, backlog, discipline, now, prompt, output, generated, start, first)
-        if end is not None:
-            busy_s += end - now
-        else:  # idle: sleep until the next arrival, or poll a blocked backlog
+        if end is None:  # idle: sleep until the next arrival, or poll a blocked backlog
             idle_polls = idle_polls + 1 if next_arrival >= n else 0
             if idle_polls > _MAX_IDLE_POLLS:
                 raise RuntimeError("backlog can never be popped: check the slot config")
@@ -118,7 +112,7 @@ def simulate(trace: Trace, policy: SimPolicy, engine: EngineConfig, num_workers:
         num_iterations += 1
         heapq.heappush(events, (end, w))
     return SimResult(trace.arrival_s, np.asarray(start), np.asarray(first), np.asarray(finish), num_iterations,
-                     np.asarray(num_preemptions), num_reprefill, discipline.info(), busy_s, num_workers)
+                     np.asarray(num_preemptions), num_reprefill, discipline.info())
 
 
 def _admitted(worker: Worker, discipline: LanesDiscipline | MlfqDiscipline, idx: int, tokens: int,
