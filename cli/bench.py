@@ -382,7 +382,8 @@ def _tuning(max_short_to_long: float | None, fcfs_below_s: float | None, preempt
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table of the headline metrics, one row per policy."""
     head = (f"{'policy':<13} {'short TTFT p50/p99 s':>21} {'<=1/5/30 s':>14} {'short E2E p99':>13} "
-            f"{'long E2E p99':>12} {'mean E2E':>8} {'req/s':>6} {'max wait':>8} {'starved':>7} {'preempt':>7}")
+            f"{'long E2E p99':>12} {'mean E2E':>8} {'req/s':>6} {'cap/s':>6} {'max wait':>8} {'starved':>7} "
+            f"{'preempt':>7}")
     rows = [head]
     def num(value: float | None, spec: str) -> str:  # a class with no requests has no figures
         return "-" if value is None else format(value, spec)
@@ -393,7 +394,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         p99_spec = ".2f" if (s["ttft_s_p99"] or 0) < 10 else ".1f"  # never "0.05 / 0.0"
         rows.append(f"{name:<13} {num(s['ttft_s_p50'], '.2f'):>10} / {num(s['ttft_s_p99'], p99_spec):<8} {within:>14} "
                     f"{num(s['e2e_s_p99'], '.1f'):>13} {num(lg['e2e_s_p99'], '.1f'):>12} {al['e2e_s_mean']:>8.1f} "
-                    f"{r['throughput_rps']:>6.3f} {al['max_wait_s']:>8.0f} {r.get('num_starved_vs_fcfs', 0):>7} "
+                    f"{r['throughput_rps']:>6.3f} {num(r.get('capacity_rps'), '.3f'):>6} {al['max_wait_s']:>8.0f} "
+                    f"{r.get('num_starved_vs_fcfs', 0):>7} "
                     f"{r['num_preemptions']:>7}")
     return "\n".join(rows)
 

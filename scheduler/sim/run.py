@@ -51,12 +51,24 @@ def compare(
         return make_policy(name, scaled, predictions.tokens, n, predictor_ms=predictions.latency_ms,
                            tuning=tuning, mlfq=mlfq, routing=predictions.routing)
 
+    burst = scaled.all_at_once()
+
+    def saturation_rps(name: str) -> float:
+        """The policy's own capacity: every request queued at once, requests per second. On the
+        open-loop trace ``throughput_rps`` is the arrival rate unless a policy leaves a backlog
+        at the end, so it cannot show capacity a policy wastes (re-prefills, swaps, the batches
+        its order makes); this can."""
+        policy = make_policy(name, burst, predictions.tokens, n, predictor_ms=predictions.latency_ms,
+                             tuning=tuning, mlfq=mlfq, routing=predictions.routing)
+        return len(burst) / float(run_policy(burst, policy, engine, num_workers).finish_s.max())
+
     fcfs = run_policy(scaled, build("fcfs"), engine, num_workers)
     out: dict[str, dict[str, Any]] = {}
     for name in policy_names:
         policy = build(name)
         result = fcfs if name == "fcfs" else run_policy(scaled, policy, engine, num_workers)
         summary = summarize(result, scaled.output_tokens, fcfs)
+        summary["capacity_rps"] = saturation_rps(name)
         uses = name in USES_PREDICTOR
         summary.update(load=load, offered_rps=scaled.rate_rps, fcfs_capacity_rps=capacity_rps,
                        predictor_tau=predictions.tau if uses else None,
