@@ -204,7 +204,10 @@ def test_handback_never_near_the_end() -> None:
     trace, pol, engine = handback_setup(short_at_s=2.6, min_remaining_tokens=32)
     result = simulate(trace, replace(pol, max_tokens=110), engine)
     assert result.num_preemptions.sum() == 0
-    assert simulate(trace, replace(pol, max_tokens=4096), engine).num_preemptions.sum() == 1
+    # Nor near its predicted end (here the true length, 101): max_tokens rarely bound.
+    assert simulate(trace, replace(pol, max_tokens=4096), engine).num_preemptions.sum() == 0
+    far = replace(pol, max_tokens=4096, predicted_tokens=np.array([400, 1]))
+    assert simulate(trace, far, engine).num_preemptions.sum() == 1
 
 
 def test_handback_bounded_per_request() -> None:
