@@ -4,7 +4,9 @@ Data formats accepted by ``--data``:
 
 - the data set ``*.jsonl.gz`` written by ``build-data`` (``scheduler/predictor/data.py``): each
   prompt labelled with the median of its answering models' lengths;
-- a JSON list of ``{"prompt": str, "output_tokens": int}`` (optional ``"source"``);
+- a JSON list of ``{"prompt": str, "output_tokens": int}`` (optional ``"source"``), or the same
+  rows one per line (JSON lines), either gzipped or not; a row may give ``"messages"`` (a chat)
+  instead of ``"prompt"``: its last user message is the prompt, as at the edge;
 - an AlpacaEval ``model_outputs.json`` (``instruction``, ``output``, ``generator``, ``dataset``):
   output tokens come from ``alpaca_eval_token_counts.csv`` when it sits in the same folder (rows
   matched by position), else are approximated as ``round(len(output) / 4.6)`` (the Llama-3
@@ -14,6 +16,7 @@ Data formats accepted by ``--data``:
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 from pathlib import Path
@@ -45,6 +48,8 @@ _COUNT_COLUMNS = {
     "Mistral-7B-Instruct-v0.2": "mistral7b_output_tokens_llama3",
 }
 CHARS_PER_TOKEN = 4.6
+#: An answer length above this in a data file is a mistake (no model answers 10 M tokens).
+MAX_OUTPUT_TOKENS = 10_000_000
 
 
 def _alpaca_observations(path: Path) -> list[Observation]:
@@ -63,24 +68,71 @@ def _alpaca_observations(path: Path) -> list[Observation]:
 
 def load_observations(data: Path) -> list[Observation]:
     """Read ``data`` in any format described in this module's docstring."""
-    if data.name.endswith(".jsonl.gz"):
+    raw = data.read_bytes()
+    if raw[:2] == b"\x1f\x8b":  # gzip, whatever the name says
+        raw = gzip.decompress(raw)
+    text = raw.decode("utf-8-sig")  # a byte-order mark is no error
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if not exc.msg.startswith("Extra data"):
+            raise
+        records = [_json_line(line, i) for i, line in enumerate(text.splitlines()) if line.strip()]  # JSON lines
+    if not isinstance(records, list):
+        raise ValueError(f"the file holds a JSON {type(records).__name__}, not a list of rows (one JSON object "
+                         "per row, as a list or one per line)")
+    first = records[0] if records and isinstance(records[0], dict) else {}
+    if "lengths" in first:  # the data set build-data writes
         return [Observation(e.prompt, e.output_tokens, e.source) for e in read_examples(data)]
-    records = json.loads(data.read_text())
-    if records and "instruction" in records[0]:
+    if "instruction" in first:
         return _alpaca_observations(data)
     return [_observation(r, i) for i, r in enumerate(records)]
 
 
-def _observation(row: dict[str, object], index: int) -> Observation:
-    """One ``{"prompt", "output_tokens"}`` row; ``ValueError`` naming the row for a prompt that is no
-    text or a length that is no non-negative whole number (as the .jsonl.gz reader refuses)."""
+def _json_line(line: str, index: int) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {index + 1}: not JSON ({exc.msg})") from None
+
+
+def _observation(row: object, index: int) -> Observation:
+    """One ``{"prompt", "output_tokens"}`` row (or ``{"messages", "output_tokens"}``: the prompt
+    is what the edge predicts from, the last user message); ``ValueError`` naming the row for
+    anything else (as the .jsonl.gz reader refuses)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"row {index}: expected an object with 'prompt' and 'output_tokens', not "
+                         f"{type(row).__name__}")
+    if "prompt" not in row and isinstance(row.get("messages"), list):
+        row = {**row, "prompt": _last_user_content(row["messages"], index)}
+    missing = [key for key in ("prompt", "output_tokens") if key not in row]
+    if missing:
+        raise ValueError(f"row {index}: no {' or '.join(repr(k) for k in missing)} (it has {sorted(row)[:8]})")
     prompt, tokens = row["prompt"], row["output_tokens"]
     if not isinstance(prompt, str):
         raise ValueError(f"row {index}: 'prompt' must be a string, not {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (an emoji cut in half, as scraped data has)
+        raise ValueError(f"row {index}: 'prompt' is not valid Unicode at character {exc.start} "
+                         f"({prompt[exc.start]!r}, a lone surrogate): fix or drop the row") from None
     whole = isinstance(tokens, int) or (isinstance(tokens, float) and tokens.is_integer())
-    if isinstance(tokens, bool) or not whole or tokens < 0:  # type: ignore[operator]
-        raise ValueError(f"row {index}: 'output_tokens' must be a non-negative whole number, not {tokens!r}")
+    if isinstance(tokens, bool) or not whole or not 0 <= tokens <= MAX_OUTPUT_TOKENS:  # type: ignore[operator]
+        raise ValueError(f"row {index}: 'output_tokens' must be a whole number from 0 to {MAX_OUTPUT_TOKENS:,}, "
+                         f"not {str(tokens)[:40]}")
     return Observation(prompt, int(tokens), str(row.get("source", "")))  # type: ignore[arg-type]
+
+
+def _last_user_content(messages: list[object], index: int) -> str:
+    """``prompt_text`` of a chat row's messages: what the edge's predictor reads."""
+    from lanes.queue.messages import ChatMessage
+    from lanes.scheduler.predictor import prompt_text
+
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError(f"row {index}: 'messages' must be a non-empty list of {{'role', 'content'}} with "
+                         "string values")
+    return prompt_text([ChatMessage(m["role"], m["content"]) for m in messages])  # type: ignore[index]
 
 
 def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
@@ -184,8 +236,11 @@ def generalization_report(
             for name in groups for w in weights
             for score in [lexical[name] if not encoder else (1.0 - w) * lexical[name] + w * encoded[name]]}
 
-    def mean(values: dict[str, float], training_only: bool = False) -> float:
-        return float(np.mean([t for s, t in values.items() if not (training_only and s in HELD_OUT_SOURCES)]))
+    def mean(values: dict[str, float], training_only: bool = False) -> float | None:
+        """Over the sources with a tau (one whose lengths or scores are all equal has none: it
+        is listed under ``sources_without_tau``); None when no source has one."""
+        kept = [t for s, t in values.items() if not (training_only and s in HELD_OUT_SOURCES) and not np.isnan(t)]
+        return float(np.mean(kept)) if kept else None
 
     weight = ENCODER_WEIGHT if encoder else 0.0
     report: dict[str, object] = {
@@ -195,6 +250,8 @@ def generalization_report(
     }
     for name in groups:
         report[f"{name}_kendall_tau_mean"] = mean(taus[name, weight])
+    report["sources_without_tau"] = sorted({s for name in groups for s, t in taus[name, weight].items()
+                                            if np.isnan(t)})
     for name in groups:
         report[f"{name}_kendall_tau"] = taus[name, weight]
     if encoder:
@@ -316,7 +373,11 @@ def cv_command(
                                  "an encoder per fold too (needs pip install -e '.\\[train]'; about an hour on two "
                                  "cores) instead of the lexical model alone (minutes)"),
 ) -> None:
-    """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON."""
+    """Print leave-one-source-out and in-source k-fold Kendall taus (per source, mean) as JSON.
+
+    By default the lexical model alone (what ``"model"`` says; RESULTS.md "Stop 19": LOSO 0.359,
+    in-source 0.396); the shipped predictor blends it with an encoder, which ``--encoder``
+    cross-validates (RESULTS.md "Stop 27": 0.403 / 0.437)."""
     if encoder:
         _require_train_extra()
     typer.echo(jsonout.dumps(generalization_report(read_observations(data), folds, scores, encoder), indent=2))

@@ -23,21 +23,16 @@ from lanes.scheduler.predictor import LengthPredictor
 
 
 def kendall_tau(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
-    """Kendall tau-b (ties corrected) in [-1, 1]; nan when either side is constant. O(n^2) time."""
+    """Kendall tau-b (ties corrected) in [-1, 1]; nan when either side is constant. SciPy's,
+    O(n log n) (the O(n^2) one of before took 32 s and 426 MB on 20,000 rows)."""
+    from scipy.stats import kendalltau
+
     a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1:
         raise ValueError("kendall_tau needs two 1-d sequences of equal length")
-    n = len(a)
-    concordance = ties_a = ties_b = 0.0
-    for start in range(0, n, 512):  # row blocks bound memory to 512 x n
-        da = np.sign(a[start : start + 512, None] - a[None, :])
-        db = np.sign(b[start : start + 512, None] - b[None, :])
-        concordance += float((da * db).sum())
-        ties_a += float((da == 0).sum())
-        ties_b += float((db == 0).sum())
-    pairs = n * (n - 1)  # ordered pairs; the diagonal counts as a tie on both sides
-    denominator = np.sqrt((pairs - (ties_a - n)) * (pairs - (ties_b - n)))
-    return float(concordance / denominator) if denominator > 0 else float("nan")
+    if len(a) < 2:
+        return float("nan")
+    return float(kendalltau(a, b, variant="b").statistic)
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:
@@ -96,10 +91,16 @@ class EvalReport:
     latency_ms_p50: float
     latency_ms_p99: float
     model_kind: str
+    #: Distinct prompts timed (the latencies are theirs: one call each).
+    num_timed: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict for JSON."""
         return asdict(self)
+
+
+#: The warm-up call's prompt (in no data set, so no timed call finds it cached).
+WARM_UP_PROMPT = "lanes predictor warm-up: 7f3a9c, not a real question."
 
 
 def evaluate(
@@ -112,16 +113,21 @@ def evaluate(
 ) -> EvalReport:
     """Score ``predictor`` on (prompt, true output tokens) pairs, timing each ``predict`` call.
 
-    Latency is measured in this thread, one request at a time, after one warm-up call.
+    Latency is measured in this thread, one request at a time, after one warm-up call on a
+    prompt of no data set, once per distinct prompt: a repeated prompt (a file with several
+    answers per prompt) is the same prediction, and its call would hit the encoder's cache,
+    timing a production shortcut instead of the work (a p50 4x too low on the pool).
     """
     if len(prompts) != len(true_tokens) or not prompts:
         raise ValueError("need the same, non-zero number of prompts and lengths")
-    predictor.predict([ChatMessage("user", prompts[0])], max_tokens)
-    predicted, latency_ms = [], []
+    predictor.predict([ChatMessage("user", WARM_UP_PROMPT)], max_tokens)
+    predicted, latency_ms, seen = [], [], {}
     for prompt in prompts:
-        start = clock_ns()
-        predicted.append(predictor.predict([ChatMessage("user", prompt)], max_tokens))
-        latency_ms.append((clock_ns() - start) / 1e6)
+        if prompt not in seen:
+            start = clock_ns()
+            seen[prompt] = predictor.predict([ChatMessage("user", prompt)], max_tokens)
+            latency_ms.append((clock_ns() - start) / 1e6)
+        predicted.append(seen[prompt])
     rates = misroute_rates(true_tokens, predicted, thresholds)
     return EvalReport(
         num_examples=len(prompts),
@@ -135,4 +141,5 @@ def evaluate(
         latency_ms_p50=float(np.percentile(latency_ms, 50)),
         latency_ms_p99=float(np.percentile(latency_ms, 99)),
         model_kind=predictor.kind,
+        num_timed=len(latency_ms),
     )
