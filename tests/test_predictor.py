@@ -193,6 +193,13 @@ def test_long_prompts_are_read_at_their_head_and_tail_with_the_same_words() -> N
         assert _head_and_tail_words(lowered, 256, 128) == list(_clip(_WORD_RE.findall(lowered), 256, 128))
 
 
+def test_any_str_is_scored_a_lone_surrogate_too() -> None:
+    """The Python API raised UnicodeEncodeError on a lone surrogate (an emoji cut in half)."""
+    predictor = load_default()
+    assert predictor.predict([ChatMessage("user", "Write an essay \ud83d about the sea")], 4096) == \
+        predictor.predict([ChatMessage("user", "Write an essay ? about the sea")], 4096)
+
+
 def test_eval_reads_the_files_people_have(tmp_path: Path) -> None:
     """JSON lines, gzip (of a list or of lines), a byte-order mark and chat rows (the prompt is
     the last user message, as at the edge) all read as the same rows; before, each was an

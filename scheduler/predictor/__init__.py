@@ -110,7 +110,15 @@ class LengthPredictor:
         return kind if self.memory is None else f"{kind}+memory"
 
     def score_text(self, prompt: str) -> float:
-        """Predicted log(1 + output tokens) for a prompt (the ranking score)."""
+        """Predicted log(1 + output tokens) for a prompt (the ranking score). Any ``str`` is
+        scored: a lone surrogate (no UTF-8 for it; the edge refuses such text, callers of this
+        API may not) reads as "?"."""
+        try:
+            return self._score(prompt)
+        except UnicodeEncodeError:
+            return self._score(prompt.encode("utf-8", "replace").decode("utf-8"))
+
+    def _score(self, prompt: str) -> float:
         lexical = self.model.score_text(prompt)
         if self.encoder is None:
             return lexical
