@@ -90,6 +90,10 @@ def test_vllm_quantization_and_kv_cache() -> None:
     assert "quantization" not in kw and kw["kv_cache_dtype"] == "fp8"
     assert kw["max_model_len"] == 4096
     assert vllm_engine_kwargs(settings(quantization="fp8"))["quantization"] == "fp8"
+    assert vllm_engine_kwargs(settings(quantization="fp8"), "")["quantization"] == "fp8", "16-bit: vLLM quantizes"
+    # Already FP8 (compressed-tensors, fbgemm_fp8, ModelOpt): vLLM reads the checkpoint's own
+    # method, and refuses an explicit "fp8" beside compressed-tensors ("does not match").
+    assert "quantization" not in vllm_engine_kwargs(settings(quantization="fp8"), "fp8")
 
 
 def test_vllm_enforce_eager_is_passed_through() -> None:
@@ -285,7 +289,11 @@ def test_every_place_a_checkpoint_declares_a_quantized_kv_cache_is_read(quantiza
     ({"config.json": {"model_type": "llama"}}, ""),
     ({"config.json": {"quantization_config": {"quant_method": "awq", "bits": 4}}}, "awq"),
     ({"config.json": {"quantization_config": {"quant_method": "fp8"}}}, "fp8"),
-    ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, "gptq"),
+    ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, "awq"),  # any 4-bit weights
+    ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 8}}}, "gptq"),
+    ({"config.json": {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}}, "awq"),
+    ({"config.json": {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}}, "awq"),
+    ({"config.json": {"quantization_config": {"quant_method": "fbgemm_fp8"}}}, "fp8"),
     ({"config.json": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
         "group_0": {"weights": {"num_bits": 4, "type": "int"}}}}}}, "awq"),
     ({"config.json": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
@@ -319,6 +327,7 @@ def test_a_quantization_the_checkpoint_does_not_hold_is_refused() -> None:
             check("awq", plain, itself)
         with pytest.raises(ConfigError, match="holds fp8 weights"):
             check("awq", fp8, itself)
+        check("awq", {"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, itself)
         check("awq", awq, itself)
         check("fp8", fp8, itself)
         check("none", awq, itself)  # none runs any checkpoint as it is

@@ -68,7 +68,7 @@ def compare(
         policy = build(name)
         result = fcfs if name == "fcfs" else run_policy(scaled, policy, engine, num_workers)
         summary = summarize(result, scaled.output_tokens, fcfs)
-        summary["capacity_rps"] = saturation_rps(name)
+        summary["capacity_rps"] = capacity_rps if name == "fcfs" else saturation_rps(name)
         uses = name in USES_PREDICTOR
         summary.update(load=load, offered_rps=scaled.rate_rps, fcfs_capacity_rps=capacity_rps,
                        predictor_tau=predictions.tau if uses else None,

@@ -174,9 +174,10 @@ def refuse_kv_cache_quant(settings: WorkerSettings, files: Mapping[str, Mapping[
 
 
 def checkpoint_weight_quant(files: Mapping[str, Mapping[str, Any] | None]) -> str | None:
-    """How a checkpoint's weights are quantized, as ``awq`` (4-bit integer weights: AutoAWQ,
-    ModelOpt ``W4A16_AWQ``, compressed-tensors 4-bit), ``fp8``, another method's name, or
-    ``""`` for none; None when its ``config.json`` could not be read (nothing to go on)."""
+    """How a checkpoint's weights are quantized, as ``awq`` (any 4-bit weights the engines run
+    as they find them, what ``LANES_QUANTIZATION=awq`` asks for: AutoAWQ, GPTQ, compressed-tensors
+    int4, bitsandbytes 4-bit, ModelOpt ``W4A16_AWQ`` / ``W4A8_AWQ`` / ``NVFP4``), ``fp8``, another
+    method's name, or ``""`` for none; None when its ``config.json`` could not be read."""
     modelopt = (files.get("hf_quant_config.json") or {}).get("quantization")
     config = files.get("config.json")
     quant = config.get("quantization_config") if isinstance(config, Mapping) else None
@@ -185,11 +186,14 @@ def checkpoint_weight_quant(files: Mapping[str, Mapping[str, Any] | None]) -> st
     algo = next((a for a in algos if isinstance(a, str) and a.strip()), None)
     if algo is not None:  # ModelOpt: W4A16_AWQ, W4A8_AWQ, FP8, NVFP4...
         upper = algo.upper()
-        return "awq" if "AWQ" in upper else "fp8" if upper.startswith("FP8") else algo.lower()
+        return "awq" if upper.startswith(("W4", "NVFP4")) or "AWQ" in upper else \
+            "fp8" if upper.startswith("FP8") else algo.lower()
     if not isinstance(quant, Mapping):
         return None if config is None else ""
     method = str(quant.get("quant_method", "")).lower()
-    if method in ("awq", "awq_marlin"):
+    if method in ("awq", "awq_marlin") or (method in ("gptq", "gptq_marlin") and quant.get("bits", 4) == 4):
+        return "awq"
+    if method == "bitsandbytes" and quant.get("load_in_4bit"):
         return "awq"
     if method in ("fp8", "fbgemm_fp8"):
         return "fp8"
@@ -215,8 +219,8 @@ def refuse_weight_quant_mismatch(settings: WorkerSettings, files: Mapping[str, M
         return
     if wanted == "fp8" and quantizes_fp8_itself and found == "":
         return  # vLLM quantizes a 16-bit checkpoint to FP8 as it loads it
-    held = f"{found} weights" if found else "unquantized weights"
-    how = {"awq": "AWQ (AutoAWQ, llm-compressor's AWQ recipe, or ModelOpt W4A16_AWQ)",
+    held = ("4-bit weights" if found == "awq" else f"{found} weights") if found else "unquantized weights"
+    how = {"awq": "4-bit weights (AutoAWQ, GPTQ, llm-compressor's W4A16 recipes, or ModelOpt W4A16_AWQ)",
            "fp8": "FP8 (llm-compressor or ModelOpt)"}[wanted]
     raise ConfigError(
         f"LANES_QUANTIZATION={wanted}, but the checkpoint {settings.model} holds {held} "
@@ -225,11 +229,13 @@ def refuse_weight_quant_mismatch(settings: WorkerSettings, files: Mapping[str, M
     )
 
 
-def check_checkpoint_quant(settings: WorkerSettings, *, quantizes_fp8_itself: bool) -> None:
-    """Both checks above on ``settings.model``'s files (read from its directory or the hub)."""
+def check_checkpoint_quant(settings: WorkerSettings, *, quantizes_fp8_itself: bool) -> str | None:
+    """Both checks above on ``settings.model``'s files (read from its directory or the hub);
+    returns ``checkpoint_weight_quant`` of them (for ``vllm_engine_kwargs``)."""
     files = read_checkpoint_files(settings.model)
     refuse_kv_cache_quant(settings, files)
     refuse_weight_quant_mismatch(settings, files, quantizes_fp8_itself=quantizes_fp8_itself)
+    return checkpoint_weight_quant(files)
 
 
 def read_checkpoint_files(model: str) -> dict[str, dict[str, Any] | None]:
@@ -272,8 +278,9 @@ def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
     return config
 
 
-def vllm_engine_kwargs(settings: WorkerSettings) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
+def vllm_engine_kwargs(settings: WorkerSettings, checkpoint_quant: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``; ``checkpoint_quant`` is
+    what ``checkpoint_weight_quant`` found in the checkpoint (None: not known)."""
     kwargs: dict[str, Any] = {
         "model": settings.model,
         "dtype": settings.dtype,
@@ -293,7 +300,10 @@ def vllm_engine_kwargs(settings: WorkerSettings) -> dict[str, Any]:
     # An explicit quantization="awq" makes vLLM (0.11 and every release since, up to
     # ``AWQMarlinConfig.override_quantization_method`` today) keep the slow AWQ kernel; left
     # unset, vLLM reads ``awq`` from the checkpoint and upgrades it to ``awq_marlin``.
-    if settings.quantization == "fp8":
+    # fp8 is asked of vLLM only for a 16-bit checkpoint (it quantizes as it loads). A checkpoint
+    # already in FP8 (compressed-tensors, fbgemm_fp8, ModelOpt) names its own method, which vLLM
+    # detects; an explicit "fp8" beside it is refused at start ("does not match").
+    if settings.quantization == "fp8" and checkpoint_quant in ("", None):
         kwargs["quantization"] = "fp8"
     speculative = vllm_speculative_config(settings)
     if speculative is not None:
