@@ -287,12 +287,13 @@ def policy(
                               chunked_prefill_tokens=chunked_prefill_tokens)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--chunked-prefill-tokens") from None
-    try:
-        from lanes.scheduler.sim.policies import lanes_slots
+    from lanes.scheduler.policy import lanes_never_served
+    from lanes.scheduler.sim.policies import lanes_slots
 
-        lanes_slots(engine.max_num_seqs, tuning)  # a lane that could never run stops here, not mid-run
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--max-medium-long-share / --max-wait-s") from None
+    if never := lanes_never_served(lanes_slots(engine.max_num_seqs, tuning)):  # stopped mid-run before
+        raise typer.BadParameter(f"the {' and '.join(l.value for l in never)} lane could never run: capped at 0 "
+                                 "slots, with no guaranteed share and no wait bound; give it a share of the slots "
+                                 "or a wait bound", param_hint="--max-medium-long-share / --max-wait-s")
     requests = _load_trace(trace, start, requests)
     true = requests.output_tokens
     capacity_rps = fcfs_capacity_rps(requests, engine, workers)

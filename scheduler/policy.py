@@ -275,13 +275,18 @@ class SlotConfig:
             raise ValueError("guaranteed shares must be >= 0 and fit in max_slots")
         if not self.fcfs_above_prefill_share >= 0.0:
             raise ValueError("fcfs_above_prefill_share must be >= 0 (1 or more: never)")
-        if not (self.max_wait_ms < math.inf or self.borrow_when_idle):  # else a lane capped at 0 never runs
-            for lane, cap, share in (("medium", self.max_medium_long, self.min_medium),
-                                     ("long", min(self.max_long, self.max_medium_long), self.min_long)):
-                if cap == 0 and share == 0:
-                    raise ValueError(
-                        f"the {lane} lane could never run: its cap is 0 slots, with no guaranteed share, "
-                        "no wait bound and no borrowing of idle slots; give it a slot, a share or a wait bound")
+
+
+def lanes_never_served(config: SlotConfig) -> tuple[Lane, ...]:
+    """Lanes a worker with ``config`` never pops on decode-heavy traffic: capped at 0 slots, with
+    no guaranteed share, no wait bound and no borrowing of idle slots. Fine for a worker meant to
+    leave them to others (short-only workers); a fleet where every worker is so never serves them
+    (the simulator stopped with "backlog can never be popped")."""
+    if config.max_wait_ms < math.inf or config.borrow_when_idle:
+        return ()
+    caps = ((Lane.MEDIUM, config.max_medium_long, config.min_medium),
+            (Lane.LONG, min(config.max_long, config.max_medium_long), config.min_long))
+    return tuple(lane for lane, cap, share in caps if cap == 0 and share == 0)
 
 
 def eligible_lanes(running: Mapping[Lane, int], config: SlotConfig) -> tuple[Lane, ...]:

@@ -93,14 +93,18 @@ def test_wait_bound_pops_an_overdue_lane_first_past_caps_guarantees_and_protecti
     assert lanes_to_pop(running(), {S: 600.0, L: 1e9}, unbounded)[0] == S
 
 
-def test_a_lane_that_could_never_run_is_refused() -> None:
-    """A lane capped at 0 slots with no share, no wait bound and no borrowing never runs: the
-    simulator stopped with "backlog can never be popped", and a worker would starve it for good."""
-    for medium_long, long_, lane in ((0, 0, "medium"), (4, 0, "long")):
-        with pytest.raises(ValueError, match=f"the {lane} lane could never run"):
-            SlotConfig(max_slots=8, max_long=long_, max_medium_long=medium_long)
-    SlotConfig(max_slots=8, max_long=0, max_medium_long=0, max_wait_ms=600_000)  # the wait bound serves them
-    SlotConfig(max_slots=8, max_long=0, max_medium_long=0, min_medium=1, min_long=1)  # so do guarantees
+def test_a_lane_that_could_never_run_is_named() -> None:
+    """A lane capped at 0 slots with no share, no wait bound and no borrowing is never popped:
+    right for a worker that leaves it to others (a worker logs it), never for a whole fleet (the
+    simulator stopped with "backlog can never be popped"; bench policy refuses such flags)."""
+    from lanes.scheduler.policy import lanes_never_served
+
+    assert lanes_never_served(SlotConfig(max_slots=8, max_long=0, max_medium_long=0)) == (M, L)
+    assert lanes_never_served(SlotConfig(max_slots=8, max_long=0, max_medium_long=4)) == (L,)
+    assert lanes_never_served(SlotConfig(max_slots=8, max_long=0, max_medium_long=0, max_wait_ms=600_000)) == ()
+    assert lanes_never_served(SlotConfig(max_slots=8, max_long=0, max_medium_long=0, min_medium=1, min_long=1)) == ()
+    assert lanes_never_served(SlotConfig(max_slots=8, max_long=0, max_medium_long=0, borrow_when_idle=True)) == ()
+    assert lanes_never_served(SlotConfig(max_slots=1, max_long=1, max_medium_long=1)) == ()
 
 
 def test_an_empty_lane_ahead_does_not_block_a_guarantee_at_protect_after_0() -> None:

@@ -209,12 +209,6 @@ class WorkerSettings(RedisSettings):
             raise ValueError(f"{max_medium_long_text} is below {max_long_text}: long requests count toward the "
                              f"medium + long cap too, so at most {max_medium_long} could run; raise the first or "
                              "lower the second")
-        try:
-            self.slots(self.max_slots)
-        except ValueError as exc:  # a lane that could never run
-            raise ValueError(f"{exc} (with {max_medium_long_text}, {max_long_text}, LANES_MIN_MEDIUM_SLOTS "
-                             f"({self.min_medium_slots}), {min_long_text}, LANES_MAX_WAIT_MS ({self.max_wait_ms:g}: "
-                             "0 is no bound), LANES_BORROW_WHEN_IDLE)") from None
         return self
 
     @property

@@ -41,6 +41,7 @@ from lanes.scheduler.policy import (
     LaneThresholds,
     effective_lane,
     lane_bound_tokens,
+    lanes_never_served,
     lanes_to_pop,
     prefill_heavy,
 )
@@ -83,7 +84,12 @@ class Worker:
         self.engine = engine
         self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:10]}"
         #: ``LANES_POLICY``: which lanes to pop (slots), demotion and preemption.
-        self.policy = make_live_policy(settings.policy, LaneThresholds(), settings.slots(engine.max_concurrency),
+        slots = settings.slots(engine.max_concurrency)
+        if never := lanes_never_served(slots):  # a short-only worker, or a mistake: say which
+            log.warning("this worker never serves the %s lane (LANES_MAX_MEDIUM_LONG_SLOTS / LANES_MAX_LONG_SLOTS "
+                        "at 0, no LANES_MIN_*_SLOTS share, LANES_MAX_WAIT_MS=0): such requests wait for another "
+                        "worker of the pool, forever where none serves them", " and ".join(l.value for l in never))
+        self.policy = make_live_policy(settings.policy, LaneThresholds(), slots,
                                        preemption=settings.preemption())
         self.slots = self.policy.slots
         self._last_preemption_ms = NEVER_MS
