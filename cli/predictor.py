@@ -34,6 +34,7 @@ from lanes.scheduler.predictor.data import (
     DEFAULT_POOL_PATH,
     HELD_OUT_SOURCE,
     HELD_OUT_SOURCES,
+    example_from_record,
     read_examples,
 )
 from lanes.scheduler.predictor.eval import evaluate, kendall_tau
@@ -52,8 +53,7 @@ CHARS_PER_TOKEN = 4.6
 MAX_OUTPUT_TOKENS = 10_000_000
 
 
-def _alpaca_observations(path: Path) -> list[Observation]:
-    records = json.loads(path.read_text())
+def _alpaca_observations(path: Path, records: list[dict[str, object]]) -> list[Observation]:
     counts_path = path.parent / COUNTS_CSV
     column = _COUNT_COLUMNS.get(records[0].get("generator", "")) if records else None
     if counts_path.is_file() and column is not None:
@@ -78,14 +78,17 @@ def load_observations(data: Path) -> list[Observation]:
         if not exc.msg.startswith("Extra data"):
             raise
         records = [_json_line(line, i) for i, line in enumerate(text.splitlines()) if line.strip()]  # JSON lines
+    if isinstance(records, dict) and ({"prompt", "messages", "lengths", "instruction"} & records.keys()):
+        records = [records]  # JSON lines holding one row
     if not isinstance(records, list):
         raise ValueError(f"the file holds a JSON {type(records).__name__}, not a list of rows (one JSON object "
                          "per row, as a list or one per line)")
     first = records[0] if records and isinstance(records[0], dict) else {}
     if "lengths" in first:  # the data set build-data writes
-        return [Observation(e.prompt, e.output_tokens, e.source) for e in read_examples(data)]
+        examples = [example_from_record(r, f"{data}: row {i}") for i, r in enumerate(records)]
+        return [Observation(e.prompt, e.output_tokens, e.source) for e in examples]
     if "instruction" in first:
-        return _alpaca_observations(data)
+        return _alpaca_observations(data, records)
     return [_observation(r, i) for i, r in enumerate(records)]
 
 
@@ -141,9 +144,9 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     try:
         observations = load_observations(data)
     except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError, OverflowError) as exc:
-        raise typer.BadParameter(f"{data}: expected a JSON list [{{'prompt', 'output_tokens'}}], AlpacaEval "
-                                 f"model_outputs.json or a .jsonl.gz data set from build-data "
-                                 f"({type(exc).__name__}: {exc})", param_hint=flag) from exc
+        raise typer.BadParameter(f"{data}: expected rows of {{'prompt' (or a chat's 'messages'), 'output_tokens'}} "
+                                 "as a JSON list or JSON lines (gzipped or not), AlpacaEval model_outputs.json or "
+                                 f"a data set from build-data ({type(exc).__name__}: {exc})", param_hint=flag) from exc
     if not observations:
         raise typer.BadParameter(f"{data} holds no prompts", param_hint=flag)
     return observations

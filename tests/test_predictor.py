@@ -219,6 +219,17 @@ def test_eval_reads_the_files_people_have(tmp_path: Path) -> None:
     for name, body in files.items():
         (tmp_path / name).write_bytes(body)
         assert [(o.prompt, o.output_tokens) for o in load_observations(tmp_path / name)] == expected, name
+    # One row of JSON lines; AlpacaEval outputs and build-data rows read through the same parse
+    # (each re-read its file, and failed on a BOM, gzip, JSON lines or an uncompressed data set).
+    (tmp_path / "one.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert [(o.prompt, o.output_tokens) for o in load_observations(tmp_path / "one.jsonl")] == expected[:1]
+    alpaca = [{"instruction": r["prompt"], "output": "x" * 46, "generator": "g", "dataset": "d"} for r in rows]
+    (tmp_path / "alpaca.json").write_bytes("\ufeff".encode() + json.dumps(alpaca).encode())
+    assert [(o.prompt, o.output_tokens) for o in load_observations(tmp_path / "alpaca.json")] == \
+        [(r["prompt"], 10) for r in rows]
+    examples = [{"prompt": r["prompt"], "source": "s", "lengths": {"m": r["output_tokens"]}} for r in rows]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(e) for e in examples))
+    assert [(o.prompt, o.output_tokens) for o in load_observations(tmp_path / "data.jsonl")] == expected
 
 
 @pytest.mark.parametrize("body, says", [

@@ -77,19 +77,20 @@ def write_examples(examples: Iterable[Example], path: Path) -> None:
 
 def read_examples(path: Path) -> list[Example]:
     """Read a file written by ``write_examples``. Raises ValueError naming the bad line."""
-    examples = []
     with gzip.open(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-                lengths = {str(k): int(v) for k, v in record["lengths"].items()}
-                example = Example(str(record["prompt"]), str(record["source"]), lengths)
-                if not lengths or min(lengths.values()) < 0:
-                    raise ValueError("lengths must be a non-empty map of non-negative token counts")
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise ValueError(f"{path}:{number}: bad example: {exc}") from exc
-            examples.append(example)
-    return examples
+        return [example_from_record(json.loads(line), f"{path}:{number}") for number, line in enumerate(lines, 1)]
+
+
+def example_from_record(record: object, where: str) -> Example:
+    """One parsed line of a ``write_examples`` file; ValueError naming ``where`` when malformed."""
+    try:
+        lengths = {str(k): int(v) for k, v in record["lengths"].items()}  # type: ignore[index]
+        example = Example(str(record["prompt"]), str(record["source"]), lengths)  # type: ignore[index]
+        if not lengths or min(lengths.values()) < 0:
+            raise ValueError("lengths must be a non-empty map of non-negative token counts")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{where}: bad example: {exc}") from exc
+    return example
 
 
 def sources(examples: Sequence[Example]) -> list[str]:
