@@ -20,6 +20,7 @@ import asyncio
 import signal
 import json
 import os
+import re
 import tempfile
 import time
 import urllib.request
@@ -149,7 +150,9 @@ print("a < b")
 | short | 150 |
 
 <img src=x onerror="window.pwned = 1"> <script>window.pwned = 2</script>
-[docs](https://example.com/docs) [bad](javascript:window.pwned=3) ![leak](https://example.com/x.png?q=secret)"""
+[docs](https://example.com/docs) [bad](javascript:window.pwned=3) ![leak](https://example.com/x.png?q=secret)
+
+Tom &amp; Jerry &lt;3, [query](https://example.com/?a=1&amp;b=2) [tab](java&#x09;script:window.pwned=4)"""
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +171,9 @@ async def test_chat_page_streams_an_answer(chat_system: System, new_tab, greedy_
     answer = await tab.finished()
     expected = greedy_reference(prompt, 40)
     assert answer["state"] == "done" and answer["text"] == expected.text, "the model's own greedy answer"
+    shown = await tab.page.evaluate("() => document.querySelector('.turn.assistant:last-of-type .text').textContent")
+    words = re.findall(r"[A-Za-z]{4,}", expected.text)
+    assert words and all(word in shown for word in words), (shown, expected.text)  # what the page shows
     assert answer["lane"] in ("short", "medium", "long") and f"{answer['lane']} lane" in answer["meta"]
     assert float(answer["ttftMs"]) > 0 and float(answer["tokensPerS"]) > 0
     assert "TTFT" in answer["meta"] and "tokens/s" in answer["meta"] and "repeated" not in answer
@@ -202,7 +208,9 @@ async def test_answers_render_as_markdown_and_never_as_html(chat_system: System,
     assert "pip install lanes" in shown["inline"] and shown["strong"] == ["both"]
     assert shown["cells"] == ["short", "150"] and shown["align"] == "right"
     assert shown["links"] == [["docs", "https://example.com/docs", "noopener noreferrer nofollow"],
-                              ["[image: leak]", "https://example.com/x.png?q=secret", "noopener noreferrer nofollow"]]
+                              ["[image: leak]", "https://example.com/x.png?q=secret", "noopener noreferrer nofollow"],
+                              ["query", "https://example.com/?a=1&b=2", "noopener noreferrer nofollow"]]
+    assert "Tom & Jerry <3" in shown["text"], "character references are decoded, as an HTML renderer would"
     assert shown["elements"] == 0 and shown["pwned"] is None, "the answer's markup became elements"
     assert '<img src=x onerror="window.pwned = 1">' in shown["text"] and "<script>" in shown["text"]
     assert "bad" in shown["text"], "the javascript: link is kept as its text"

@@ -6,9 +6,11 @@
 // last seq it shows, so the edge replays exactly what is missing: deltas at or below that seq
 // (a replay overlapping what arrived before the drop) are ignored, never shown twice.
 //
-// Answers are rendered as Markdown (markdown.js: no HTML from the answer ever reaches the page),
-// at most once per animation frame while they stream; `lanesChat.answers` keeps each one's raw
-// text, and the Copy button copies that.
+// Answers are rendered as Markdown (markdown.js: no HTML from the answer ever reaches the page).
+// While one streams, the whole text is re-parsed at most once per animation frame and never
+// more than a tenth of the time (a parse of a long or pathological answer takes 100s of ms: the
+// page stays responsive), and past STREAM_MARKDOWN_CHARS it streams as plain text, rendered
+// once at its end. `lanesChat.answers` keeps each one's raw text, and Copy copies that.
 
 import { Connection } from "./connection.js";
 import { askForKey, takeKeyFromFragment } from "./key.js";
@@ -17,6 +19,10 @@ import { renderMarkdown } from "./markdown.js";
 takeKeyFromFragment();
 
 const $ = (id) => document.getElementById(id);
+/** Longer answers stream as plain text (a full parse per render would grow with the square of their length). */
+const STREAM_MARKDOWN_CHARS = 24_000;
+/** Longer answers stay plain text even at their end. */
+const FINAL_MARKDOWN_CHARS = 400_000;
 /** The conversation sent with every chat: {role, content}. */
 const turns = [];
 /** Request id -> Answer, for every answer of this page. */
@@ -38,6 +44,7 @@ class Answer {
     this.el = addTurn("assistant", "");
     this.el.dataset.id = id;
     this.renderPending = false;
+    this.nextRenderAt = 0; // performance.now() before which no streaming render starts
     this.setState("streaming");
   }
 
@@ -84,14 +91,20 @@ class Answer {
     this.text += frame.text;
     if (!this.renderPending) {
       this.renderPending = true;
-      requestAnimationFrame(() => this.render());
+      const wait = Math.max(0, this.nextRenderAt - performance.now());
+      setTimeout(() => requestAnimationFrame(() => this.render(false)), wait);
     }
   }
 
-  render() {
+  render(final) {
     this.renderPending = false;
+    if (!final && this.finished) return; // a streaming render that came after the final one
     const following = window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
-    renderMarkdown(this.el.querySelector(".text"), this.text);
+    const started = performance.now();
+    const target = this.el.querySelector(".text");
+    if (this.text.length > (final ? FINAL_MARKDOWN_CHARS : STREAM_MARKDOWN_CHARS)) target.textContent = this.text;
+    else renderMarkdown(target, this.text);
+    this.nextRenderAt = performance.now() + 9 * (performance.now() - started);
     if (following) window.scrollTo(0, document.body.scrollHeight); // a reader scrolled up stays put
   }
 
@@ -132,7 +145,7 @@ class Answer {
 
   end(state) {
     this.finished = true;
-    this.render(); // the whole text, now (a background tab runs no animation frames)
+    this.render(true); // the whole text, now (a background tab runs no animation frames)
     this.setState(state);
     if (this.text) {
       turns.push({ role: "assistant", content: this.text });

@@ -13,6 +13,19 @@
 import { marked } from "./marked.esm.js";
 
 const SAFE_URL = /^(https?:|mailto:)/i;
+/** A character reference: the lexer leaves named ones (``&amp;``) for an HTML renderer to decode. */
+const ENTITY = /&(?:#\d{1,7}|#x[0-9a-f]{1,6}|[a-z][a-z0-9]{1,31});/gi;
+const decoder = document.createElement("textarea"); // detached: its content is text, never markup
+
+/** ``text`` with its character references decoded (one reference at a time, each matched by
+ * ``ENTITY`` first, so no markup ever reaches the decoder). */
+function decoded(text) {
+  if (!text || !text.includes("&")) return text;
+  return text.replace(ENTITY, (ref) => {
+    decoder.innerHTML = ref;
+    return decoder.value;
+  });
+}
 
 function el(tag, children = [], props = {}) {
   const node = document.createElement(tag);
@@ -21,10 +34,11 @@ function el(tag, children = [], props = {}) {
   return node;
 }
 
-function link(href, children, title) {
-  if (!SAFE_URL.test(String(href).trim())) return el("span", children); // javascript:, data:, relative
+function link(rawHref, children, title) {
+  const href = decoded(String(rawHref ?? "")).trim(); // checked as the browser would read it
+  if (!SAFE_URL.test(href)) return el("span", children); // javascript:, data:, relative
   const a = el("a", children, { href, target: "_blank", rel: "noopener noreferrer nofollow" });
-  if (title) a.title = title;
+  if (title) a.title = decoded(title);
   return a;
 }
 
@@ -37,9 +51,9 @@ function inline(tokens = []) {
       case "codespan": return el("code", [t.text]);
       case "br": return el("br");
       case "link": return link(t.href, inline(t.tokens), t.title);
-      case "image": return link(t.href, [`[image: ${t.text || t.href}]`], t.title);
+      case "image": return link(t.href, [`[image: ${decoded(t.text) || decoded(t.href)}]`], t.title);
       case "checkbox": return el("input", [], { type: "checkbox", checked: t.checked, disabled: true });
-      case "text": return t.tokens ? el("span", inline(t.tokens)) : document.createTextNode(t.text);
+      case "text": return t.tokens ? el("span", inline(t.tokens)) : document.createTextNode(decoded(t.text));
       case "escape": return document.createTextNode(t.text); // "\\*": the star, not the backslash
       default: return document.createTextNode(t.raw ?? t.text ?? ""); // html, anything new
     }
@@ -79,7 +93,7 @@ function block(tokens = []) {
         out.push(el("div", [el("table", [head, body])], { className: "table" }));
         break;
       }
-      case "text": out.push(el("p", t.tokens ? inline(t.tokens) : [t.text])); break;
+      case "text": out.push(el("p", t.tokens ? inline(t.tokens) : [decoded(t.text)])); break;
       default: out.push(el("p", [t.raw ?? t.text ?? ""])); // html blocks and anything new: as text
     }
   }
