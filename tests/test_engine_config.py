@@ -320,14 +320,21 @@ def test_a_quantization_the_checkpoint_does_not_hold_is_refused() -> None:
 
     def check(quantization: str, files: dict, itself: bool) -> None:
         settings = WorkerSettings(_env_file=None, engine="vllm", model="m", quantization=quantization)
-        refuse_weight_quant_mismatch(settings, files, quantizes_fp8_itself=itself)
+        refuse_weight_quant_mismatch(settings, files, engine="vllm" if itself else "trtllm")
 
+    awq = {"config.json": {"quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}}}
+    gptq = {"config.json": {"quantization_config": {"quant_method": "gptq", "bits": "4"}}}
+    check("awq", gptq, True)  # vLLM runs GPTQ as gptq_marlin
+    with pytest.raises(ConfigError, match="TensorRT-LLM's PyTorch backend loads unquantized"):
+        check("awq", gptq, False)  # TensorRT-LLM reads ModelOpt and compressed-tensors only
+    legacy = {"config.json": {"compression_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "g": {"weights": {"num_bits": 8, "type": "float"}}}}}}
+    check("fp8", legacy, False)  # the older key of the same section
     for itself in (True, False):
         with pytest.raises(ConfigError, match="LANES_QUANTIZATION=awq, but the checkpoint m holds unquantized"):
             check("awq", plain, itself)
         with pytest.raises(ConfigError, match="holds fp8 weights"):
             check("awq", fp8, itself)
-        check("awq", {"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, itself)
         check("awq", awq, itself)
         check("fp8", fp8, itself)
         check("none", awq, itself)  # none runs any checkpoint as it is

@@ -405,6 +405,12 @@ def test_examples_round_trip_byte_for_byte_and_name_bad_lines(tmp_path: Path) ->
     write_examples([Example("x", "s", {"m": -1})], tmp_path / "bad.jsonl.gz")
     with pytest.raises(ValueError, match="bad.jsonl.gz:1"):
         read_examples(tmp_path / "bad.jsonl.gz")
+    import gzip
+
+    (tmp_path / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a", "source": "s", "lengths": {"m": 3}}\n'
+                                                             b'{"prompt": "b", "source": "s", "lengths": {"m": 3}\n'))
+    with pytest.raises(ValueError, match="broken.jsonl.gz:2: bad example"):  # a line that is not JSON too
+        read_examples(tmp_path / "broken.jsonl.gz")
 
 
 def test_generalization_report_scores_every_source_on_a_model_that_never_saw_it() -> None:

@@ -84,14 +84,14 @@ class Worker:
         self.engine = engine
         self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:10]}"
         #: ``LANES_POLICY``: which lanes to pop (slots), demotion and preemption.
-        slots = settings.slots(engine.max_concurrency)
-        if never := lanes_never_served(slots):  # a short-only worker, or a mistake: say which
-            log.warning("this worker never serves the %s lane (LANES_MAX_MEDIUM_LONG_SLOTS / LANES_MAX_LONG_SLOTS "
-                        "at 0, no LANES_MIN_*_SLOTS share, LANES_MAX_WAIT_MS=0): such requests wait for another "
-                        "worker of the pool, forever where none serves them", " and ".join(l.value for l in never))
-        self.policy = make_live_policy(settings.policy, LaneThresholds(), slots,
+        self.policy = make_live_policy(settings.policy, LaneThresholds(), settings.slots(engine.max_concurrency),
                                        preemption=settings.preemption())
         self.slots = self.policy.slots
+        if never := lanes_never_served(self.slots):  # a short-only worker, or a mistake: say which
+            log.warning("this worker does not serve the %s lane on decode-heavy traffic (a cap of 0 slots, no "
+                        "LANES_MIN_*_SLOTS share, LANES_MAX_WAIT_MS=0; it serves every lane while prompts are "
+                        "LANES_FCFS_ABOVE_PREFILL_SHARE of its work): such requests wait for another worker of the "
+                        "pool", " and ".join(lane.value for lane in never))
         self._last_preemption_ms = NEVER_MS
         self.table = RunTable(orphan_grace_s=settings.orphan_grace_s)
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.

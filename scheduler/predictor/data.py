@@ -78,12 +78,15 @@ def write_examples(examples: Iterable[Example], path: Path) -> None:
 def read_examples(path: Path) -> list[Example]:
     """Read a file written by ``write_examples``. Raises ValueError naming the bad line."""
     with gzip.open(path, "rt", encoding="utf-8") as lines:
-        return [example_from_record(json.loads(line), f"{path}:{number}") for number, line in enumerate(lines, 1)]
+        return [example_from_record(line, f"{path}:{number}") for number, line in enumerate(lines, 1)]
 
 
 def example_from_record(record: object, where: str) -> Example:
-    """One parsed line of a ``write_examples`` file; ValueError naming ``where`` when malformed."""
+    """One line of a ``write_examples`` file, as text or parsed; ValueError naming ``where`` when
+    malformed."""
     try:
+        if isinstance(record, str):
+            record = json.loads(record)
         lengths = {str(k): int(v) for k, v in record["lengths"].items()}  # type: ignore[index]
         example = Example(str(record["prompt"]), str(record["source"]), lengths)  # type: ignore[index]
         if not lengths or min(lengths.values()) < 0:

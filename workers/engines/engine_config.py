@@ -180,7 +180,7 @@ def checkpoint_weight_quant(files: Mapping[str, Mapping[str, Any] | None]) -> st
     method's name, or ``""`` for none; None when its ``config.json`` could not be read."""
     modelopt = (files.get("hf_quant_config.json") or {}).get("quantization")
     config = files.get("config.json")
-    quant = config.get("quantization_config") if isinstance(config, Mapping) else None
+    quant = _quantization_config(config)
     algos = [block.get("quant_algo") for block in (modelopt, quant, (quant or {}).get("quantization"))
              if isinstance(block, Mapping)]
     algo = next((a for a in algos if isinstance(a, str) and a.strip()), None)
@@ -191,7 +191,7 @@ def checkpoint_weight_quant(files: Mapping[str, Mapping[str, Any] | None]) -> st
     if not isinstance(quant, Mapping):
         return None if config is None else ""
     method = str(quant.get("quant_method", "")).lower()
-    if method in ("awq", "awq_marlin") or (method in ("gptq", "gptq_marlin") and quant.get("bits", 4) == 4):
+    if method in ("awq", "awq_marlin") or (method in ("gptq", "gptq_marlin") and str(quant.get("bits", 4)) == "4"):
         return "awq"
     if method == "bitsandbytes" and quant.get("load_in_4bit"):
         return "awq"
@@ -208,17 +208,48 @@ def checkpoint_weight_quant(files: Mapping[str, Mapping[str, Any] | None]) -> st
     return method or "unknown"
 
 
+def _quantization_config(config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``config.json``'s quantization section (``compression_config``: its older name, which
+    vLLM still reads as the checkpoint's method)."""
+    if not isinstance(config, Mapping):
+        return None
+    quant = config.get("quantization_config") or config.get("compression_config")
+    return quant if isinstance(quant, Mapping) else None
+
+
+#: Checkpoint quantization TensorRT-LLM's PyTorch backend reads (``ModelConfig.load_hf_quant_config``:
+#: ModelOpt's hf_quant_config.json, or these ``quant_method``s in config.json); it loads any other
+#: (GPTQ, AutoAWQ, bitsandbytes) with no quantization at all.
+TRTLLM_QUANT_METHODS = ("modelopt", "compressed-tensors", "fp8", "mxfp4", "mxfp8", "nvfp4")
+
+
+def _trtllm_reads(files: Mapping[str, Mapping[str, Any] | None]) -> bool:
+    if isinstance((files.get("hf_quant_config.json") or {}).get("quantization"), Mapping):
+        return True
+    quant = _quantization_config(files.get("config.json"))
+    return quant is not None and str(quant.get("quant_method", "")).lower() in TRTLLM_QUANT_METHODS
+
+
 def refuse_weight_quant_mismatch(settings: WorkerSettings, files: Mapping[str, Mapping[str, Any] | None], *,
-                                 quantizes_fp8_itself: bool) -> None:
-    """``ConfigError`` when ``LANES_QUANTIZATION`` asks for weights the checkpoint does not hold:
-    neither engine quantizes to AWQ at load, and TensorRT-LLM's PyTorch backend does not to FP8
-    either (vLLM does: ``quantizes_fp8_itself``), so the setting alone would run the checkpoint
-    as it is, unquantized, with no word."""
+                                 engine: str) -> None:
+    """``ConfigError`` when ``LANES_QUANTIZATION`` asks for weights the checkpoint does not hold,
+    or holds in a format ``engine`` does not read: neither engine quantizes to 4 bits at load,
+    TensorRT-LLM's PyTorch backend does not to FP8 either (vLLM does) and reads ModelOpt and
+    compressed-tensors checkpoints only, so the setting alone would run the checkpoint as it
+    is, unquantized, with no word."""
     wanted = settings.quantization
-    if wanted == "none" or (found := checkpoint_weight_quant(files)) is None or found == wanted:
+    if wanted == "none" or (found := checkpoint_weight_quant(files)) is None:
         return
-    if wanted == "fp8" and quantizes_fp8_itself and found == "":
+    if found == wanted and (engine != "trtllm" or _trtllm_reads(files)):
+        return
+    if wanted == "fp8" and engine == "vllm" and found == "":
         return  # vLLM quantizes a 16-bit checkpoint to FP8 as it loads it
+    if found == wanted:  # the right bits in a format TensorRT-LLM loads unquantized
+        raise ConfigError(
+            f"LANES_QUANTIZATION={wanted}: the checkpoint {settings.model} holds them as "
+            f"{str((_quantization_config(files.get('config.json')) or {}).get('quant_method', '?'))}, which "
+            "TensorRT-LLM's PyTorch backend loads unquantized: use a ModelOpt or compressed-tensors checkpoint "
+            "(or engine=vllm)")
     held = ("4-bit weights" if found == "awq" else f"{found} weights") if found else "unquantized weights"
     how = {"awq": "4-bit weights (AutoAWQ, GPTQ, llm-compressor's W4A16 recipes, or ModelOpt W4A16_AWQ)",
            "fp8": "FP8 (llm-compressor or ModelOpt)"}[wanted]
@@ -229,12 +260,12 @@ def refuse_weight_quant_mismatch(settings: WorkerSettings, files: Mapping[str, M
     )
 
 
-def check_checkpoint_quant(settings: WorkerSettings, *, quantizes_fp8_itself: bool) -> str | None:
+def check_checkpoint_quant(settings: WorkerSettings, *, engine: str) -> str | None:
     """Both checks above on ``settings.model``'s files (read from its directory or the hub);
     returns ``checkpoint_weight_quant`` of them (for ``vllm_engine_kwargs``)."""
     files = read_checkpoint_files(settings.model)
     refuse_kv_cache_quant(settings, files)
-    refuse_weight_quant_mismatch(settings, files, quantizes_fp8_itself=quantizes_fp8_itself)
+    refuse_weight_quant_mismatch(settings, files, engine=engine)
     return checkpoint_weight_quant(files)
 
 

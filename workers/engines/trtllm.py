@@ -237,7 +237,7 @@ class TrtllmEngine:
         import tensorrt_llm
         from tensorrt_llm import llmapi
 
-        await asyncio.to_thread(check_checkpoint_quant, self.settings, quantizes_fp8_itself=False)
+        await asyncio.to_thread(check_checkpoint_quant, self.settings, engine="trtllm")
         try:
             # Inside the try: a release may reject one of the config objects.
             wanted = trtllm_llm_kwargs(self.settings)

@@ -203,7 +203,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        found = await asyncio.to_thread(check_checkpoint_quant, self.settings, quantizes_fp8_itself=True)
+        found = await asyncio.to_thread(check_checkpoint_quant, self.settings, engine="vllm")
         kwargs, dropped = filter_supported(vllm_engine_kwargs(self.settings, found),
                                            supported_names(AsyncEngineArgs))
         self.dropped_args = dropped
