@@ -101,6 +101,9 @@ async def refresh_predictor(ctx: dict[str, Any]) -> dict[str, int]:
         return {"observations": len(observations), "version": 0}
     weights = await asyncio.to_thread(refit_bytes, observations, ctx.get("memory_weight"))
     version = await plane.fleet.publish_predictor(weights, len(observations), added)
+    from lanes.scheduler.predictor import release_freed_memory
+
+    release_freed_memory()  # the refit freed what glibc would keep (RSS 370 -> 211 MB in a soak)
     log.info("predictor refreshed from %d observations: version %d", len(observations), version)
     return {"observations": len(observations), "version": version}
 

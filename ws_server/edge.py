@@ -31,7 +31,7 @@ from lanes.queue.plane import QueuePlane
 from lanes.queue.pubsub import listen
 from lanes.scheduler.live_policy import make_live_policy
 from lanes.scheduler.policy import LaneThresholds, SlotConfig
-from lanes.scheduler.predictor import LengthPredictor
+from lanes.scheduler.predictor import LengthPredictor, release_freed_memory
 from lanes.scheduler.refresh import UnusableWeights, load_published
 from lanes.telemetry import metrics
 from lanes.ws_server import delivery, protocol
@@ -456,6 +456,7 @@ class Edge:
         self.lengths.predictor = predictor
         self.predictor_version = version
         metrics.PREDICTOR_VERSION.set(version)
+        release_freed_memory()  # the loading freed ~15 MB glibc would keep
         routing = predictor.routing
         if routing is None:
             kept = " (the model carries none: unchanged)"

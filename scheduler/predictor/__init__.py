@@ -60,7 +60,22 @@ __all__ = [
     "from_weights",
     "load_default",
     "prompt_text",
+    "release_freed_memory",
 ]
+
+
+def release_freed_memory() -> None:
+    """Hand the heap glibc keeps after ``free`` back to the system (``malloc_trim``; a no-op
+    elsewhere). Called after a predictor is replaced: loading or refitting one frees ~15 MB
+    that glibc held for good (a 90-minute soak: an edge's RSS 160.9 MB after one trim against
+    175.8 before, live memory flat; the scheduler 369.9 -> 211.4 MB). Takes ~1 ms."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to hand back this way
+        pass
 
 
 class WeightsError(ValueError):
