@@ -47,8 +47,8 @@ def compare(
     scaled = trace.time_scaled(load * capacity_rps / trace.rate_rps)
     n = engine.max_num_seqs
 
-    def build(name: str) -> SimPolicy:
-        return make_policy(name, scaled, predictions.tokens, n, predictor_ms=predictions.latency_ms,
+    def build(name: str, rows: Trace = scaled) -> SimPolicy:
+        return make_policy(name, rows, predictions.tokens, n, predictor_ms=predictions.latency_ms,
                            tuning=tuning, mlfq=mlfq, routing=predictions.routing)
 
     burst = scaled.all_at_once()
@@ -58,9 +58,7 @@ def compare(
         open-loop trace ``throughput_rps`` is the arrival rate unless a policy leaves a backlog
         at the end, so it cannot show capacity a policy wastes (re-prefills, swaps, the batches
         its order makes); this can."""
-        policy = make_policy(name, burst, predictions.tokens, n, predictor_ms=predictions.latency_ms,
-                             tuning=tuning, mlfq=mlfq, routing=predictions.routing)
-        return len(burst) / float(run_policy(burst, policy, engine, num_workers).finish_s.max())
+        return len(burst) / float(run_policy(burst, build(name, burst), engine, num_workers).finish_s.max())
 
     fcfs = run_policy(scaled, build("fcfs"), engine, num_workers)
     out: dict[str, dict[str, Any]] = {}

@@ -231,14 +231,16 @@ def _trtllm_reads(files: Mapping[str, Mapping[str, Any] | None]) -> bool:
 
 
 def refuse_weight_quant_mismatch(settings: WorkerSettings, files: Mapping[str, Mapping[str, Any] | None], *,
-                                 engine: str) -> None:
+                                 engine: str, found: str | None = None) -> None:
     """``ConfigError`` when ``LANES_QUANTIZATION`` asks for weights the checkpoint does not hold,
     or holds in a format ``engine`` does not read: neither engine quantizes to 4 bits at load,
     TensorRT-LLM's PyTorch backend does not to FP8 either (vLLM does) and reads ModelOpt and
     compressed-tensors checkpoints only, so the setting alone would run the checkpoint as it
     is, unquantized, with no word."""
     wanted = settings.quantization
-    if wanted == "none" or (found := checkpoint_weight_quant(files)) is None:
+    if found is None:
+        found = checkpoint_weight_quant(files)
+    if wanted == "none" or found is None:
         return
     if found == wanted and (engine != "trtllm" or _trtllm_reads(files)):
         return
@@ -265,8 +267,9 @@ def check_checkpoint_quant(settings: WorkerSettings, *, engine: str) -> str | No
     returns ``checkpoint_weight_quant`` of them (for ``vllm_engine_kwargs``)."""
     files = read_checkpoint_files(settings.model)
     refuse_kv_cache_quant(settings, files)
-    refuse_weight_quant_mismatch(settings, files, engine=engine)
-    return checkpoint_weight_quant(files)
+    found = checkpoint_weight_quant(files)
+    refuse_weight_quant_mismatch(settings, files, engine=engine, found=found)
+    return found
 
 
 def read_checkpoint_files(model: str) -> dict[str, dict[str, Any] | None]:
