@@ -15,7 +15,8 @@ The worker's contract:
   the latest depth snapshot (the ``oldest_wait_ms`` it passes to ``lanes_to_pop``).
 - ``None``: nothing to do. An id: hand that request back (``QueuePlane.release``) into
   ``requeue_lane(run, config)`` at its original score, count one more ``num_preemptions`` for
-  it (the count travels with the request), and remember ``last_preemption_ms = now_ms``.
+  it (the count travels with the request), remember ``last_preemption_ms = now_ms`` and take
+  ``hand_back_cost(run, config)`` from the budget.
   ``requeue_lane`` is the run's effective lane, so a demoted request goes back behind the
   lane it outgrew, not to the head of the short lane (``RELEASE`` must accept that lane).
 - Candidates: runs whose lane is later than a lane that has waited ``wait_bound_ms`` — runs
@@ -27,6 +28,14 @@ The worker's contract:
   tokens per token of slot time it frees. A run that has outlived its prediction may be near
   its end with nothing to tell so.
 - Among candidates: the lowest ``reprefill_tokens / expected_remaining_tokens``.
+- A re-prefill budget (a token bucket, ``budget_tokens``): the worker earns
+  ``max_reprefill_share`` re-prefill tokens per token it generates, kept up to
+  ``reprefill_burst_tokens`` (``earn_reprefill_budget``), and a hand-back spends its
+  ``hand_back_cost``; a candidate that costs more than the budget holds is no candidate. Under a
+  backlog that lasts (every short request waits past the bound) hand-backs would otherwise run
+  back to back, each re-prefilling work already done: 2,993 of them cost lanes 3 % of its
+  saturation capacity (benchmarks/RESULTS.md, "Stop 43"). The budget bounds that loss by
+  construction, and a peak's few hand-backs still find it full.
 """
 
 from __future__ import annotations
@@ -85,6 +94,12 @@ class PreemptionConfig:
     max_cost_ratio: float = 4.0
     #: Share of the prompt an engine with prefix caching still holds when the request resumes.
     prompt_cached_share: float = 0.0
+    #: Re-prefill tokens a worker earns per token it generates (the budget's rate). At 0.05 on
+    #: the L70-H100 profile, where a prefill token costs ~1/8 of a decode token's engine time,
+    #: hand-backs take at most ~0.6 % of the worker's time in a backlog that never clears.
+    max_reprefill_share: float = 0.05
+    #: The most re-prefill tokens the budget keeps (a full one when the worker starts).
+    reprefill_burst_tokens: int = 8_192
     #: Also hand back demoted runs (claimed from the waiting lane but past its bound), not
     #: only runs claimed from a later lane, so a mispredicted long answer stops holding a slot
     #: the short lane needs during a peak. Off by default: with a predictor that ranks well it
@@ -97,11 +112,23 @@ class PreemptionConfig:
             raise ValueError("max_preemptions and min_remaining_tokens must be >= 0")
         if not 0.0 <= self.prompt_cached_share <= 1.0:
             raise ValueError("prompt_cached_share must be in [0, 1]")
+        if not (self.max_reprefill_share >= 0.0 and self.reprefill_burst_tokens >= 0):  # also refuses NaN
+            raise ValueError("max_reprefill_share and reprefill_burst_tokens must be >= 0")
 
 
 def reprefill_tokens(prompt_tokens: int, generated_tokens: int, prompt_cached_share: float = 0.0) -> int:
     """Tokens the resumed attempt prefills: the prompt (less its cached share) plus the answer so far."""
     return round(prompt_tokens * (1.0 - prompt_cached_share)) + generated_tokens
+
+
+def hand_back_cost(run: RunView, config: PreemptionConfig) -> int:
+    """What handing ``run`` back spends of the re-prefill budget: its resume's re-prefill."""
+    return reprefill_tokens(run.prompt_tokens, run.generated_tokens, config.prompt_cached_share)
+
+
+def earn_reprefill_budget(budget_tokens: float, generated_tokens: float, config: PreemptionConfig) -> float:
+    """The budget after the worker generated ``generated_tokens`` more tokens (capped)."""
+    return min(float(config.reprefill_burst_tokens), budget_tokens + config.max_reprefill_share * generated_tokens)
 
 
 def expected_remaining_tokens(run: RunView) -> int:
@@ -127,7 +154,8 @@ def _near_its_end(run: RunView, min_remaining_tokens: int) -> bool:
             or 0 < run.predicted_tokens - run.generated_tokens <= min_remaining_tokens)
 
 
-def _cost_ratio(run: RunView, waiting_before: int, now_ms: float, config: PreemptionConfig) -> float | None:
+def _cost_ratio(run: RunView, waiting_before: int, now_ms: float, budget_tokens: float,
+                config: PreemptionConfig) -> float | None:
     """Re-prefill tokens per token of slot time freed, or None when the run is no candidate."""
     lane = requeue_lane(run, config) if config.hand_back_demoted else run.lane
     if (LANE_ORDER.index(lane) <= waiting_before
@@ -135,7 +163,9 @@ def _cost_ratio(run: RunView, waiting_before: int, now_ms: float, config: Preemp
             or now_ms - run.started_at_ms < config.min_run_ms
             or _near_its_end(run, config.min_remaining_tokens)):
         return None
-    cost = reprefill_tokens(run.prompt_tokens, run.generated_tokens, config.prompt_cached_share)
+    cost = hand_back_cost(run, config)
+    if cost > budget_tokens:
+        return None
     ratio = cost / expected_remaining_tokens(run)
     return ratio if ratio <= config.max_cost_ratio else None
 
@@ -146,11 +176,13 @@ def choose_preemption(
     now_ms: float,
     last_preemption_ms: float,
     config: PreemptionConfig,
+    budget_tokens: float,
 ) -> str | None:
     """The id of the run to hand back now, or None (the contract is in the module docstring).
 
     ``oldest_wait_ms`` holds the age of each non-empty lane's oldest request;
-    ``last_preemption_ms`` is when this worker last handed one back (``NEVER_MS`` if never).
+    ``last_preemption_ms`` is when this worker last handed one back (``NEVER_MS`` if never);
+    ``budget_tokens`` is the worker's re-prefill budget (``earn_reprefill_budget``).
     Deterministic: ties go to the smallest id.
     """
     if now_ms - last_preemption_ms < config.min_interval_ms:
@@ -161,7 +193,7 @@ def choose_preemption(
     first = min(overdue)
     best: tuple[float, str] | None = None
     for run in runs:
-        ratio = _cost_ratio(run, first, now_ms, config)
+        ratio = _cost_ratio(run, first, now_ms, budget_tokens, config)
         if ratio is not None and (best is None or (ratio, run.id) < best):
             best = (ratio, run.id)
     return None if best is None else best[1]

@@ -61,8 +61,24 @@ async def test_a_long_run_is_handed_back_when_a_short_request_waits_too_long(pla
         await enqueue(plane, "short", Lane.SHORT, 5)
         await until(lambda: _is(plane, "short", "done"))  # served while "long" was handed back
         assert worker.table.num_finished["preempted"] == 1
+        # The hand-back spent its re-prefill (prompt + streamed tokens) from the worker's budget.
+        assert worker._reprefill_budget < worker.policy.preemption.reprefill_burst_tokens
         await until(lambda: _is(plane, "long", "done"), 60)
     await _resumed_whole(plane, "long", 300)
+
+
+async def test_no_hand_back_past_the_reprefill_budget(plane: QueuePlane) -> None:
+    """The same wait with a budget smaller than the re-prefill: the long run keeps its slot and
+    the short request waits for it (under a backlog that never clears, hand-backs back to back
+    would re-prefill work already done: the budget bounds that loss)."""
+    async with running(plane, slots=1, time_scale=1.0, preempt_after_ms=300, max_long_slots=1,
+                       min_long_slots=0, preempt_budget_tokens=2, preempt_reprefill_share=0.0) as worker:
+        await enqueue(plane, "long", Lane.LONG, 300)
+        await until(lambda: _streamed(plane, "long", 3))
+        await enqueue(plane, "short", Lane.SHORT, 5)
+        await until(lambda: _is(plane, "long", "done"), 60)
+        await until(lambda: _is(plane, "short", "done"))
+        assert worker.table.num_finished["preempted"] == 0
 
 
 async def test_a_short_run_past_its_bound_counts_against_the_long_lane(plane: QueuePlane) -> None:

@@ -24,7 +24,9 @@ from lanes.scheduler.preemption import (
     PreemptionConfig,
     RunView,
     choose_preemption,
+    earn_reprefill_budget,
     expected_remaining_tokens,
+    hand_back_cost,
     reprefill_tokens,
     requeue_lane,
 )
@@ -32,6 +34,8 @@ from lanes.scheduler.preemption import (
 S, M, L = Lane.SHORT, Lane.MEDIUM, Lane.LONG
 BOUNDS = LaneThresholds(short_max_tokens=100, medium_max_tokens=400)
 NOW_MS = 100_000.0
+#: A re-prefill budget no test below exhausts (the budget's own test is further down).
+BUDGET = 1e9
 
 
 def run(id: str, lane: Lane = L, *, prompt: int = 500, generated: int = 300, max_tokens: int = 4096,
@@ -95,10 +99,10 @@ def test_reprefill_cost_and_remaining_estimate() -> None:
 def test_no_preemption_without_an_overdue_lane_or_candidate() -> None:
     config = PreemptionConfig(demotion=BOUNDS, wait_bound_ms=5000)
     runs = [run("a")]
-    assert choose_preemption(runs, {S: 4999.0}, NOW_MS, NEVER_MS, config) is None
-    assert choose_preemption(runs, {L: 60_000.0}, NOW_MS, NEVER_MS, config) is None  # nothing later than long
-    assert choose_preemption([run("s", S, generated=10)], {S: 9000.0}, NOW_MS, NEVER_MS, config) is None
-    assert choose_preemption(runs, {S: 5000.0}, NOW_MS, NEVER_MS, config) == "a"
+    assert choose_preemption(runs, {S: 4999.0}, NOW_MS, NEVER_MS, config, BUDGET) is None
+    assert choose_preemption(runs, {L: 60_000.0}, NOW_MS, NEVER_MS, config, BUDGET) is None  # nothing later than long
+    assert choose_preemption([run("s", S, generated=10)], {S: 9000.0}, NOW_MS, NEVER_MS, config, BUDGET) is None
+    assert choose_preemption(runs, {S: 5000.0}, NOW_MS, NEVER_MS, config, BUDGET) == "a"
 
 
 def test_preemption_picks_the_cheapest_reprefill_per_token_freed() -> None:
@@ -107,46 +111,66 @@ def test_preemption_picks_the_cheapest_reprefill_per_token_freed() -> None:
             run("cheap", prompt=200, generated=400, predicted=900),
             run("nearly-done", prompt=200, generated=400, predicted=420)]
     # cheap: 600 / 500; nearly-done: 600 / 400 (twice what it generated: 800 - 400); big: 3400 / 500.
-    assert choose_preemption(runs, {S: 1.0}, NOW_MS, NEVER_MS, config) == "cheap"
-    assert choose_preemption(runs[::-1], {S: 1.0}, NOW_MS, NEVER_MS, config) == "cheap"
+    assert choose_preemption(runs, {S: 1.0}, NOW_MS, NEVER_MS, config, BUDGET) == "cheap"
+    assert choose_preemption(runs[::-1], {S: 1.0}, NOW_MS, NEVER_MS, config, BUDGET) == "cheap"
 
 
 def test_preemption_is_bounded_per_request_near_the_end_and_in_time() -> None:
     config = PreemptionConfig(demotion=BOUNDS, wait_bound_ms=0, max_preemptions=2, min_remaining_tokens=32,
                               min_run_ms=1000, min_interval_ms=500)
     overdue = {S: 10.0}
-    assert choose_preemption([run("a", preempted=2)], overdue, NOW_MS, NEVER_MS, config) is None
-    assert choose_preemption([run("a", preempted=1)], overdue, NOW_MS, NEVER_MS, config) == "a"
+    assert choose_preemption([run("a", preempted=2)], overdue, NOW_MS, NEVER_MS, config, BUDGET) is None
+    assert choose_preemption([run("a", preempted=1)], overdue, NOW_MS, NEVER_MS, config, BUDGET) == "a"
     near_end = run("a", generated=4070, max_tokens=4096, predicted=8000)
-    assert choose_preemption([near_end], overdue, NOW_MS, NEVER_MS, config) is None
+    assert choose_preemption([near_end], overdue, NOW_MS, NEVER_MS, config, BUDGET) is None
     # Near the end its prediction gives: the max_tokens clients send (and the simulator's 4,096)
     # rarely bound, so that guard alone never fired in the simulator (one hand-back re-prefilled
     # 1,603 tokens to free 23).
     predicted_end = run("a", prompt=100, generated=980, max_tokens=4096, predicted=1000)
-    assert choose_preemption([predicted_end], overdue, NOW_MS, NEVER_MS, config) is None
+    assert choose_preemption([predicted_end], overdue, NOW_MS, NEVER_MS, config, BUDGET) is None
     assert choose_preemption([run("a", prompt=100, generated=960, max_tokens=4096, predicted=1000)], overdue,
-                             NOW_MS, NEVER_MS, config) == "a"
-    assert choose_preemption([run("a", started_at_ms=NOW_MS - 999)], overdue, NOW_MS, NEVER_MS, config) is None
-    assert choose_preemption([run("a")], overdue, NOW_MS, NOW_MS - 499, config) is None
-    assert choose_preemption([run("a")], overdue, NOW_MS, NOW_MS - 500, config) == "a"
+                             NOW_MS, NEVER_MS, config, BUDGET) == "a"
+    assert choose_preemption([run("a", started_at_ms=NOW_MS - 999)], overdue, NOW_MS, NEVER_MS, config, BUDGET) is None
+    assert choose_preemption([run("a")], overdue, NOW_MS, NOW_MS - 499, config, BUDGET) is None
+    assert choose_preemption([run("a")], overdue, NOW_MS, NOW_MS - 500, config, BUDGET) == "a"
 
 
 def test_preemption_refuses_a_reprefill_dearer_than_the_slot_time_it_frees() -> None:
     config = PreemptionConfig(demotion=BOUNDS, wait_bound_ms=0, max_cost_ratio=4.0)
     code_like = run("a", prompt=2000, generated=20, predicted=100)  # 2020 tokens to free ~80
-    assert choose_preemption([code_like], {S: 1.0}, NOW_MS, NEVER_MS, config) is None
-    assert choose_preemption([code_like], {S: 1.0}, NOW_MS, NEVER_MS, replace(config, max_cost_ratio=200)) == "a"
+    assert choose_preemption([code_like], {S: 1.0}, NOW_MS, NEVER_MS, config, BUDGET) is None
+    assert choose_preemption([code_like], {S: 1.0}, NOW_MS, NEVER_MS, replace(config, max_cost_ratio=200), BUDGET) == "a"
 
 
 def test_demoted_runs_are_handed_back_only_when_asked_and_go_to_their_effective_lane() -> None:
     demoted = run("d", S, generated=450, prompt=100)
     config = PreemptionConfig(demotion=BOUNDS, wait_bound_ms=0)
-    assert choose_preemption([demoted], {S: 1.0}, NOW_MS, NEVER_MS, config) is None
-    assert choose_preemption([demoted], {S: 1.0}, NOW_MS, NEVER_MS, replace(config, hand_back_demoted=True)) == "d"
+    assert choose_preemption([demoted], {S: 1.0}, NOW_MS, NEVER_MS, config, BUDGET) is None
+    assert choose_preemption([demoted], {S: 1.0}, NOW_MS, NEVER_MS, replace(config, hand_back_demoted=True), BUDGET) == "d"
     assert requeue_lane(demoted, config) is L
     # A medium-lane wait never takes a slot from a run counted as medium.
     medium = run("m", S, generated=150, prompt=100, predicted=1000)
-    assert choose_preemption([medium], {M: 1.0}, NOW_MS, NEVER_MS, replace(config, hand_back_demoted=True)) is None
+    assert choose_preemption([medium], {M: 1.0}, NOW_MS, NEVER_MS, replace(config, hand_back_demoted=True), BUDGET) is None
+
+
+def test_the_reprefill_budget_is_earned_by_generated_tokens_spent_by_hand_backs_and_capped() -> None:
+    config = PreemptionConfig(demotion=BOUNDS, wait_bound_ms=0, max_reprefill_share=0.05, reprefill_burst_tokens=1000)
+    a = run("a", prompt=500, generated=300)  # costs 800 re-prefill tokens (ratio 800 / 500 = 1.6)
+    assert hand_back_cost(a, config) == 800
+    assert hand_back_cost(a, replace(config, prompt_cached_share=0.5)) == 550
+    assert choose_preemption([a], {S: 1.0}, NOW_MS, NEVER_MS, config, 799.0) is None
+    assert choose_preemption([a], {S: 1.0}, NOW_MS, NEVER_MS, config, 800.0) == "a"
+    # Within the budget the cheapest per token freed wins; past it the next that fits.
+    b = run("b", prompt=100, generated=300, predicted=2000)  # 400 tokens, ratio 400 / 1700
+    assert choose_preemption([a, b], {S: 1.0}, NOW_MS, NEVER_MS, config, 1000.0) == "b"
+    dear = replace(b, prompt_tokens=900)  # 1,200 tokens, ratio 1200 / 1700: cheapest per token, dearest in all
+    assert choose_preemption([a, dear], {S: 1.0}, NOW_MS, NEVER_MS, config, 1200.0) == "b"
+    assert choose_preemption([a, dear], {S: 1.0}, NOW_MS, NEVER_MS, config, 1000.0) == "a"
+    # Earned at 0.05 per generated token, never past the burst: after a hand-back of 800 the
+    # next one waits for 16,000 generated tokens.
+    assert earn_reprefill_budget(200.0, 16_000, config) == 1000.0
+    assert earn_reprefill_budget(200.0, 15_980, config) == pytest.approx(999.0)
+    assert earn_reprefill_budget(0.0, 100_000, config) == 1000.0
 
 
 def test_preemption_config_rejects_bad_values() -> None:
@@ -154,6 +178,11 @@ def test_preemption_config_rejects_bad_values() -> None:
         PreemptionConfig(max_preemptions=-1)
     with pytest.raises(ValueError):
         PreemptionConfig(prompt_cached_share=1.5)
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError):
+            PreemptionConfig(max_reprefill_share=bad)
+    with pytest.raises(ValueError):
+        PreemptionConfig(reprefill_burst_tokens=-1)
 
 
 def test_policy_switch_fcfs_is_one_open_lane() -> None:

@@ -104,6 +104,10 @@ class WorkerSettings(RedisSettings):
     preempt_demoted: bool = DEFAULT_PREEMPTION.hand_back_demoted
     #: A run that (re)started less than this long ago is not handed back.
     preempt_min_run_ms: float = Field(DEFAULT_PREEMPTION.min_run_ms, ge=0, allow_inf_nan=False)
+    #: Hand-backs' re-prefill budget (``PreemptionConfig.max_reprefill_share``): re-prefill
+    #: tokens earned per token this worker generates, kept up to ``preempt_budget_tokens``.
+    preempt_reprefill_share: float = Field(DEFAULT_PREEMPTION.max_reprefill_share, ge=0, allow_inf_nan=False)
+    preempt_budget_tokens: int = Field(DEFAULT_PREEMPTION.reprefill_burst_tokens, ge=0)
     #: Cancel a running request whose edge channel has had no subscriber this long (its edge
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
     orphan_grace_s: float = Field(15.0, ge=0, allow_inf_nan=False)
@@ -244,4 +248,5 @@ class WorkerSettings(RedisSettings):
     def preemption(self) -> PreemptionConfig | None:
         return None if self.preempt_after_ms <= 0 else replace(
             DEFAULT_PREEMPTION, wait_bound_ms=self.preempt_after_ms, max_preemptions=self.max_preemptions,
-            min_run_ms=self.preempt_min_run_ms, hand_back_demoted=self.preempt_demoted)
+            min_run_ms=self.preempt_min_run_ms, hand_back_demoted=self.preempt_demoted,
+            max_reprefill_share=self.preempt_reprefill_share, reprefill_burst_tokens=self.preempt_budget_tokens)

@@ -90,6 +90,12 @@ class Worker:
         #: Extra time (ms) the next iteration pays, e.g. swapping KV out.
         self.pending_ms = 0.0
         self.last_preemption_s = -math.inf
+        #: Tokens its decode steps generated, all runs together (``preemption``'s budget earns by it).
+        self.num_generated = 0.0
+        #: ``preemption.earn_reprefill_budget``'s state, and ``num_generated`` when it last earned.
+        #: None until the discipline first sets it (a full budget: the config's burst).
+        self.reprefill_budget: float | None = None
+        self.budget_earned_at = 0.0
         self._finishing: list[tuple[int, int, int]] = []
         self._rechecks: list[tuple[int, int, int]] = []
         #: Admission serial number of each run (stale heap entries carry an older one).
@@ -181,6 +187,7 @@ class Worker:
         ms = self.engine.decode_ms(self.num_running, int(self.num_context_tokens)) + self.take_pending_ms()
         self.num_steps += 1
         self.num_context_tokens += self.num_running * self.engine.tokens_per_step
+        self.num_generated += self.num_running * self.engine.tokens_per_step
         return ms
 
     def take_pending_ms(self) -> float:
