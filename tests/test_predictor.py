@@ -705,3 +705,99 @@ def test_release_freed_memory_hands_the_heap_back() -> None:
     release_freed_memory()
     assert rss_mb() < before - 50, f"RSS {before:.0f} MB -> {rss_mb():.0f} MB"
     assert pinned
+
+
+# --- Stop 43: the cost of a long prompt is bounded, its features unchanged -------------------------
+
+
+def _long_texts() -> list[str]:
+    """Long texts, unicode edge cases at their joins: Turkish dotted / dotless i, long s, sigma
+    (lower-cased by context), combining marks, non-ASCII spaces, lone surrogates, one huge word."""
+    rng = np.random.default_rng(43)
+    pieces = ["word", "İ", "ı", "ſ", "Σ", "σ", "\u0301", " ", "\n", "\u2003", "\xa0", "\x1f", "?", ".", "5", "ten",
+              "words", "at most", "😀", "K", "\u212a", "-", ",", "日本語", "x" * 120]
+    texts = ["", " ", "\n\t \u3000\xa0", "İ" * 9000, "ΣΑΣ ΟΔΟΣ " * 2000, "e\u0301" * 9000, "a" * 100_000,
+             "b " + "a" * 100_000, "a" * 100_000 + " b", "x" * 9000 + "\u03a3", " \u2003 ".join(["word"] * 5000)]
+    texts += ["".join(rng.choice(pieces, int(n))) for n in rng.integers(10, 40_000, 60)]
+    return texts
+
+
+def test_long_prompt_features_are_those_of_the_whole_text_lower_cased_and_split() -> None:
+    """The lexical features lower-case and read only a long prompt's head and tail, and count
+    its words without splitting it: the same features as lower-casing and splitting it whole."""
+    from lanes.scheduler.predictor.lexical import (
+        _CUE_HEAD_CHARS,
+        _CUE_TAIL_CHARS,
+        _WORD_RE,
+        _clip,
+        _count_words,
+        _head_and_tail_words,
+        _lower_clip,
+    )
+
+    for text in _long_texts():
+        lowered = text.lower()
+        assert _count_words(text) == len(text.split())
+        assert _lower_clip(text, _CUE_HEAD_CHARS, _CUE_TAIL_CHARS) == str(_clip(lowered, _CUE_HEAD_CHARS, _CUE_TAIL_CHARS))
+        assert _lower_clip(text, 256, 128) == str(_clip(lowered, 256, 128))
+        assert _head_and_tail_words(text, 256, 128, lower=True) == list(_clip(_WORD_RE.findall(lowered), 256, 128))
+
+
+def test_the_word_count_knows_every_space_str_split_does() -> None:
+    from lanes.scheduler.predictor.lexical import _NOT_SPACE
+
+    spaces = [c for c in range(0x110000) if chr(c).isspace()]
+    assert max(spaces) < len(_NOT_SPACE) and np.flatnonzero(_NOT_SPACE == 0).tolist() == spaces
+
+
+def test_requested_tokens_reads_the_same_requests_as_the_whole_pattern() -> None:
+    """``requested_tokens`` scans for the number and unit, then looks back for the relation: the
+    same requests as ``_REQUEST_RE.finditer`` (relation, number, unit), which it replaced."""
+    from lanes.scheduler.predictor.lexical import (
+        _AT_LEAST,
+        _AT_MOST,
+        _NUMBER_WORDS,
+        _RELATIONS,
+        _REQUEST_RE,
+        _REQUEST_UNITS,
+    )
+
+    def reference(text: str) -> float | None:
+        best = None
+        for match in _REQUEST_RE.finditer(text):
+            relation, number, unit = match.group(1) or "", match.group(2), match.group(3)
+            count = _NUMBER_WORDS.get(number) or int(number.replace(",", "") or 0)
+            if 0 < count <= 100_000:
+                tokens = count * _REQUEST_UNITS[unit] * (0.7 if relation in _AT_MOST else 1.3 if relation in _AT_LEAST
+                                                         else 1.0)
+                best = tokens if best is None else max(best, tokens)
+        return best
+
+    rng = np.random.default_rng(7)
+    pieces = [*_RELATIONS, *_NUMBER_WORDS, *_REQUEST_UNITS, "5", "12", "1,000", ",", "+", "-", " ", "  ", "\n",
+              "\u2003", "s", "x", "th", "teen", ".", "_", "\u0661", "a", "no", "un"]
+    texts = ["thunder 5 words", "admin 5 words; no more than 3 paragraphs", "5 words over 3 lines", "max5 words",
+             "exactly  \n  20 bullet points", "less than 50 words", "at least 3 paragraphs"]
+    texts += ["".join(rng.choice(pieces, int(n))) for n in rng.integers(1, 14, 20_000)]
+    for text in texts:
+        assert requested_tokens(text) == reference(text), text
+
+
+def test_a_long_prompt_is_never_copied_whole_to_be_scored() -> None:
+    """The lexical model reads a long prompt's head and tail: lower-casing, splitting or
+    otherwise copying a 1M-character prompt whole (~2-8 ms each, 2-4 MB) is work whose result
+    depends on its ends only, or (the word count) needs no copy. (``strip`` copies it when it
+    has whitespace to strip, a ~0.05 ms memcpy: not here.)"""
+    import tracemalloc
+
+    model = load_default().model
+    text = ("Übersetze «naïve café» bitte. " + "Some pasted document text, line after line.\n" * 22_000)[:999_999] + "?"
+    model.score_text(text)
+    tracemalloc.start()
+    try:
+        model.score_text(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000
+
