@@ -196,3 +196,32 @@ def test_train_command_fine_tunes_the_encoder_and_names_it_in_the_weights(tmp_pa
     said = " ".join(missing.output.replace("│", " ").split())  # the error panel wraps its lines
     assert missing.exit_code == 2 and "--base" in said and "no such model directory" in said
     assert not (tmp_path / "w2").exists()  # refused before reading the data or writing anything
+
+
+def test_the_encoder_tokenises_a_short_head_of_an_ordinary_long_prompt() -> None:
+    """Its first try tokenises at most max_tokens * QUICK_CHARS_PER_TOKEN characters (cut before
+    a space), and its word pieces are those of the longer cut whenever that try fills them."""
+    from lanes.scheduler.predictor.encoder import CHARS_PER_TOKEN, QUICK_CHARS_PER_TOKEN
+
+    encoder = load_default().encoder
+    real = encoder._tokenizer
+    seen: list[int] = []
+
+    class Spy:
+        def encode(self, text: str):  # noqa: ANN202
+            seen.append(len(text))
+            return real.encode(text)
+
+    texts = [PROMPTS[1] * 40, "Summarise this report. " + "The quarterly numbers went up again. " * 200]
+    rng = np.random.default_rng(3)
+    pieces = ["word", "İ", "\u0301", " ", "\n", "\r\n", "\u2003", "?", "日本", "😀", "\x00", "e\u0301", "x" * 150, "\t"]
+    others = ["".join(rng.choice(pieces, int(n))) for n in rng.integers(50, 1200, 300)]
+    encoder._tokenizer = Spy()
+    try:
+        ids = [encoder.ids(text) for text in texts]
+        assert max(seen) <= encoder.max_tokens * QUICK_CHARS_PER_TOKEN
+        for text in texts + others:
+            assert encoder.ids(text) == real.encode(text[:encoder.max_tokens * CHARS_PER_TOKEN]).ids
+    finally:
+        encoder._tokenizer = real
+    assert all(len(i) == encoder.max_tokens for i in ids)

@@ -41,6 +41,9 @@ EMBEDDING_CACHE_ENTRIES = 12_288
 #: Characters of a prompt tokenised: enough for ``max_tokens`` word pieces of any ordinary text
 #: (a word piece is 1-20 characters), so a megabyte prompt is not tokenised whole to read 48.
 CHARS_PER_TOKEN = 32
+#: Characters per word piece of a first, shorter try (``Encoder.ids``): ordinary text fills
+#: ``max_tokens`` word pieces well within it, and tokenising it costs ~0.25 ms, not ~0.7.
+QUICK_CHARS_PER_TOKEN = 8
 
 
 class EncoderError(ValueError):
@@ -93,7 +96,7 @@ class Encoder:
     def _encode(self, prompt: str, embed: bool) -> tuple[float, np.ndarray | None]:
         """(score, embedding if ``embed`` else None), from the caches when there; a run fetches the
         embedding only when asked for it (``embed`` needs ``has_embedding``)."""
-        ids = np.asarray([self._tokenizer.encode(prompt[:self.max_tokens * CHARS_PER_TOKEN]).ids], np.int64)
+        ids = np.asarray([self.ids(prompt)], np.int64)
         key = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
         with self._lock:
             score, embedding = self._cache.get(key), self._embeddings.get(key) if embed else None
@@ -117,6 +120,24 @@ class Encoder:
                 if len(self._embeddings) > EMBEDDING_CACHE_ENTRIES:
                     self._embeddings.popitem(last=False)
         return score, embedding
+
+    def ids(self, prompt: str) -> list[int]:
+        """The word pieces read: those of ``prompt[:max_tokens * CHARS_PER_TOKEN]``, truncated to
+        ``max_tokens`` ([CLS] and [SEP] included).
+
+        Tried first on a shorter head cut before an ASCII space or newline: the tokenizer splits
+        words there (whitespace, a starter for the accent stripping's NFD), so that head's word
+        pieces begin the longer cut's, and when they fill ``max_tokens`` they are its.
+        """
+        limit = self.max_tokens * CHARS_PER_TOKEN
+        quick = self.max_tokens * QUICK_CHARS_PER_TOKEN
+        if len(prompt) > quick:
+            cut = max(prompt.rfind(" ", 0, quick), prompt.rfind("\n", 0, quick))
+            if cut > 0:
+                ids = self._tokenizer.encode(prompt[:cut]).ids
+                if len(ids) >= self.max_tokens:
+                    return ids
+        return self._tokenizer.encode(prompt[:limit]).ids
 
     def score_text(self, prompt: str) -> float:
         """Predicted log(1 + output tokens) for one prompt."""
