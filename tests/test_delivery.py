@@ -237,6 +237,36 @@ def test_quiet_requests_are_checked_lost_or_moved() -> None:
     assert ReadStream("c", -1) in out and set(d.entries) == {"c"}
 
 
+def test_a_request_unheard_while_redis_is_out_of_reach_ends_unavailable() -> None:
+    """Tokens come through Redis and each quiet check asks it: when it is out of reach nothing
+    refreshes a request, which then waited for as long as the outage lasted (an HTTP stream got
+    keep-alives for 100 s and more: audit). After ``unreachable_s`` of silence it ends
+    ``unavailable`` and is cancelled; one whose checks are answered (queued, not lost) stays."""
+    d = core()
+    open_accepted(d, 1, "a")  # Redis went away: its checks fail
+    open_accepted(d, 1, "b")  # queued behind a long backlog: its checks are answered
+    open_accepted(d, 2, "c")  # a takeover notice whose check Redis never answers
+    d.tokens([tok("a", 0), tok("c", 0)], 0.5)
+    d.takeover_notice("c")
+    assert frames(d.tokens([tok("c", 1, finish=FinishReason.STOP)], 0.6)) == []  # held for the check
+    t = 0.5
+    while t + 3.5 <= 0.5 + CONFIG.unreachable_s:
+        t += 3.5
+        for action in d.tick(t):
+            if isinstance(action, CheckRequests):
+                d.check_failed(periodic=action.periodic)
+        d.checked({"b": (EDGE, "queued")}, t, periodic=False, notices=d.notices)
+        assert set(d.entries) == {"a", "b", "c"}
+    out = d.tick(0.6 + CONFIG.unreachable_s + 0.1)  # 30 s after the last token of each
+    ended = {f["id"]: f.get("code") for f in frames(out)}
+    assert ended == {"a": "unavailable", "c": "unavailable"}, out
+    assert "out of reach" in frames(out)[0]["message"]
+    assert CancelRequest("a") in out and CancelRequest("c") in out
+    assert {a.request_id: a.outcome for a in out if isinstance(a, Finished)} == {"a": "unavailable",
+                                                                                  "c": "unavailable"}
+    assert set(d.entries) == {"b"} and d.per_conn[2] == 0
+
+
 def test_a_takeover_notice_checks_at_once_and_a_stale_one_changes_nothing() -> None:
     d = core()
     open_accepted(d, 1, "a")

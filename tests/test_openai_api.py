@@ -247,6 +247,26 @@ def test_every_answer_names_its_request_and_a_cross_site_form_post_is_refused(sy
         error = json.loads(refused.value.read())["error"]
         assert (refused.value.code, error["code"]) == (415, "unsupported_media_type"), error
         assert "application/json" in error["message"]
+    # No Content-Type at all (a page's fetch of a Blob, sendBeacon): refused too (audit).
+    host, port = base(system).removeprefix("http://").removesuffix("/v1").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", "/v1/chat/completions", skip_accept_encoding=True)
+    body = json.dumps(ask()).encode()
+    conn.putheader("Content-Length", str(len(body)))
+    conn.putheader("Origin", "https://elsewhere.example")
+    conn.endheaders(body)
+    bare = conn.getresponse()
+    assert (bare.status, json.loads(bare.read())["error"]["code"]) == (415, "unsupported_media_type")
+    conn.close()
+    # Every answer under /v1 names itself, the model list and the 404s too (audit).
+    with urllib.request.urlopen(f"{base(system)}/models", timeout=10) as listed_models:
+        assert listed_models.headers["x-request-id"].startswith("req_")
+    for path in ("/models/nope", "/nope"):
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(base(system) + path, timeout=10)
+        assert missing.value.code == 404 and missing.value.headers["x-request-id"].startswith("req_"), path
+    # OpenAI takes any signed 64-bit seed (a negative one was a 400).
+    assert client(system).chat.completions.create(**ask(seed=-7)).choices[0].message.content
     listed = [client(system).models.list().data[0].created for _ in range(2)]
     time.sleep(1.1)
     assert client(system).models.list().data[0].created == listed[0] == listed[1], "created is fixed"
@@ -577,3 +597,25 @@ async def test_a_web_app_on_an_allowed_origin_streams_a_completion_in_a_browser(
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"])
     assert text == ref.text
     assert "Failed to fetch" in results[other].get("error", ""), results[other]
+
+
+def test_a_body_that_trickles_in_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's header timeout ends at the headers: a body sent a byte a second held its
+    connection with no end (audit: still open after 40 s). The whole body now has ``BODY_S``."""
+    from starlette.requests import Request
+
+    from lanes.ws_server import completions
+
+    monkeypatch.setattr(completions, "BODY_S", 0.3)
+
+    async def trickle() -> dict[str, object]:
+        await asyncio.sleep(0.1)
+        return {"type": "http.request", "body": b"{", "more_body": True}
+
+    async def whole() -> dict[str, object]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"100")]}
+    with pytest.raises(completions.BodyTooSlow):
+        asyncio.run(completions._body(Request(scope, trickle), 1 << 20))
+    assert asyncio.run(completions._body(Request(scope, whole), 1 << 20)) == b"{}"

@@ -268,6 +268,19 @@ def test_an_unknown_model_under_rules_names_the_rules_pools() -> None:
         "LANES_ROUTING_FILE); pools with live workers: small")
 
 
+def test_models_lists_auto_only_where_it_can_be_served() -> None:
+    """Without rules ``auto`` means the default pool: listed while that pool has workers (or no
+    pool has any yet, a cold start); a deployment of named pools alone listed ``auto``, and a
+    chat naming it could only get 503s (audit)."""
+    from lanes.ws_server.routing import PoolRouter
+    from lanes.ws_server.settings import EdgeSettings
+
+    router = PoolRouter(EdgeSettings())
+    assert router.model_names([]) == ["default", "auto"]
+    assert router.model_names(["default", "small"]) == ["default", "small", "auto"]
+    assert router.model_names(["small", "large", "small"]) == ["large", "small"]
+
+
 def test_auto_passes_a_dead_tiers_prompt_up_to_the_next_tier_with_workers() -> None:
     """``serving`` (the pools with live workers): an easy prompt whose small pool is down goes
     to the large one (``FALLBACK``); never down from large to small, never for a named pool, a

@@ -82,17 +82,17 @@ def _refused_request(error: oai.APIError, request_id: str) -> Response:
     return _error(error, request_id)
 
 
-#: Content types a browser may POST cross-site without asking first (CORS "simple requests"):
-#: refused, so that no web page can make a visitor's browser spend this server's GPUs blind.
-_SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
-
-
 def _content_type_refusal(content_type: str | None) -> oai.APIError | None:
+    """Anything but JSON is refused: the types a browser may POST cross-site without asking first
+    (CORS "simple requests": text/plain, forms) and a body with no Content-Type at all (a page's
+    ``fetch`` of a Blob, ``sendBeacon``), so that no web page can make a visitor's browser spend
+    this server's GPUs blind."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media not in _SIMPLE_TYPES:
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return None
-    return oai.APIError(415, f"the body must be JSON sent as Content-Type: application/json (got {media}; "
-                        "with curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+    return oai.APIError(415, f"the body must be JSON sent as Content-Type: application/json (got "
+                        f"{media or 'no Content-Type'}; with curl: -H 'Content-Type: application/json')",
+                        code="unsupported_media_type")
 
 
 async def not_routed(request: Request, exc: Exception) -> Response:
@@ -100,16 +100,23 @@ async def not_routed(request: Request, exc: Exception) -> Response:
     plain text elsewhere."""
     assert isinstance(exc, HTTPException)
     path = request.url.path
+    named = {"x-request-id": _other_request_id()}
     if path.startswith(("/chat/completions", "/models")):  # an SDK whose base_url lacks /v1
         error = oai.APIError(404, f"no such endpoint: {request.method} {path}; the OpenAI API is under /v1 "
                              f"(an OpenAI client's base_url ends in /v1: http://{request.url.netloc}/v1)")
-        return Response(error.body(), 404, media_type="application/json")
+        return Response(error.body(), 404, media_type="application/json", headers=named)
     if not path.startswith("/v1/"):
         return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
     what = "no such endpoint" if exc.status_code == 404 else f"method {request.method} is not allowed here"
     error = oai.APIError(exc.status_code, f"{what}: {request.method} {path} (the OpenAI API here: "
                          f"POST {COMPLETIONS_PATH}, GET {MODELS_PATH}, GET {MODELS_PATH}/{{model}})")
-    return Response(error.body(), exc.status_code, media_type="application/json", headers=exc.headers)
+    return Response(error.body(), exc.status_code, media_type="application/json", headers={**(exc.headers or {}),
+                                                                                            **named})
+
+
+def _other_request_id() -> str:
+    """``x-request-id`` of an answer that is not a chat's (whose id is its ``chatcmpl-`` id)."""
+    return f"req_{uuid.uuid4().hex}"
 
 
 def _refused(refusal: Refusal, request_id: str | None = None) -> Response:
@@ -137,6 +144,11 @@ def routes(edge: Edge) -> list[BaseRoute]:
             raw = await _body(request, edge.limits.max_frame_bytes)
         except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing to log
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except BodyTooSlow:
+            response = _refused_request(oai.APIError(408, f"the body did not arrive within {BODY_S:g} s",
+                                                     code="request_timeout"), request_id)
+            response.headers["Connection"] = "close"  # the rest may still be on the wire
+            return response
         if raw is None:
             response = _refused_request(oai.APIError(413, f"the body exceeds {edge.limits.max_frame_bytes} bytes",
                                                      code="frame_too_large"), request_id)
@@ -164,18 +176,19 @@ def routes(edge: Edge) -> list[BaseRoute]:
 
     async def models(request: Request) -> Response:
         """``GET /v1/models`` (the list), ``GET /v1/models/{name}`` (one, or 404)."""
+        request_id = _other_request_id()
         verdict = await edge.gate.check(MODELS_PATH, request.headers)
         if isinstance(verdict, Refusal):
-            return _refused(verdict)
+            return _refused(verdict, request_id)
         try:
             names = await edge.model_names()
             name = request.path_params.get("name")
             body = oai.models(names, started) if name is None else oai.model(name, names, started)
         except QueueUnavailable:
-            return _error(REDIS_DOWN)
+            return _error(REDIS_DOWN, request_id)
         except oai.APIError as error:
-            return _error(error)
-        return Response(body, media_type="application/json")
+            return _error(error, request_id)
+        return Response(body, media_type="application/json", headers={"x-request-id": request_id})
 
     return [Route(COMPLETIONS_PATH, chat_completions, methods=["POST"]),
             Route(MODELS_PATH, models, methods=["GET"]),
@@ -187,6 +200,13 @@ def routes(edge: Edge) -> list[BaseRoute]:
 #: instead of a connection reset. Past either bound the edge answers and closes at once.
 DISCARD_MAX_BYTES = 16 << 20
 DISCARD_S = 2.0
+#: The whole body must arrive within this long: the server's header timeout ends at the headers,
+#: and a body sent a byte a second held its connection (and a slot of the server's) with no end.
+BODY_S = 30.0
+
+
+class BodyTooSlow(Exception):
+    """The body did not arrive within ``BODY_S``."""
 
 
 async def _body(request: Request, max_bytes: int) -> bytes | None:
@@ -201,7 +221,7 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
     loop = asyncio.get_running_loop()
     chunks, size, over = [], 0, declared > max_bytes
     try:
-        async with asyncio.timeout(DISCARD_S if over else None) as budget:
+        async with asyncio.timeout(DISCARD_S if over else BODY_S) as budget:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > DISCARD_MAX_BYTES:
@@ -213,7 +233,8 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
                 if not over:
                     chunks.append(chunk)
     except TimeoutError:
-        pass  # only once over the limit: the deadline is set then
+        if not over:
+            raise BodyTooSlow from None
     return None if over else b"".join(chunks)
 
 

@@ -253,7 +253,9 @@ def chat_frame(obj: dict[str, Any], rid: str | None, messages: tuple[ChatMessage
         temperature=_float(obj, "temperature", rid, 0.0, 2.0, default_temperature),
         # OpenAI takes top_p 0 (a nucleus of one token); engines want it above 0: the same nucleus.
         top_p=max(_float(obj, "top_p", rid, 0.0, 1.0, 1.0), MIN_TOP_P),
-        seed=None if seed is None else _int(obj, "seed", rid, 0, 2**63 - 1, None),
+        # OpenAI takes any signed 64-bit seed; engines want one >= 0: a negative one is folded
+        # into [0, 2**63) (the same seed, the same answer).
+        seed=None if seed is None else _int(obj, "seed", rid, -2**63, 2**63 - 1, None) % 2**63,
         deadline_ms=None if deadline is None else _int(obj, "deadline_ms", rid, 1, 3_600_000, None),
         stop=_stop(obj.get("stop"), rid),
         model=_model(obj.get("model"), rid),

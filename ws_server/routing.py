@@ -87,7 +87,10 @@ class PoolRouter:
         """``GET /v1/models``: the names a chat may give. Under routing rules, the rules' pools
         (only those are served, live or not: a pool that is down answers 503) and ``auto``;
         without, the pools with live workers and ``auto`` (the default pool then), which every
-        chat may name: before, a chat could name it but ``GET /v1/models/auto`` was a 404."""
+        chat may name: before, a chat could name it but ``GET /v1/models/auto`` was a 404. Only
+        while the default pool has workers (or no pool has any yet): ``auto`` means it, and a
+        deployment of named pools alone listed a name that could only answer 503."""
         if self.rules is not None:
             return sorted(self.rules.pools) + [AUTO]
-        return (sorted(set(live_pools)) or [DEFAULT_POOL]) + [AUTO]
+        live = sorted(set(live_pools))
+        return (live or [DEFAULT_POOL]) + [AUTO] if not live or DEFAULT_POOL in live else live

@@ -32,6 +32,10 @@ class EdgeSettings(RedisSettings):
     #: A client that disconnects has this long to ``resume`` (from any connection, same key)
     #: before its requests are cancelled; 0 cancels at once.
     resume_grace_s: float = Field(15.0, ge=0, allow_inf_nan=False)
+    #: A running request of which nothing has been heard this long (no token, and Redis answered
+    #: none of the edge's checks of it: Redis is out of reach) ends ``unavailable`` (503 on the
+    #: HTTP API) instead of waiting out the outage; it must exceed a check's few seconds.
+    unreachable_s: float = Field(30.0, ge=10, allow_inf_nan=False)
     #: Lane thresholds in the predictor's units (Llama-3 tokens). For the shipped predictor, 150/750
     #: give ~12 % short, ~2 % long, with 0.9 % of truly short answers (of 213 models, on sources
     #: the predictor never saw) routed long (benchmarks/RESULTS.md, "Length predictor (issue 9)").
@@ -152,5 +156,5 @@ class EdgeSettings(RedisSettings):
         """The delivery core's timers and caps. A resume re-reads the stream two heartbeats later:
         the worker learns the new edge only at its next heartbeat."""
         return DeliveryConfig(resume_grace_s=self.resume_grace_s, cancel_grace_s=self.cancel_grace_s,
-                              refill_after_s=2 * self.heartbeat_s + 0.1,
+                              refill_after_s=2 * self.heartbeat_s + 0.1, unreachable_s=self.unreachable_s,
                               max_in_flight_per_connection=self.max_in_flight_per_connection)

@@ -18,7 +18,9 @@ Invariants (checked by ``tests/test_delivery_state.py`` over random interleaving
 - A request id is registered atomically with its duplicate check (no await in between).
 - An entry is forgotten at its terminal frame, or at the end of its disconnect grace: nothing
   outlives its request's end plus the grace, except an end held for a takeover notice's check
-  of Redis, which waits for Redis to answer one (a quiet check retries it).
+  of Redis, which waits for Redis to answer one (a quiet check retries it), for at most
+  ``unreachable_s`` of silence: a running request of which nothing was heard that long (no
+  token, no check answered: Redis is out of reach) ends ``unavailable``.
 - Only the API key that submitted a request can resume or cancel it; another key's resume is
   answered ``unknown_id`` and changes nothing.
 
@@ -305,6 +307,8 @@ class Delivery:
                 continue  # its enqueue settles it (``accepted`` or ``refuse``), then the timers run
             if entry.grace_until is not None and now >= entry.grace_until:
                 actions += self._expire(entry)
+            elif entry.phase is Phase.ACTIVE and now - entry.last_heard_at > self.config.unreachable_s:
+                actions += self._unreachable(entry, now)
             elif entry.takeover_pending and entry.phase is Phase.ACTIVE:
                 # Its notice's check went unanswered (or came while a resume here was out):
                 # Redis must say whose it is before anything ends it here.
@@ -498,6 +502,18 @@ class Delivery:
         return self._end(entry, Finish(FinishReason.ERROR, Usage(0, entry.num_tokens),
                                        error_code=ErrorCode.REQUEST_LOST,
                                        error_message="the request's state was lost (queue restarted); resubmit it"), now)
+
+    def _unreachable(self, entry: Entry, now: float) -> list[Action]:
+        """Nothing heard of it for ``unreachable_s``: Redis is out of reach (tokens come through
+        it, and each quiet check of it went unanswered). Its client gets ``unavailable`` now, not
+        keep-alives for as long as the outage lasts; it is cancelled too, which reaches the
+        worker only once Redis does (a takeover's held end goes with it: nobody can say now)."""
+        entry.takeover_pending, entry.held_end = False, None
+        seconds = f"{self.config.unreachable_s:g}"
+        finish = Finish(FinishReason.ERROR, Usage(0, entry.num_tokens), error_code=ErrorCode.UNAVAILABLE,
+                        error_message=f"nothing heard of the request for {seconds} s: the queue (Redis) is out of "
+                                      "reach; it is cancelled, send it again")
+        return [CancelRequest(entry.id), *self._end(entry, finish, now)]
 
     def _moved(self, entry: Entry) -> list[Action]:
         self._remove(entry)

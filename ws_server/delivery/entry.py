@@ -26,6 +26,9 @@ class DeliveryConfig:
     refill_after_s: float = 0.7
     #: A running request silent this long is checked in Redis (gone? moved to another edge?).
     quiet_s: float = 3.0
+    #: A running request of which nothing was heard this long (no token, no check of it
+    #: answered: Redis is out of reach) ends ``unavailable`` instead of waiting for Redis for ever.
+    unreachable_s: float = 30.0
     max_in_flight_per_connection: int = 64
 
 
