@@ -801,3 +801,26 @@ def test_a_long_prompt_is_never_copied_whole_to_be_scored() -> None:
         tracemalloc.stop()
     assert peak < 1_000_000
 
+
+
+def test_refit_ships_thresholds_when_every_window_prompt_is_held_out() -> None:
+    """A deployment whose few prompts repeat (a pool of 20 here; the default bench pool has 188):
+    the newest fifth holds every prompt of the window, so one probe reading only the other
+    prompts' rows had nothing to read and no thresholds were ever fitted: the edges kept their
+    first ones for good (a random predictor's split then cost 3x FCFS's short P99, RESULTS "Stop
+    43"). Two probes, each reading the other's prompts, fit them; lengths unrelated to the
+    prompts (nothing to rank) get a threshold that sends almost nothing long."""
+    from lanes.scheduler.policy import RoutingCalibration, choose_lane
+
+    rng = np.random.default_rng(3)
+
+    def words() -> str:
+        return " ".join("".join(rng.choice(list("bcdfghjklmnpqrstvwxz"), 7)) for _ in range(4))
+
+    prompts = [words() for _ in range(20)]
+    window = [Observation(prompts[i % 20], int(rng.geometric(1 / 250))) for i in range(600)]
+    model = refit_with_routing(load_default(), window, RoutingCalibration(min_shorts=20))
+    assert model.routing is not None, "every prompt held out: the probe must still fit thresholds"
+    went_long = [choose_lane(model.predict(user(p), 4096), model.routing) is Lane.LONG
+                 for p in [words() for _ in range(100)] + prompts]
+    assert sum(went_long) <= 10, f"{sum(went_long)} of 120 prompts routed long with nothing to rank"

@@ -341,7 +341,17 @@ def refit_with_routing(predictor: LengthPredictor, observations: Sequence[Observ
         # the prompts the edges have not seen. With ``probe_folds`` > 1 the held-out prompts are
         # dealt to that many probes; each reads every row whose prompt is not among its own
         # (older rows and the other probes' held-out rows).
-        prompt_fold = {p: i % probe_folds for i, p in enumerate(dict.fromkeys(o.prompt for o in held))}
+        distinct = list(dict.fromkeys(o.prompt for o in held))
+        if probe_folds == 1 and len(distinct) > 1:
+            held_prompts = set(distinct)
+            if sum(o.prompt not in held_prompts for o in observations) < num_held:
+                # Prompts repeat so much that the older rows hold almost none but the held-out
+                # prompts (a pool of a few hundred prompts, a templated client): one probe would
+                # read next to nothing, and the edges would keep their first thresholds for good
+                # (a random predictor's split then cost 3x FCFS's short P99, RESULTS "Stop 43").
+                # Two probes, each reading the other's prompts, still predict unseen prompts.
+                probe_folds = 2
+        prompt_fold = {p: i % probe_folds for i, p in enumerate(distinct)}
         predicted = [0] * num_held
         for k in range(probe_folds):
             rows = [i for i, o in enumerate(held) if prompt_fold[o.prompt] == k]
