@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, OutOfMemoryError, ReadOnlyError, RedisError
 
 
 class ErrorCode(StrEnum):
@@ -87,5 +87,20 @@ CLIENT_FAULTS = frozenset({
 #: Raised by every ``QueuePlane`` call when Redis is unreachable or refuses a command: callers
 #: catch this, never a redis-py class (it *is* redis-py's base class, re-exported).
 QueueUnavailable = RedisError
+
+
+def refusal_cause(exc: BaseException) -> str | None:
+    """Why Redis refuses writes while it still answers (what a client and an operator need to
+    read; "queue unavailable" alone hid it, and ``/healthz``'s PING still passes), or None for
+    an outage (unreachable, timed out) or any other error."""
+    if isinstance(exc, OutOfMemoryError):
+        return "Redis is out of memory (maxmemory reached) and refuses writes"
+    if isinstance(exc, ReadOnlyError):
+        return "Redis is a read-only replica (LANES_REDIS_URL must name the primary)"
+    if "MISCONF" in str(exc):
+        return "Redis cannot save to disk and refuses writes (see its log)"
+    return None
+
+
 #: Redis refused the login (a wrong or missing password): a configuration error, never retried.
 QueueAuthError = AuthenticationError

@@ -490,3 +490,25 @@ def test_an_output_file_is_checked_by_writing_not_by_os_access(tmp_path) -> None
     assert writable_file(kept) == kept and writable_file(tmp_path / "new.png") == tmp_path / "new.png"
     assert creatable_dir(tmp_path / "a" / "b") == tmp_path / "a" / "b"
     assert [p.name for p in tmp_path.iterdir()] == ["kept.png"] and kept.read_bytes() == b"old plot"
+
+
+def test_a_redis_that_refuses_writes_is_named_not_just_unavailable() -> None:
+    """Out of memory (maxmemory, noeviction) Redis still answers PING, so ``/healthz`` passes,
+    and every chat was refused "queue unavailable; retry shortly" with the cause only in the
+    logs. The refusal names it now (``refusal_cause``); an outage stays plain "unavailable"."""
+    import redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from lanes.queue.embedded import EmbeddedRedis
+    from lanes.queue.errors import refusal_cause
+
+    server = EmbeddedRedis(extra_args=("--maxmemory", "1", "--maxmemory-policy", "noeviction")).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        with pytest.raises(redis.exceptions.RedisError) as refused:
+            client.set("k", "v" * 1000)
+        assert refusal_cause(refused.value) == "Redis is out of memory (maxmemory reached) and refuses writes"
+        client.close()
+    finally:
+        server.stop()
+    assert refusal_cause(RedisConnectionError("Connection refused")) is None

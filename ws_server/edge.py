@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from lanes.queue.backoff import Backoff
 from lanes.queue.connection import raise_if_cancelled
-from lanes.queue.errors import ErrorCode, QueueUnavailable
+from lanes.queue.errors import ErrorCode, QueueUnavailable, refusal_cause
 from lanes.queue.keys import DEFAULT_POOL
 from lanes.queue.messages import (
     TokenBatch,
@@ -375,8 +375,13 @@ class Edge:
                 actions = await admit_and_enqueue(self, request_id, identity, frame)
             self.carry(actions)
         except QueueUnavailable as exc:
-            log.warning("redis unavailable: %s", exc)
-            self.carry(self.core.refuse(request_id, ErrorCode.UNAVAILABLE, "queue unavailable; retry shortly",
+            cause = refusal_cause(exc)
+            if cause is None:
+                log.warning("redis unavailable: %s", exc)
+            else:
+                log.error("%s: %s", cause, exc)
+            self.carry(self.core.refuse(request_id, ErrorCode.UNAVAILABLE,
+                                        f"queue unavailable{f': {cause}' if cause else ''}; retry shortly",
                                         retry_after_ms=NO_WORKER_RETRY_MS))
         except Exception:  # noqa: BLE001 - a bug must cost one request, not the connection
             log.exception("internal error handling a chat frame")

@@ -84,4 +84,5 @@ def check_model(spec: str, setting: str = "--model / LANES_MODEL") -> None:
         raise ConfigError(
             f"model {spec} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
             f"HF_HUB_OFFLINE=1 forbids downloading it ({setting}): download it first "
-            f"(`hf download {spec}`), unset HF_HUB_OFFLINE, or give a local model directory")
+            f"(`hf download {spec}`), set HF_HUB_OFFLINE=0 (`lanes up` and scripts/up.sh run offline unless it "
+            f"is set: `HF_HUB_OFFLINE=0 lanes up --model {spec}` downloads it), or give a local model directory")
