@@ -295,21 +295,40 @@ def test_more_connections_than_the_open_files_limit_is_one_line() -> None:
     assert "needs about 2456 open files, but this system allows 1500" in out.stderr
 
 
-def test_a_corrupt_weights_file_exits_2_in_one_line(redis_url: str, tiny_model, tmp_path) -> None:
-    """A truncated ``model.safetensors`` (an interrupted copy or download) raised safetensors'
-    own error, which the loader did not catch: a ~200-line traceback and exit 1, which ``lanes
-    up`` restarted forever. Restarting never helps: one line, exit 2."""
+def _corrupt_copy(source, dest):
+    """A copy of a model directory whose weights file is cut to 4 bytes."""
     import shutil
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model.target, model)
-    weights = next(model.glob("*.safetensors"))
+    shutil.copytree(source, dest)
+    weights = next(dest.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:4])
-    out = lanes("worker", "--model", str(model), LANES_REDIS_URL=redis_url)
+    return dest
+
+
+@pytest.mark.parametrize("spec_method", ["none", "prompt_lookup"])
+def test_a_corrupt_weights_file_exits_2_in_one_line(redis_url: str, tiny_model, tmp_path, spec_method: str) -> None:
+    """A truncated ``model.safetensors`` (an interrupted copy or download) raised safetensors'
+    own error, which the loader did not catch: a ~200-line traceback and exit 1, which ``lanes
+    up`` restarted forever. Restarting never helps: one line, exit 2. The speculative engine
+    (``hf_spec``) handed ``load_failure`` a Path, whose TypeError made that a crash again."""
+    model = _corrupt_copy(tiny_model.target, tmp_path / "model")
+    out = lanes("worker", "--model", str(model), LANES_REDIS_URL=redis_url, LANES_SPEC_METHOD=spec_method)
     assert out.returncode == 2, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"configuration error: cannot load the model {model} (--model / LANES_MODEL): "), last
     assert "SafetensorError" in last, last
+    no_traceback(out)
+
+
+def test_a_corrupt_draft_model_is_named_not_the_target(redis_url: str, tiny_model, tmp_path) -> None:
+    """A draft that does not load was reported as the target model, whose directory is fine."""
+    draft = _corrupt_copy(tiny_model.draft, tmp_path / "draft")
+    out = lanes("worker", "--model", str(tiny_model.target), "--draft-model", str(draft),
+                "--spec-method", "draft_model", LANES_REDIS_URL=redis_url)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"configuration error: cannot load the model {draft} (--draft-model / "
+                           "LANES_DRAFT_MODEL): "), last
     no_traceback(out)
 
 

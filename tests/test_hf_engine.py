@@ -3,9 +3,11 @@ serves) honours each request's sampling fields."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from lanes.queue.messages import ChatMessage
-from lanes.workers.engines.base import EngineRequest, RequestRejected, render_chat
+from lanes.workers.engines.base import EngineRequest, RequestRejected, load_failure, render_chat
 from lanes.workers.engines.hf import HFEngine
 
 PROMPT = (ChatMessage("user", "Tell me about lists and dictionaries."),)
@@ -79,3 +81,11 @@ def test_a_template_that_does_not_parse_is_the_deployments_error(tiny_model) -> 
     tokenizer.chat_template = "{% if %}"
     with pytest.raises(TemplateSyntaxError):
         render_chat(tokenizer, PROMPT)
+
+
+def test_load_failure_takes_a_path_too(tmp_path) -> None:
+    """The hf engines keep their model directory as a Path: ``"/" in model`` raised TypeError,
+    and the one-line message became a crash with a traceback."""
+    error = load_failure(tmp_path / "model", ValueError("bad\nweights"))
+    assert str(error) == f"cannot load the model {tmp_path / 'model'} (--model / LANES_MODEL): ValueError: bad weights"
+    assert "no local directory" in str(load_failure(Path("models/x"), OSError("gone")))

@@ -58,12 +58,14 @@ def render_chat(tokenizer: Any, messages: tuple[ChatMessage, ...] | list[ChatMes
                                                  f"{str(exc).strip() or type(exc).__name__}") from exc
 
 
-def load_failure(model: str, exc: BaseException, setting: str = "--model / LANES_MODEL") -> ConfigError:
+def load_failure(model: str | Path, exc: BaseException, setting: str = "--model / LANES_MODEL") -> ConfigError:
     """A model that did not load, as one message: its cause's words (all of them, up to ~300
     characters: some put what is missing on the second line) and, for a hub id that looks like
     a mistyped relative path (``models/x``), that no such directory exists either. Restarting
     never helps (a corrupt or truncated weights file, a missing tokenizer, no GPU memory), so it
-    is a configuration error: one line and exit 2, which ``lanes up`` does not restart."""
+    is a configuration error: one line and exit 2, which ``lanes up`` does not restart. ``model``
+    may be a Path (the hf engines keep one): a TypeError here once hid the cause behind a crash."""
+    model = str(model)
     words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
     if len(words) > 300:
         words = words[:297] + "..."

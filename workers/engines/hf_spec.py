@@ -107,10 +107,13 @@ class HFSpeculativeEngine:
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self._target = load(self.model_dir)
-            if self.method == "draft_model":
-                self._draft = load(self.draft_dir)
         except Exception as exc:  # no config.json, unknown architecture, corrupt weights (SafetensorError)...
-            raise load_failure(self.model_dir, exc, "--model / --draft-model") from exc
+            raise load_failure(self.model_dir, exc) from exc
+        if self.method == "draft_model":
+            try:
+                self._draft = load(self.draft_dir)
+            except Exception as exc:  # the draft's own directory is the one to fix, not the target's
+                raise load_failure(self.draft_dir, exc, "--draft-model / LANES_DRAFT_MODEL") from exc
         eos = self._target.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
