@@ -4,8 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+# Refused at once, not after minutes of installing torch into a venv pip then cannot serve.
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "bootstrap: lanes needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1 || echo missing) (set PYTHON=python3.11 or newer)" >&2
+  exit 2
+fi
+# A venv made where python3-venv is missing (Debian, Ubuntu) has a python but no pip: a re-run
+# must not take it as done, it recreates it.
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
+  if ! "$PYTHON" -m venv .venv || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    rm -rf .venv
+    echo "bootstrap: $PYTHON cannot make a virtual environment with pip: install python3-venv (apt-get install python3-venv), then re-run" >&2
+    exit 2
+  fi
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 stamp=.venv/.lanes-installed
