@@ -12,7 +12,8 @@
 #   5. an over-long prompt is rejected (`prompt_too_long`)
 #   6. after an engine shutdown the adapter raises EngineDead
 # (workers/engines/conformance.py; the same checks run on CPU against stand-ins in
-# tests/test_conformance.py.) Exit status 1 if any check fails or an engine runs out of time.
+# tests/test_conformance.py.) Exit status 1 if any check fails or an engine runs out of time
+# (also where torch sees no CUDA GPU: the table then says so in one line).
 # The gpu-marked pytest tests are separate: pytest -m gpu tests/test_vllm_adapter.py ...
 # Usage: scripts/gpu_check.sh [PYTHON]   (default: .venv/bin/python, else python3)
 set -uo pipefail

@@ -82,3 +82,31 @@ def test_the_check_model_has_head_dim_64_in_bf16(tmp_path) -> None:
     assert config["hidden_size"] // config["num_attention_heads"] == 64
     with safe_open(paths.target / "model.safetensors", "pt") as weights:
         assert {str(weights.get_tensor(k).dtype) for k in weights.keys()} == {"torch.bfloat16"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_tokens_per_second_table_without_cuda_says_so_in_one_line(tmp_path) -> None:
+    """On a CPU-only machine each row failed with a TypeError and the check exited 0."""
+    import os
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "lanes.workers.engines.gpu_check", "--out-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and out.stderr.startswith("torch sees no CUDA GPU (torch "), out.stderr
+    assert out.stderr.strip().endswith("): nothing to check") and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_tokens_per_second_table_exits_1_when_a_row_fails(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from lanes.workers.engines import gpu_check
+
+    async def broken(name: str, engine: Any, max_tokens: int, runs: int) -> dict[str, Any]:
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(gpu_check, "measure", broken)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--device", "cpu", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main()
+    assert exited.value.code == 1
+    assert capsys.readouterr().out.count("FAILED: RuntimeError: no kernel image") == 4

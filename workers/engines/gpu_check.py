@@ -1,6 +1,7 @@
 """Smoke-benchmark the engines on one machine: tokens/s, TTFT and acceptance per config.
 
-On CPU (``--device cpu``) or CUDA. It measures, it does
+On CPU (``--device cpu``) or CUDA. Exit status 1 if any configuration fails, 2 for CUDA on a
+machine where torch sees no CUDA GPU. It measures, it does
 not assert speed: the tiny random model is overhead-bound, so speculation exercises code paths
 and acceptance accounting here, not a speed-up. vLLM and TensorRT-LLM run only when installed
 and a GPU is present.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -90,21 +92,25 @@ def _configs(target: Path, draft: Path, device: str) -> list[tuple[str, Any]]:
     return configs
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace) -> int:
+    """Print the table; returns how many configurations failed."""
     from lanes.workers.models.tiny import build_tiny
 
     paths = build_tiny(Path(args.out_dir))
+    failed = 0
     print(f"{'config':34} {'tok/s':>8} {'ttft ms':>8} {'accept':>7} {'mean len':>8} {'fwd':>5}")
     for name, engine in _configs(paths.target, paths.draft, args.device):
         try:
             row = await measure(name, engine, args.max_tokens, args.runs)
         except Exception as exc:  # report and go on: one engine failing must not hide the rest
             print(f"{name:34} FAILED: {type(exc).__name__}: {exc}")
+            failed += 1
             continue
         print(f"{name:34} {row['tok_per_s']:8.1f} {row['ttft_ms_p50']:8.2f} "
               f"{row.get('spec_acceptance_rate', float('nan')):7.3f} "
               f"{row.get('spec_mean_acceptance_length', float('nan')):8.2f} "
               f"{row.get('target_forwards', '-')!s:>5}")
+    return failed
 
 
 def main() -> None:
@@ -113,7 +119,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    import torch
+
+    # Without a GPU every row failed (and the script still exited 0): say so once instead.
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"torch sees no CUDA GPU (torch {torch.__version__}): nothing to check", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(1 if asyncio.run(main_async(args)) else 0)
 
 
 if __name__ == "__main__":
