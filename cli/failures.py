@@ -4,7 +4,8 @@ name the cause and the fix (the setting, the flag, the path), and an exit status
 Exit statuses (``lanes up`` and the process harness rely on them)::
 
     1   a failure that may pass by itself (a crash, a server that went away): restart it
-    2   a configuration error: restarting cannot help, the user must change something
+    2   a configuration error: restarting cannot help, the user must change something (also a
+        write that a full disk, a read-only file system, a quota or a permission refused)
     130 interrupted (Ctrl-C)
 
 Tracebacks are for bugs: an expected failure prints one only with ``--debug`` or
@@ -19,12 +20,13 @@ Exception tree::
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import difflib
+import errno
+import os
+import re
 import sys
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -98,6 +100,30 @@ def safe_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+#: Errors of a write the user must make room or permission for: retrying as it is cannot help.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT})
+
+
+def write_error(exc: BaseException) -> str | None:
+    """``cannot write PATH: No space left on device`` for a write that a full disk, a read-only
+    file system, a quota or a permission stopped (before, a page of traceback after a model or
+    plot was built); None for anything else. safetensors raises its own error for these, with
+    the OS's words and ``(os error 28)`` but no path."""
+    if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+        what = exc.strerror or os.strerror(exc.errno)
+        if exc.filename is None:  # a socket's EACCES (a port below 1024) is no write
+            return None if exc.errno == errno.EACCES else f"cannot write: {what}"
+        path = os.fsdecode(exc.filename)
+        # A permission refused on a file that exists and cannot be read was a read.
+        verb = "read" if exc.errno == errno.EACCES and os.path.isfile(path) and not os.access(path, os.R_OK) else "write"
+        return f"cannot {verb} {path}: {what}"
+    if type(exc).__name__ == "SafetensorError":
+        number = re.search(r"\(os error (\d+)\)", str(exc))
+        if number and int(number.group(1)) in _WRITE_ERRNOS:
+            return f"cannot write the weights (safetensors): {os.strerror(int(number.group(1)))}"
+    return None
+
+
 def exit_code_for(exc: BaseException) -> int | None:
     """The exit status of an expected failure, or None for anything else (a bug)."""
     from lanes.scheduler.predictor import WeightsError
@@ -107,7 +133,8 @@ def exit_code_for(exc: BaseException) -> int | None:
 
     if isinstance(exc, Failure):
         return exc.exit_code
-    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError, WeightsError)) or settings_error(exc) is not None:
+    if (isinstance(exc, (ConfigError, RulesError, FixedAnswersError, WeightsError)) or settings_error(exc) is not None
+            or write_error(exc) is not None):
         return EXIT_CONFIG
     return None
 
@@ -159,8 +186,9 @@ def report(exc: BaseException) -> int | None:
     code = exit_code_for(exc)
     if code is None:
         return None
-    prefix = "configuration error" if code == EXIT_CONFIG else "error"
-    print(f"{prefix}: {settings_error(exc) or exc}", file=sys.stderr, flush=True)
+    written = write_error(exc)
+    prefix = "configuration error" if code == EXIT_CONFIG and written is None else "error"
+    print(f"{prefix}: {settings_error(exc) or written or exc}", file=sys.stderr, flush=True)
     return code
 
 

@@ -531,3 +531,39 @@ def test_a_redis_that_refuses_writes_is_named_not_just_unavailable() -> None:
     finally:
         server.stop()
     assert refusal_cause(RedisConnectionError("Connection refused")) is None
+
+
+def test_a_write_the_disk_or_a_permission_refuses_is_one_line(tmp_path) -> None:
+    """A full disk (or a read-only file system, a quota, a permission) met after the output
+    checks passed, while ``lanes model tiny`` wrote its weights: a page of traceback before."""
+    target = tmp_path / "tiny" / "model.safetensors"
+    script = ("import errno, sys\nimport lanes.workers.models.tiny as tiny\n"
+              "def full(*args, **kwargs):\n"
+              f"    raise OSError(errno.ENOSPC, 'No space left on device', {str(target)!r})\n"
+              "tiny.build_tiny = full\nfrom lanes.cli.main import main\n"
+              f"sys.argv = ['lanes', 'model', 'tiny', {str(tmp_path / 'tiny')!r}]\nmain()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [f"error: cannot write {target}: No space left on device"], out.stderr
+    no_traceback(out)
+
+
+def test_which_os_errors_are_writes_the_user_must_make_room_for(tmp_path) -> None:
+    import errno
+
+    from safetensors import SafetensorError
+
+    from lanes.cli.failures import exit_code_for, write_error
+
+    assert write_error(OSError(errno.EROFS, "Read-only file system", "/mnt/x.png")) == \
+        "cannot write /mnt/x.png: Read-only file system"
+    assert write_error(OSError(errno.EDQUOT, "Disk quota exceeded")) == "cannot write: Disk quota exceeded"
+    assert write_error(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "new"))) == \
+        f"cannot write {tmp_path / 'new'}: Permission denied"
+    saved = SafetensorError("Error while serializing: No space left on device (os error 28)")
+    assert write_error(saved) == "cannot write the weights (safetensors): No space left on device"
+    assert exit_code_for(saved) == 2
+    # Not writes: a port below 1024 (EACCES, no file), a file that is missing, any other error.
+    for other in (PermissionError(errno.EACCES, "Permission denied"), FileNotFoundError(errno.ENOENT, "x", "/x"),
+                  SafetensorError("invalid header"), ValueError("No space left on device")):
+        assert write_error(other) is None and exit_code_for(other) is None
