@@ -19,10 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
+import shutil
 import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -161,6 +165,24 @@ def _redis_url(settings: RedisSettings) -> tuple[str, EmbeddedRedis | None]:
     return embedded.url, embedded
 
 
+def lanes_command(script: str | None = None, cwd: Path | None = None) -> str:
+    """This ``lanes`` as the user can type it: ``lanes`` where that is what PATH finds, else its
+    path, relative to here when under it (``.venv/bin/lanes`` after ``./scripts/up.sh``, which
+    puts nothing on PATH: the ``lanes chat`` it advised was not found)."""
+    path = Path(script if script is not None else sys.argv[0])
+    if path.name != "lanes":  # ``python -m lanes.cli.main``: the venv's script next to python
+        path = Path(sys.executable).parent / "lanes"
+    if not path.is_file():
+        return "lanes"
+    path = path.absolute()
+    found = shutil.which("lanes")
+    if found is not None and os.path.samefile(found, path):
+        return "lanes"
+    with contextlib.suppress(ValueError):
+        return shlex.quote(str(path.relative_to((cwd or Path.cwd()).absolute())))
+    return shlex.quote(str(path))
+
+
 def metrics_ports(first_port: int, num_workers: int) -> dict[str, int]:
     """The scheduler's and each worker's metrics port: consecutive from ``first_port``, or
     free ones when it is 0. (A worker restarted after a crash keeps its port.)"""
@@ -203,12 +225,13 @@ def up(port: int, num_workers: int, worker_args: list[str], host: str = "127.0.0
         keyed = (os.environ.get("LANES_AUTH_REQUIRED", "").lower() in ("1", "true", "yes", "on")
                  or bool(os.environ.get("LANES_API_KEY_HASHES", "").strip(" ,")))
         key = " --api-key KEY" if keyed else ""
+        lanes = lanes_command()
         if keyed:
             # ``lanes keys`` must store the key where this edge looks: this Redis, not its 6379 default.
             kept = ("" if embedded is None else " (the embedded Redis keeps nothing across restarts: "
                     "for keys that outlive it, `lanes keys create NAME --static` and LANES_API_KEY_HASHES)")
-            console.print(f"API keys: LANES_REDIS_URL={redis_url} lanes keys create NAME{kept}")
-        console.print(f'try: lanes chat --url ws://{host}:{port}/v1/chat{key} "Explain what a class definition does"')
+            console.print(f"API keys: LANES_REDIS_URL={redis_url} {lanes} keys create NAME{kept}")
+        console.print(f'try: {lanes} chat --url ws://{host}:{port}/v1/chat{key} "Explain what a class definition does"')
         return supervisor.supervise()
     finally:
         _say("stopping…")

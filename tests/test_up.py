@@ -21,7 +21,7 @@ import redis
 from conftest import scaled
 from e2e_support import fixed_http_server
 
-from lanes.cli.up import Backoff
+from lanes.cli.up import Backoff, lanes_command
 from lanes.queue.embedded import free_port
 
 pytestmark = pytest.mark.e2e
@@ -197,3 +197,23 @@ def test_a_closed_terminal_stops_everything(tiny_model, tmp_path: Path) -> None:
         for child in children:  # orphans (under init) when the test fails
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+
+
+def test_the_advice_names_the_lanes_this_is_as_the_user_can_type_it(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ``./scripts/up.sh`` only ``.venv/bin/lanes`` exists: ``try: lanes chat ...`` was
+    not found. On PATH it stays ``lanes``."""
+    script = tmp_path / "my venv" / "bin" / "lanes"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert lanes_command(str(script), cwd=tmp_path) == "'my venv/bin/lanes'"
+    assert lanes_command(str(script), cwd=tmp_path / "my venv") == "bin/lanes"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert lanes_command(str(script), cwd=elsewhere) == f"'{script}'"
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert lanes_command(str(script), cwd=elsewhere) == "lanes"
+    # ``python -m lanes.cli.main``: the script next to this python, or plain ``lanes``.
+    assert lanes_command("/x/main.py", cwd=elsewhere) in ("lanes", str(Path(sys.executable).parent / "lanes"))
