@@ -71,6 +71,8 @@ class Supervisor:
     #: Crashes in a row per child, and when each crashed child is due to start again.
     crashes: dict[str, int] = field(default_factory=dict)
     restart_at: dict[str, float] = field(default_factory=dict)
+    #: Each crashed child's exits so far and the status of the last one.
+    exits: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def on_signal(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -91,6 +93,7 @@ class Supervisor:
                 self.crashes[name] = self.backoff.num_crashes(self.crashes.get(name, 0), now - child.started_at)
                 delay_s = self.backoff.delay_s(self.crashes[name])
                 self.restart_at[name] = now + delay_s
+                self.exits[name] = (self.exits.get(name, (0, 0))[0] + 1, code)
                 console.print(f"[yellow]{name} exited with {code}; restarting in {delay_s:.0f} s[/]")
             elif now >= self.restart_at[name]:
                 del self.restart_at[name]
@@ -130,11 +133,22 @@ class Supervisor:
         slow += [n for n in self.cluster.worker_names() if n not in self.cluster.warm_workers()]
         for name in slow:
             child = self.cluster.children[name]
-            doing = "not answering /healthz yet" if name == "edge" else "loading and warming its model"
             last = child.tail(1)
             said = f"; last said: {escape(last[0][-160:])}" if last else ""
-            console.print(f"[yellow]still waiting after {waited_s:.0f} s: {name} (pid {child.process.pid}) "
-                          f"is {doing}{said}[/]", highlight=False)
+            console.print(f"[yellow]still waiting after {waited_s:.0f} s: {self._doing(name)}{said}[/]",
+                          highlight=False)
+
+    def _doing(self, name: str) -> str:
+        """What a child that is not ready yet is doing: a crash-looping one was said to be
+        "loading and warming its model" between its exits."""
+        child = self.cluster.children[name]
+        num_exits, last_code = self.exits.get(name, (0, 0))
+        exited = f"exited {num_exits} time{'s' if num_exits > 1 else ''} (last exit {last_code})"
+        if name in self.restart_at:
+            return f"{name} {exited}; restarting in {max(0.0, self.restart_at[name] - time.monotonic()):.0f} s"
+        doing = "not answering /healthz yet" if name == "edge" else "loading and warming its model"
+        again = f", restarted after it {exited}" if num_exits else ""
+        return f"{name} (pid {child.process.pid}) is {doing}{again}"
 
     # -- running ------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import redis
 from conftest import scaled
 from e2e_support import fixed_http_server
 
-from lanes.cli.up import Backoff, lanes_command
+from lanes.cli.up import Backoff, Supervisor, lanes_command
 from lanes.queue.embedded import free_port
 
 pytestmark = pytest.mark.e2e
@@ -217,3 +217,27 @@ def test_the_advice_names_the_lanes_this_is_as_the_user_can_type_it(tmp_path: Pa
     assert lanes_command(str(script), cwd=elsewhere) == "lanes"
     # ``python -m lanes.cli.main``: the script next to this python, or plain ``lanes``.
     assert lanes_command("/x/main.py", cwd=elsewhere) in ("lanes", str(Path(sys.executable).parent / "lanes"))
+
+
+def test_a_crash_looping_child_is_said_to_have_exited_not_to_be_loading() -> None:
+    """While worker-0 exited and waited for its restart, ``lanes up`` said it "is loading and
+    warming its model". A child that exits 2 stops everything and is not restarted."""
+    from lanes.cli.cluster import Child, Cluster
+
+    def child(code: int) -> Child:
+        process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        process.wait()
+        return Child("worker-0", ["worker"], {}, process, 0, time.monotonic(), None)
+
+    supervisor = Supervisor(cluster=Cluster("", ""))
+    supervisor.cluster.children["worker-0"] = child(1)
+    for _ in range(3):
+        assert supervisor.check_children() is None
+        assert supervisor._doing("worker-0").startswith("worker-0 exited 1 time (last exit 1); restarting in ")
+    supervisor.exits["worker-0"] = (3, 1)
+    assert supervisor._doing("worker-0").startswith("worker-0 exited 3 times (last exit 1); restarting in ")
+    supervisor.restart_at.clear()
+    assert supervisor._doing("worker-0").endswith("is loading and warming its model, restarted after it exited 3 "
+                                                  "times (last exit 1)")
+    supervisor.cluster.children["worker-0"] = child(2)
+    assert supervisor.check_children() == 2
