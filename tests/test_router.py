@@ -262,10 +262,14 @@ def test_an_unknown_model_under_rules_names_the_rules_pools() -> None:
     router = PoolRouter(EdgeSettings(routing_file=str(rules)))
     with pytest.raises(UnknownModel) as unknown:
         router.pool_for("default", "", (ChatMessage("user", "Tell me about the sea."),), ["default", "small"])
-    # A live pool the rules never name ("default" here, a worker's LANES_POOL typo) is no answer.
-    assert unknown.value.message(("default", "small")) == (
-        "model 'default' is not one of the pools the routing rules serve (large, small, or 'auto'; "
-        "LANES_ROUTING_FILE); pools with live workers: small")
+    # A live pool the rules never name ("default" here, a worker's LANES_POOL typo) is no answer,
+    # but it is named as live: "none yet" while two workers served it read as if nothing were up.
+    head = ("model 'default' is not one of the pools the routing rules serve (large, small, or 'auto'; "
+            "LANES_ROUTING_FILE); pools with live workers the rules serve: ")
+    assert unknown.value.message(("default", "small")) == head + "small (live but not in the rules: default)"
+    assert unknown.value.message(("default",)) == head + "none (live but not in the rules: default)"
+    assert unknown.value.message(("small",)) == head + "small"
+    assert unknown.value.message(()) == head + "none yet"
 
 
 def test_models_lists_auto_only_where_it_can_be_served() -> None:

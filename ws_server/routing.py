@@ -32,12 +32,17 @@ class UnknownModel(Exception):
     rules_pools: tuple[str, ...] | None = None
 
     def message(self, live_pools: tuple[str, ...]) -> str:
-        if self.rules_pools is not None:  # a pool the rules never name is no answer to give
-            live_pools = tuple(p for p in live_pools if p in self.rules_pools)
-        live = ", ".join(live_pools) or "none yet"
         if self.rules_pools is not None:
+            # A pool the rules never name is no answer to give, but its workers are no secret:
+            # "none yet" while two workers served one read as if nothing were up.
+            served = tuple(p for p in live_pools if p in self.rules_pools)
+            outside = tuple(p for p in live_pools if p not in self.rules_pools)
+            live = (", ".join(served) or ("none" if outside else "none yet")) + (
+                f" (live but not in the rules: {', '.join(outside)})" if outside else "")
             return (f"model {self.model!r} is not one of the pools the routing rules serve "
-                    f"({', '.join(self.rules_pools)}, or 'auto'; LANES_ROUTING_FILE); pools with live workers: {live}")
+                    f"({', '.join(self.rules_pools)}, or 'auto'; LANES_ROUTING_FILE); "
+                    f"pools with live workers the rules serve: {live}")
+        live = ", ".join(live_pools) or "none yet"
         return f"model {self.model!r} is not served here; pools with live workers: {live} (or 'auto')"
 
 
