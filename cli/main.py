@@ -146,6 +146,9 @@ def redis(
         try:
             probe.bind((host, port))
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:  # nothing listens there to stop
+                raise ConfigFailure(f"{host} is not an address of this machine (--host): 127.0.0.1, 0.0.0.0 "
+                                    "(every interface) or one of its interfaces' addresses") from None
             why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
             raise ConfigFailure(f"port {port} on {host} {why} (--port / --host): stop what listens there or "
                                 "choose another port (then LANES_REDIS_URL=redis://HOST:PORT/0)") from None

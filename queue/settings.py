@@ -47,8 +47,9 @@ class RedisSettings(BaseSettings):
     #: Cluster: ``redis+cluster://host:port`` (``rediss+cluster://`` for TLS), one seed node
     #: (docs/redis-cluster.md).
     redis_url: str = "redis://127.0.0.1:6379/0"
-    #: Prefix of every key and channel (lets several deployments share one Redis).
-    key_prefix: str = "lanes"
+    #: Prefix of every key and channel (lets several deployments share one Redis); never empty
+    #: (an empty one was taken as given: keys starting ``:``, shared with any other empty prefix).
+    key_prefix: str = Field("lanes", min_length=1)
     #: A running request's lease; a worker renews it every ``heartbeat_s``.
     lease_ms: int = Field(2000, gt=0)
     heartbeat_s: float = Field(0.5, gt=0, allow_inf_nan=False)

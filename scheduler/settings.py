@@ -18,8 +18,9 @@ class SchedulerSettings(RedisSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535)
     #: Address it binds (0.0.0.0 for a Prometheus on another host: the autoscaling gauge).
     metrics_host: str = "127.0.0.1"
-    #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off).
-    predictor_refresh_minutes: int = 5
+    #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off;
+    #: a negative number, once silently off too, is refused).
+    predictor_refresh_minutes: int = Field(default=5, ge=0)
     predictor_min_observations: int = 50
     #: The refresh's window: the newest this many observations (at most what the list keeps)...
     predictor_max_observations: int = Field(default=REFRESH_WINDOW, ge=1, le=MAX_OBSERVATIONS)

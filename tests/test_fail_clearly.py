@@ -339,6 +339,9 @@ def test_a_corrupt_draft_model_is_named_not_the_target(redis_url: str, tiny_mode
     (("worker", "--engine", "sim"), {"LANES_SIM_TIME_SCALE": "0"}, "LANES_SIM_TIME_SCALE"),
     (("worker", "--engine", "sim"), {"LANES_MAX_PREEMPTIONS": "-1"}, "LANES_MAX_PREEMPTIONS"),
     (("worker", "--engine", "sim"), {"LANES_STARVE_AFTER_MS": "-5"}, "LANES_STARVE_AFTER_MS"),
+    # Once silently off (the refresh ran only when > 0), and an empty key prefix taken as given.
+    (("scheduler",), {"LANES_PREDICTOR_REFRESH_MINUTES": "-1"}, "LANES_PREDICTOR_REFRESH_MINUTES='-1'"),
+    (("edge",), {"LANES_KEY_PREFIX": ""}, "LANES_KEY_PREFIX='': String should have at least 1 character"),
 ])
 def test_settings_that_could_never_work_exit_2_at_start(redis_url: str, command: tuple[str, ...],
                                                         env: dict[str, str], named: str) -> None:
@@ -567,3 +570,12 @@ def test_which_os_errors_are_writes_the_user_must_make_room_for(tmp_path) -> Non
     for other in (PermissionError(errno.EACCES, "Permission denied"), FileNotFoundError(errno.ENOENT, "x", "/x"),
                   SafetensorError("invalid header"), ValueError("No space left on device")):
         assert write_error(other) is None and exit_code_for(other) is None
+
+
+def test_redis_on_an_address_not_of_this_machine_says_so() -> None:
+    """``lanes redis --host 8.8.8.8`` advised to "stop what listens there": nothing does."""
+    out = lanes("redis", "--host", "192.0.2.1", "--port", "7417", timeout_s=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "configuration error: 192.0.2.1 is not an address of this machine (--host): 127.0.0.1, 0.0.0.0 "
+        "(every interface) or one of its interfaces' addresses"], out.stderr
