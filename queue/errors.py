@@ -93,11 +93,14 @@ def refusal_cause(exc: BaseException) -> str | None:
     """Why Redis refuses writes while it still answers (what a client and an operator need to
     read; "queue unavailable" alone hid it, and ``/healthz``'s PING still passes), or None for
     an outage (unreachable, timed out) or any other error."""
-    if isinstance(exc, OutOfMemoryError):
+    # Inside a Lua script (the plane's scripts) the refusal comes back as a plain ResponseError
+    # "Error running script ... -OOM command not allowed ...": read by its text too.
+    text = str(exc)
+    if isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in text:
         return "Redis is out of memory (maxmemory reached) and refuses writes"
-    if isinstance(exc, ReadOnlyError):
+    if isinstance(exc, ReadOnlyError) or "READONLY" in text:
         return "Redis is a read-only replica (LANES_REDIS_URL must name the primary)"
-    if "MISCONF" in str(exc):
+    if "MISCONF" in text:
         return "Redis cannot save to disk and refuses writes (see its log)"
     return None
 

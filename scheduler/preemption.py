@@ -11,8 +11,9 @@ The worker's contract:
 
 - At most once per engine step, and only when ``lanes_to_pop(...)`` offers no lane that has
   waiting requests, call ``choose_preemption(runs, oldest_wait_ms, now_ms,
-  last_preemption_ms, config)`` with one ``RunView`` per running request and the lane ages of
-  the latest depth snapshot (the ``oldest_wait_ms`` it passes to ``lanes_to_pop``).
+  last_preemption_ms, config, budget_tokens)`` with one ``RunView`` per running request, the
+  lane ages of the latest depth snapshot (the ``oldest_wait_ms`` it passes to ``lanes_to_pop``)
+  and its re-prefill budget (below).
 - ``None``: nothing to do. An id: hand that request back (``QueuePlane.release``) into
   ``requeue_lane(run, config)`` at its original score, count one more ``num_preemptions`` for
   it (the count travels with the request), remember ``last_preemption_ms = now_ms`` and take
@@ -31,7 +32,8 @@ The worker's contract:
 - A re-prefill budget (a token bucket, ``budget_tokens``): the worker earns
   ``max_reprefill_share`` re-prefill tokens per token it generates, kept up to
   ``reprefill_burst_tokens`` (``earn_reprefill_budget``), and a hand-back spends its
-  ``hand_back_cost``; a candidate that costs more than the budget holds is no candidate. Under a
+  ``hand_back_cost``; a candidate that costs more than the budget holds is no candidate, unless
+  the budget is full (it then pays for any one hand-back, into debt; a burst of 0: none). Under a
   backlog that lasts (every short request waits past the bound) hand-backs would otherwise run
   back to back, each re-prefilling work already done: 2,993 of them cost lanes 3 % of its
   saturation capacity (benchmarks/RESULTS.md, "Stop 43"). The budget bounds that loss by
@@ -164,7 +166,9 @@ def _cost_ratio(run: RunView, waiting_before: int, now_ms: float, budget_tokens:
             or _near_its_end(run, config.min_remaining_tokens)):
         return None
     cost = hand_back_cost(run, config)
-    if cost > budget_tokens:
+    # A full budget pays for any one hand-back, into debt: a run dearer than the burst (a prompt
+    # of 9 k tokens) could otherwise never be handed back, however long the short lane waits.
+    if cost > budget_tokens and not budget_tokens >= config.reprefill_burst_tokens > 0:
         return None
     ratio = cost / expected_remaining_tokens(run)
     return ratio if ratio <= config.max_cost_ratio else None

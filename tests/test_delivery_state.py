@@ -80,7 +80,8 @@ class DeliveryMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.core = Delivery(EDGE, DeliveryConfig(resume_grace_s=GRACE_S, cancel_grace_s=3.0, refill_after_s=0.5,
-                                                  quiet_s=2.0, max_in_flight_per_connection=8))
+                                                  quiet_s=2.0, unreachable_s=5.0,
+                                                  max_in_flight_per_connection=8))
         self.now = 0.0
         self.clock = 0
         self.world: dict[str, World] = {}

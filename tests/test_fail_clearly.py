@@ -530,6 +530,10 @@ def test_a_redis_that_refuses_writes_is_named_not_just_unavailable() -> None:
         with pytest.raises(redis.exceptions.RedisError) as refused:
             client.set("k", "v" * 1000)
         assert refusal_cause(refused.value) == "Redis is out of memory (maxmemory reached) and refuses writes"
+        # The plane's writes are Lua scripts: there the refusal is a plain ResponseError's text.
+        with pytest.raises(redis.exceptions.RedisError) as in_script:
+            client.eval("return redis.call('SET', KEYS[1], ARGV[1])", 1, "k", "v" * 1000)
+        assert refusal_cause(in_script.value) == "Redis is out of memory (maxmemory reached) and refuses writes"
         client.close()
     finally:
         server.stop()

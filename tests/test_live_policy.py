@@ -67,12 +67,13 @@ async def test_a_long_run_is_handed_back_when_a_short_request_waits_too_long(pla
     await _resumed_whole(plane, "long", 300)
 
 
-async def test_no_hand_back_past_the_reprefill_budget(plane: QueuePlane) -> None:
-    """The same wait with a budget smaller than the re-prefill: the long run keeps its slot and
-    the short request waits for it (under a backlog that never clears, hand-backs back to back
-    would re-prefill work already done: the budget bounds that loss)."""
+async def test_no_hand_back_without_a_reprefill_budget(plane: QueuePlane) -> None:
+    """The same wait with no re-prefill budget (``LANES_PREEMPT_BUDGET_TOKENS=0``): the long run
+    keeps its slot and the short request waits for it (under a backlog that never clears,
+    hand-backs back to back would re-prefill work already done: the budget bounds that loss;
+    the arithmetic of a partly spent one is ``test_preemption``'s)."""
     async with running(plane, slots=1, time_scale=1.0, preempt_after_ms=300, max_long_slots=1,
-                       min_long_slots=0, preempt_budget_tokens=2, preempt_reprefill_share=0.0) as worker:
+                       min_long_slots=0, preempt_budget_tokens=0, preempt_reprefill_share=0.0) as worker:
         await enqueue(plane, "long", Lane.LONG, 300)
         await until(lambda: _streamed(plane, "long", 3))
         await enqueue(plane, "short", Lane.SHORT, 5)

@@ -606,7 +606,10 @@ def test_a_body_that_trickles_in_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> 
 
     from lanes.ws_server import completions
 
+    # 30 s, or 64 KiB a second of a larger body limit (16 MiB: 256 s).
+    assert completions.body_deadline_s(256 << 10) == 30.0 and completions.body_deadline_s(16 << 20) == 256.0
     monkeypatch.setattr(completions, "BODY_S", 0.3)
+    monkeypatch.setattr(completions, "MIN_BODY_BYTES_PER_S", 1 << 40)
 
     async def trickle() -> dict[str, object]:
         await asyncio.sleep(0.1)
@@ -619,3 +622,4 @@ def test_a_body_that_trickles_in_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(completions.BodyTooSlow):
         asyncio.run(completions._body(Request(scope, trickle), 1 << 20))
     assert asyncio.run(completions._body(Request(scope, whole), 1 << 20)) == b"{}"
+

@@ -165,12 +165,19 @@ def test_the_reprefill_budget_is_earned_by_generated_tokens_spent_by_hand_backs_
     assert choose_preemption([a, b], {S: 1.0}, NOW_MS, NEVER_MS, config, 1000.0) == "b"
     dear = replace(b, prompt_tokens=900)  # 1,200 tokens, ratio 1200 / 1700: cheapest per token, dearest in all
     assert choose_preemption([a, dear], {S: 1.0}, NOW_MS, NEVER_MS, config, 1200.0) == "b"
-    assert choose_preemption([a, dear], {S: 1.0}, NOW_MS, NEVER_MS, config, 1000.0) == "a"
+    assert choose_preemption([a, dear], {S: 1.0}, NOW_MS, NEVER_MS, config, 999.0) == "a"  # not full
     # Earned at 0.05 per generated token, never past the burst: after a hand-back of 800 the
     # next one waits for 16,000 generated tokens.
     assert earn_reprefill_budget(200.0, 16_000, config) == 1000.0
     assert earn_reprefill_budget(200.0, 15_980, config) == pytest.approx(999.0)
     assert earn_reprefill_budget(0.0, 100_000, config) == 1000.0
+    # A run dearer than the whole burst: a full budget pays for it, into debt (else it could
+    # never be handed back); anything short of full does not; a burst of 0 pays for none.
+    big = run("big", prompt=9000, generated=300, predicted=30_000)
+    assert choose_preemption([big], {S: 1.0}, NOW_MS, NEVER_MS, config, 1000.0) == "big"
+    assert choose_preemption([big], {S: 1.0}, NOW_MS, NEVER_MS, config, 999.0) is None
+    none = replace(config, reprefill_burst_tokens=0, max_reprefill_share=0.0)
+    assert choose_preemption([a], {S: 1.0}, NOW_MS, NEVER_MS, none, 0.0) is None
 
 
 def test_preemption_config_rejects_bad_values() -> None:

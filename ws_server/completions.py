@@ -145,7 +145,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
         except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing to log
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BodyTooSlow:
-            response = _refused_request(oai.APIError(408, f"the body did not arrive within {BODY_S:g} s",
+            deadline = body_deadline_s(edge.limits.max_frame_bytes)
+            response = _refused_request(oai.APIError(408, f"the body did not arrive within {deadline:g} s",
                                                      code="request_timeout"), request_id)
             response.headers["Connection"] = "close"  # the rest may still be on the wire
             return response
@@ -202,7 +203,14 @@ DISCARD_MAX_BYTES = 16 << 20
 DISCARD_S = 2.0
 #: The whole body must arrive within this long: the server's header timeout ends at the headers,
 #: and a body sent a byte a second held its connection (and a slot of the server's) with no end.
+#: Longer for a larger ``LANES_MAX_FRAME_BYTES``: at least ``MIN_BODY_BYTES_PER_S`` of it.
 BODY_S = 30.0
+MIN_BODY_BYTES_PER_S = 64 << 10
+
+
+def body_deadline_s(max_bytes: int) -> float:
+    """How long a body of at most ``max_bytes`` may take to arrive."""
+    return max(BODY_S, max_bytes / MIN_BODY_BYTES_PER_S)
 
 
 class BodyTooSlow(Exception):
@@ -221,7 +229,7 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
     loop = asyncio.get_running_loop()
     chunks, size, over = [], 0, declared > max_bytes
     try:
-        async with asyncio.timeout(DISCARD_S if over else BODY_S) as budget:
+        async with asyncio.timeout(DISCARD_S if over else body_deadline_s(max_bytes)) as budget:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > DISCARD_MAX_BYTES:

@@ -58,6 +58,9 @@ _batch_decoder = msgspec.json.Decoder(TokenBatch)
 _TICK_S = 0.25
 
 
+#: How long an edge retries a cancel Redis does not answer (``Edge._cancel``).
+CANCEL_RETRY_S = 600.0
+
 class Edge:
     def __init__(self, settings: EdgeSettings, plane: QueuePlane, lengths: LengthEstimator | None = None) -> None:
         self.settings = settings
@@ -157,13 +160,27 @@ class Edge:
         return self.plane.for_pool(self._pool_of.get(request_id, DEFAULT_POOL))
 
     async def _cancel(self, action: delivery.CancelRequest, plane: QueuePlane) -> None:
-        try:
-            state, _ = await plane.cancel(action.request_id, only_edge=self.edge_id)
-        except QueueUnavailable as exc:
-            log.warning("cancel of %s failed: %s", action.request_id, exc)
-            if action.report:
-                self.carry(self.core.cancel_failed(action.request_id, time.monotonic()))
-            return
+        """Cancel in Redis. A cancel nobody waits for (the request already ended here: its client
+        left, or Redis was out of reach for ``LANES_UNREACHABLE_S``) is retried until Redis
+        answers, for up to ``CANCEL_RETRY_S``: dropped, the request ran on for nobody once Redis
+        was back (this edge is alive, so no worker's orphan check ends it)."""
+        delay, deadline = 1.0, time.monotonic() + CANCEL_RETRY_S
+        while True:
+            try:
+                state, _ = await plane.cancel(action.request_id, only_edge=self.edge_id)
+                break
+            except QueueUnavailable as exc:
+                if action.report:
+                    log.warning("cancel of %s failed: %s", action.request_id, exc)
+                    self.carry(self.core.cancel_failed(action.request_id, time.monotonic()))
+                    return
+                if time.monotonic() + delay > deadline:
+                    log.warning("cancel of %s failed for %g s; given up: %s", action.request_id, CANCEL_RETRY_S, exc)
+                    return
+                if delay == 1.0:
+                    log.warning("cancel of %s failed (%s); retrying until Redis answers", action.request_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(30.0, 2 * delay)
         if action.report:
             self.carry(self.core.cancel_result(action.request_id, state, time.monotonic()))
 
