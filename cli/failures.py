@@ -113,9 +113,10 @@ def write_error(exc: BaseException) -> str | None:
         what = exc.strerror or os.strerror(exc.errno)
         if exc.filename is None:  # a socket's EACCES (a port below 1024) is no write
             return None if exc.errno == errno.EACCES else f"cannot write: {what}"
-        path = os.fsdecode(exc.filename)
-        # A permission refused on a file that exists and cannot be read was a read.
-        verb = "read" if exc.errno == errno.EACCES and os.path.isfile(path) and not os.access(path, os.R_OK) else "write"
+        name = exc.filename
+        path = os.fsdecode(name) if isinstance(name, (str, bytes, os.PathLike)) else str(name)  # an fd: an int
+        # A permission refused may have been a read, an exec or a listing: "access" guesses nothing.
+        verb = "access" if exc.errno == errno.EACCES else "write"
         return f"cannot {verb} {path}: {what}"
     if type(exc).__name__ == "SafetensorError":
         number = re.search(r"\(os error (\d+)\)", str(exc))

@@ -4,18 +4,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# Refused at once, not after minutes of installing torch into a venv pip then cannot serve.
-if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "bootstrap: lanes needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1 || echo missing) (set PYTHON=python3.11 or newer)" >&2
-  exit 2
-fi
-# A venv made where python3-venv is missing (Debian, Ubuntu) has a python but no pip: a re-run
-# must not take it as done, it recreates it.
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
-  rm -rf .venv
-  if ! "$PYTHON" -m venv .venv || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+new_enough='import sys; sys.exit(sys.version_info < (3, 11))'
+if [ -x .venv/bin/python ] && .venv/bin/python -c "$new_enough" 2>/dev/null; then
+  # A venv already made (with PYTHON=python3.11 where python3 is older, say) is used as it is.
+  # One without pip (left by a failed first try where python3-venv is missing, or made by
+  # `uv venv`) gets pip from ensurepip before anything is deleted.
+  if ! .venv/bin/python -m pip --version >/dev/null 2>&1 && ! .venv/bin/python -m ensurepip -q >/dev/null 2>&1; then
+    echo "bootstrap: recreating .venv: it has no pip and ensurepip cannot add one" >&2
     rm -rf .venv
-    echo "bootstrap: $PYTHON cannot make a virtual environment with pip: install python3-venv (apt-get install python3-venv), then re-run" >&2
+  fi
+fi
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  # Refused at once, not after minutes of installing torch into a venv pip then cannot serve.
+  PYTHON_PATH=$(command -v "$PYTHON" || true)  # resolved before .venv (maybe on PATH) goes
+  if [ -z "$PYTHON_PATH" ] || ! "$PYTHON_PATH" -c "$new_enough" 2>/dev/null; then
+    echo "bootstrap: lanes needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1 || echo missing) (set PYTHON=python3.11 or newer)" >&2
+    exit 2
+  fi
+  rm -rf .venv
+  if ! "$PYTHON_PATH" -m venv .venv || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    rm -rf .venv
+    version=$("$PYTHON_PATH" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    echo "bootstrap: $PYTHON cannot make a virtual environment with pip: install python$version-venv (apt-get install python$version-venv), then re-run" >&2
     exit 2
   fi
   .venv/bin/python -m pip install -q --upgrade pip

@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: A ``python3`` of version ``$FAKE_VERSION`` whose ``-m venv DIR`` makes a venv with pip
 #: (``$FAKE_VENV=ok``), or, like Debian without python3-venv, one with a python but no pip.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
-if [ "$1" = -c ]; then [ "${FAKE_VERSION:-3.12}" != 3.10 ]; exit; fi
+if [ "$1" = -c ]; then
+  case "$2" in *print*) echo "${FAKE_VERSION:-3.12}"; exit;; esac
+  [ "${FAKE_VERSION:-3.12}" != 3.10 ]; exit
+fi
 if [ "$1" = -V ]; then echo "Python ${FAKE_VERSION:-3.12}"; exit; fi
 if [ "$1 $2" = "-m venv" ]; then
   mkdir -p "$3/bin"
@@ -63,7 +66,9 @@ def test_no_python3_venv_is_one_line_naming_the_package(tmp_path: Path) -> None:
     broken_venv(tmp_path)
     out = bootstrap(tmp_path, FAKE_VENV="no-pip")
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().endswith("install python3-venv (apt-get install python3-venv), then re-run"), out.stderr
+    # The package of the Python asked for (python3-venv is the distribution's default one's).
+    assert out.stderr.strip().endswith("install python3.12-venv (apt-get install python3.12-venv), then re-run"), \
+        out.stderr
     assert not (tmp_path / ".venv").exists()
 
 
@@ -74,3 +79,22 @@ def test_an_old_python_is_refused_before_anything_is_installed(tmp_path: Path) -
     assert out.stderr.strip().splitlines() == [
         f"bootstrap: lanes needs Python >= 3.11; {tmp_path / 'python3'} is Python 3.10 (set PYTHON=python3.11 or newer)"]
     assert not (tmp_path / ".venv").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_working_venv_is_kept_whatever_python3_is_and_one_without_pip_gets_it(tmp_path: Path) -> None:
+    """Installed with PYTHON=python3.11 where python3 is 3.10: a plain re-run (up.sh and test.sh
+    run bootstrap at every start) was refused "needs Python >= 3.11" (re-review). A venv without
+    pip (``uv venv``, ``--without-pip``) was deleted and rebuilt, torch and all: ensurepip first."""
+    venv = tmp_path / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(
+        '#!/usr/bin/env bash\nd=$(dirname "$0")/..\necho "$*" >> "$d/calls"\n'
+        'if [ "$1 $2" = "-m pip" ] && [ ! -e "$d/has_pip" ]; then exit 1; fi\n'
+        'if [ "$1 $2" = "-m ensurepip" ]; then touch "$d/has_pip"; fi\nexit 0\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "kept").write_text("")
+    out = bootstrap(tmp_path, FAKE_VERSION="3.10")
+    assert out.returncode == 0, out.stderr
+    assert (venv / "kept").exists() and (venv / "has_pip").exists(), "kept, pip added by ensurepip"
+    assert "-m pip install -q -e .[dev]" in (venv / "calls").read_text()

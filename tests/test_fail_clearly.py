@@ -565,8 +565,10 @@ def test_which_os_errors_are_writes_the_user_must_make_room_for(tmp_path) -> Non
     assert write_error(OSError(errno.EROFS, "Read-only file system", "/mnt/x.png")) == \
         "cannot write /mnt/x.png: Read-only file system"
     assert write_error(OSError(errno.EDQUOT, "Disk quota exceeded")) == "cannot write: Disk quota exceeded"
+    # A permission may have been refused on a read, an exec or a listing: "access" (re-review).
     assert write_error(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "new"))) == \
-        f"cannot write {tmp_path / 'new'}: Permission denied"
+        f"cannot access {tmp_path / 'new'}: Permission denied"
+    assert write_error(OSError(errno.EROFS, "Read-only file system", 3)) == "cannot write 3: Read-only file system"
     saved = SafetensorError("Error while serializing: No space left on device (os error 28)")
     assert write_error(saved) == "cannot write the weights (safetensors): No space left on device"
     assert exit_code_for(saved) == 2

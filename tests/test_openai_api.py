@@ -608,6 +608,10 @@ def test_a_body_that_trickles_in_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> 
 
     # 30 s, or 64 KiB a second of a larger body limit (16 MiB: 256 s).
     assert completions.body_deadline_s(256 << 10) == 30.0 and completions.body_deadline_s(16 << 20) == 256.0
+    # By the body's declared length, and never past what 16 MiB needs (a 1 GiB limit gave a
+    # 10-byte body 16,384 s: re-review).
+    assert completions.body_deadline_s(16 << 20, declared=10) == 30.0
+    assert completions.body_deadline_s(1 << 30) == 256.0
     monkeypatch.setattr(completions, "BODY_S", 0.3)
     monkeypatch.setattr(completions, "MIN_BODY_BYTES_PER_S", 1 << 40)
 

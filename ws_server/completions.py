@@ -145,7 +145,7 @@ def routes(edge: Edge) -> list[BaseRoute]:
         except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing to log
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BodyTooSlow:
-            deadline = body_deadline_s(edge.limits.max_frame_bytes)
+            deadline = body_deadline_s(edge.limits.max_frame_bytes, _declared_length(request))
             response = _refused_request(oai.APIError(408, f"the body did not arrive within {deadline:g} s",
                                                      code="request_timeout"), request_id)
             response.headers["Connection"] = "close"  # the rest may still be on the wire
@@ -208,13 +208,21 @@ BODY_S = 30.0
 MIN_BODY_BYTES_PER_S = 64 << 10
 
 
-def body_deadline_s(max_bytes: int) -> float:
-    """How long a body of at most ``max_bytes`` may take to arrive."""
-    return max(BODY_S, max_bytes / MIN_BODY_BYTES_PER_S)
+def body_deadline_s(max_bytes: int, declared: int = 0) -> float:
+    """How long a body may take to arrive: by its declared length when it has one, else by the
+    limit, never past what ``DISCARD_MAX_BYTES`` needs (a huge limit must not reopen the hold)."""
+    return max(BODY_S, min(declared or max_bytes, max_bytes, DISCARD_MAX_BYTES) / MIN_BODY_BYTES_PER_S)
 
 
 class BodyTooSlow(Exception):
     """The body did not arrive within ``BODY_S``."""
+
+
+def _declared_length(request: Request) -> int:
+    try:
+        return max(0, int(request.headers.get("content-length") or 0))
+    except ValueError:
+        return 0
 
 
 async def _body(request: Request, max_bytes: int) -> bytes | None:
@@ -229,7 +237,7 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
     loop = asyncio.get_running_loop()
     chunks, size, over = [], 0, declared > max_bytes
     try:
-        async with asyncio.timeout(DISCARD_S if over else body_deadline_s(max_bytes)) as budget:
+        async with asyncio.timeout(DISCARD_S if over else body_deadline_s(max_bytes, declared)) as budget:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > DISCARD_MAX_BYTES:

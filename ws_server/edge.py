@@ -181,6 +181,8 @@ class Edge:
                     log.warning("cancel of %s failed (%s); retrying until Redis answers", action.request_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(30.0, 2 * delay)
+                if action.request_id in self.core.entries:  # its client resumed it here meanwhile
+                    return
         if action.report:
             self.carry(self.core.cancel_result(action.request_id, state, time.monotonic()))
 
