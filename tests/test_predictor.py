@@ -619,17 +619,25 @@ def test_each_routing_probe_reads_every_row_but_those_of_the_prompts_it_predicts
         return refit(predictor, observations, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(train_module, "refit", recording_refit)
+    # 40 prompts over 400 rows: the older rows outside the 80 held-out rows' prompts are fewer
+    # than 80, so one probe falls back to two (``test_refit_ships_thresholds_when_every_...``).
+    assert sum(o.prompt not in held_prompts for o in window) < 80
     for folds in (1, 2, 3):
         reads.clear()
         refit_with_routing(load_default(), window, probe_folds=folds)
         *probes, whole = reads
-        assert whole == window and len(probes) == folds
+        assert whole == window and len(probes) == max(folds, 2)
         left_out = [held_prompts - {o.prompt for o in probe} for probe in probes]
         assert set().union(*left_out) == held_prompts and sum(map(len, left_out)) == len(held_prompts)
         for probe, own in zip(probes, left_out, strict=True):
             assert probe == [o for o in window if o.prompt not in own]
-        if folds == 1:
-            assert probes[0] == [o for o in window[:-80] if o.prompt not in held_prompts]
+    # Where prompts rarely repeat, one probe is the older window without the held-out prompts.
+    window = [Observation(f"prompt {j} about {rng.integers(10**6)}", int(t)) for j, t in
+              enumerate(rng.integers(3, 900, 400))]
+    reads.clear()
+    refit_with_routing(load_default(), window, probe_folds=1)
+    *probes, whole = reads
+    assert len(probes) == 1 and probes[0] == window[:-80]
     with pytest.raises(ValueError, match="probe_folds"):
         refit_with_routing(load_default(), window, probe_folds=0)
 
