@@ -16,8 +16,8 @@ The worker's contract:
   and its re-prefill budget (below).
 - ``None``: nothing to do. An id: hand that request back (``QueuePlane.release``) into
   ``requeue_lane(run, config)`` at its original score, count one more ``num_preemptions`` for
-  it (the count travels with the request), remember ``last_preemption_ms = now_ms`` and take
-  ``hand_back_cost(run, config)`` from the budget.
+  it (the count travels with the request), remember ``last_preemption_ms = now_ms`` and
+  ``spend`` the run's re-prefill from its ``ReprefillBudget``.
   ``requeue_lane`` is the run's effective lane, so a demoted request goes back behind the
   lane it outgrew, not to the head of the short lane (``RELEASE`` must accept that lane).
 - Candidates: runs whose lane is later than a lane that has waited ``wait_bound_ms`` — runs
@@ -131,6 +131,30 @@ def hand_back_cost(run: RunView, config: PreemptionConfig) -> int:
 def earn_reprefill_budget(budget_tokens: float, generated_tokens: float, config: PreemptionConfig) -> float:
     """The budget after the worker generated ``generated_tokens`` more tokens (capped)."""
     return min(float(config.reprefill_burst_tokens), budget_tokens + config.max_reprefill_share * generated_tokens)
+
+
+@dataclass
+class ReprefillBudget:
+    """One worker's re-prefill budget (the token bucket of the module docstring), full at start;
+    it earns from the worker's running count of generated tokens."""
+
+    tokens: float
+    #: The worker's generated-token count when it last earned.
+    earned_at: float = 0.0
+
+    @classmethod
+    def full(cls, config: PreemptionConfig) -> ReprefillBudget:
+        return cls(float(config.reprefill_burst_tokens))
+
+    def earn(self, generated_total: float, config: PreemptionConfig) -> float:
+        """Earn for the tokens generated since the last call; returns the budget now."""
+        self.tokens = earn_reprefill_budget(self.tokens, generated_total - self.earned_at, config)
+        self.earned_at = generated_total
+        return self.tokens
+
+    def spend(self, run: RunView, config: PreemptionConfig) -> None:
+        """A hand-back of ``run``: its re-prefill leaves the budget (into debt, when it was full)."""
+        self.tokens -= hand_back_cost(run, config)
 
 
 def expected_remaining_tokens(run: RunView) -> int:

@@ -62,7 +62,7 @@ async def test_a_long_run_is_handed_back_when_a_short_request_waits_too_long(pla
         await until(lambda: _is(plane, "short", "done"))  # served while "long" was handed back
         assert worker.table.num_finished["preempted"] == 1
         # The hand-back spent its re-prefill (prompt + streamed tokens) from the worker's budget.
-        assert worker._reprefill_budget < worker.policy.preemption.reprefill_burst_tokens
+        assert worker._reprefill_budget.tokens < worker.policy.preemption.reprefill_burst_tokens
         await until(lambda: _is(plane, "long", "done"), 60)
     await _resumed_whole(plane, "long", 300)
 

@@ -36,7 +36,7 @@ from lanes.queue.messages import (
 )
 from lanes.queue.plane import Claim, MalformedRequest, QueuePlane
 from lanes.queue.pubsub import listen
-from lanes.scheduler.live_policy import make_live_policy
+from lanes.scheduler.live_policy import DEFAULT_PREEMPTION, make_live_policy
 from lanes.scheduler.policy import (
     LaneThresholds,
     effective_lane,
@@ -47,10 +47,9 @@ from lanes.scheduler.policy import (
 )
 from lanes.scheduler.preemption import (
     NEVER_MS,
+    ReprefillBudget,
     RunView,
     choose_preemption,
-    earn_reprefill_budget,
-    hand_back_cost,
     requeue_lane,
 )
 from lanes.scheduler.workmix import WorkMix
@@ -95,10 +94,8 @@ class Worker:
                         "LANES_FCFS_ABOVE_PREFILL_SHARE of its work): such requests wait for another worker of the "
                         "pool", " and ".join(lane.value for lane in never))
         self._last_preemption_ms = NEVER_MS
-        #: Hand-backs' re-prefill budget (``preemption.earn_reprefill_budget``), full at start, and
-        #: the tokens generated when it last earned (``reporter.num_tokens``).
-        self._reprefill_budget = float(self.policy.preemption.reprefill_burst_tokens) if self.policy.preemption else 0.0
-        self._budget_earned_at = 0
+        #: Hand-backs' re-prefill budget, earned from ``reporter.num_tokens``.
+        self._reprefill_budget = ReprefillBudget.full(self.policy.preemption or DEFAULT_PREEMPTION)
         self.table = RunTable(orphan_grace_s=settings.orphan_grace_s)
         #: Age of each non-empty lane's oldest request, from the scheduler's snapshots.
         self.oldest_wait_ms: dict[Lane, float] = {}
@@ -544,12 +541,8 @@ class Worker:
         views = {r.id: RunView(r.id, r.lane, r.prompt_tokens, r.prior_tokens + r.completion_tokens, r.max_tokens,
                                r.predicted_tokens, r.times_preempted, r.started_at_ms)
                  for r in self.table.runs.values() if not (r.ended or r.cancelled or r.stale)}
-        generated = self.reporter.num_tokens
-        self._reprefill_budget = earn_reprefill_budget(self._reprefill_budget, generated - self._budget_earned_at,
-                                                       config)
-        self._budget_earned_at = generated
         victim = choose_preemption(list(views.values()), self.oldest_wait_ms, now_ms, self._last_preemption_ms, config,
-                                   self._reprefill_budget)
+                                   self._reprefill_budget.earn(self.reporter.num_tokens, config))
         if victim is None:
             return
         # Every worker of the pool decides from the same snapshot: one waiting request must not
@@ -563,7 +556,7 @@ class Worker:
         log.info("handing %s back to the %s lane: a lane waited past %g s", victim, lane.value,
                  config.wait_bound_ms / 1000)
         self._last_preemption_ms = now_ms
-        self._reprefill_budget -= hand_back_cost(views[victim], config)
+        self._reprefill_budget.spend(views[victim], config)
         metrics.PREEMPTIONS.labels(views[victim].lane.value).inc()
         self.carry(self.table.preempt(victim, lane))
 

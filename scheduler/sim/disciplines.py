@@ -16,7 +16,7 @@ import numpy as np
 
 from lanes.queue.messages import Lane
 from lanes.scheduler.policy import LANE_ORDER, effective_lane, lane_bound_tokens, lanes_to_pop, prefill_heavy
-from lanes.scheduler.preemption import RunView, choose_preemption, earn_reprefill_budget, hand_back_cost, requeue_lane
+from lanes.scheduler.preemption import ReprefillBudget, RunView, choose_preemption, requeue_lane
 from lanes.scheduler.sim import mlfq
 from lanes.scheduler.sim.backlog import Backlog
 from lanes.scheduler.sim.engine import EngineConfig, Worker
@@ -38,6 +38,8 @@ class LanesDiscipline:
         self.predicted = [int(p) for p in np.rint(predicted)]
         #: The finished requests' prompt and output tokens, as a worker keeps them (``workmix``).
         self.mix = WorkMix()
+        #: Each worker's re-prefill budget (``preemption.ReprefillBudget``), made at its first decision.
+        self.budgets: dict[Worker, ReprefillBudget] = {}
         self.decode_token_cost = engine.profile.decode_token_cost(engine.max_num_seqs)
         self.num_decisions = self.num_prefill_heavy = 0
 
@@ -103,15 +105,13 @@ class LanesDiscipline:
         views = [RunView(str(idx), self.lane[idx], self.prompt[idx], worker.generated(idx), self.policy.max_tokens,
                          self.predicted[idx], num_preemptions[idx], run.started_s * 1000.0)
                  for idx, run in worker.runs.items()]
-        budget = config.reprefill_burst_tokens if worker.reprefill_budget is None else worker.reprefill_budget
-        worker.reprefill_budget = earn_reprefill_budget(budget, worker.num_generated - worker.budget_earned_at, config)
-        worker.budget_earned_at = worker.num_generated
+        budget = self.budgets.setdefault(worker, ReprefillBudget.full(config))
         chosen = choose_preemption(views, ages, now_s * 1000.0, worker.last_preemption_s * 1000.0, config,
-                                   worker.reprefill_budget)
+                                   budget.earn(worker.num_generated, config))
         if chosen is None:
             return []
         view = next(v for v in views if v.id == chosen)
-        worker.reprefill_budget -= hand_back_cost(view, config)
+        budget.spend(view, config)
         self.lane[int(chosen)] = requeue_lane(view, config)
         return [(int(chosen), LANE_ORDER.index(self.lane[int(chosen)]))]
 

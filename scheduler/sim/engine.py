@@ -92,10 +92,6 @@ class Worker:
         self.last_preemption_s = -math.inf
         #: Tokens its decode steps generated, all runs together (``preemption``'s budget earns by it).
         self.num_generated = 0.0
-        #: ``preemption.earn_reprefill_budget``'s state, and ``num_generated`` when it last earned.
-        #: None until the discipline first sets it (a full budget: the config's burst).
-        self.reprefill_budget: float | None = None
-        self.budget_earned_at = 0.0
         self._finishing: list[tuple[int, int, int]] = []
         self._rechecks: list[tuple[int, int, int]] = []
         #: Admission serial number of each run (stale heap entries carry an older one).
