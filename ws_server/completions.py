@@ -144,10 +144,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
             raw = await _body(request, edge.limits.max_frame_bytes)
         except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing to log
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except BodyTooSlow:
-            deadline = body_deadline_s(edge.limits.max_frame_bytes, _declared_length(request))
-            response = _refused_request(oai.APIError(408, f"the body did not arrive within {deadline:g} s",
-                                                     code="request_timeout"), request_id)
+        except BodyTooSlow as slow:
+            response = _refused_request(oai.APIError(408, str(slow), code="request_timeout"), request_id)
             response.headers["Connection"] = "close"  # the rest may still be on the wire
             return response
         if raw is None:
@@ -215,14 +213,11 @@ def body_deadline_s(max_bytes: int, declared: int = 0) -> float:
 
 
 class BodyTooSlow(Exception):
-    """The body did not arrive within ``BODY_S``."""
+    """The body did not arrive within ``deadline_s`` (``body_deadline_s``)."""
 
-
-def _declared_length(request: Request) -> int:
-    try:
-        return max(0, int(request.headers.get("content-length") or 0))
-    except ValueError:
-        return 0
+    def __init__(self, deadline_s: float) -> None:
+        super().__init__(f"the body did not arrive within {deadline_s:g} s")
+        self.deadline_s = deadline_s
 
 
 async def _body(request: Request, max_bytes: int) -> bytes | None:
@@ -236,8 +231,9 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
         return None
     loop = asyncio.get_running_loop()
     chunks, size, over = [], 0, declared > max_bytes
+    deadline_s = body_deadline_s(max_bytes, declared)
     try:
-        async with asyncio.timeout(DISCARD_S if over else body_deadline_s(max_bytes, declared)) as budget:
+        async with asyncio.timeout(DISCARD_S if over else deadline_s) as budget:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > DISCARD_MAX_BYTES:
@@ -250,7 +246,7 @@ async def _body(request: Request, max_bytes: int) -> bytes | None:
                     chunks.append(chunk)
     except TimeoutError:
         if not over:
-            raise BodyTooSlow from None
+            raise BodyTooSlow(deadline_s) from None
     return None if over else b"".join(chunks)
 
 

@@ -164,7 +164,8 @@ class Edge:
         left, or Redis was out of reach for ``LANES_UNREACHABLE_S``) is retried until Redis
         answers, for up to ``CANCEL_RETRY_S``: dropped, the request ran on for nobody once Redis
         was back (this edge is alive, so no worker's orphan check ends it)."""
-        delay, deadline = 1.0, time.monotonic() + CANCEL_RETRY_S
+        backoff = Backoff(f"cancel of {action.request_id}", log, min_s=1.0, max_s=30.0)
+        deadline = time.monotonic() + CANCEL_RETRY_S
         while True:
             try:
                 state, _ = await plane.cancel(action.request_id, only_edge=self.edge_id)
@@ -174,15 +175,14 @@ class Edge:
                     log.warning("cancel of %s failed: %s", action.request_id, exc)
                     self.carry(self.core.cancel_failed(action.request_id, time.monotonic()))
                     return
+                delay = backoff.failed(exc)
                 if time.monotonic() + delay > deadline:
                     log.warning("cancel of %s failed for %g s; given up: %s", action.request_id, CANCEL_RETRY_S, exc)
                     return
-                if delay == 1.0:
-                    log.warning("cancel of %s failed (%s); retrying until Redis answers", action.request_id, exc)
-                await asyncio.sleep(delay)
-                delay = min(30.0, 2 * delay)
-                if action.request_id in self.core.entries:  # its client resumed it here meanwhile
-                    return
+            await asyncio.sleep(delay)
+            if action.request_id in self.core.entries:  # its client resumed it here meanwhile
+                return
+        backoff.succeeded()
         if action.report:
             self.carry(self.core.cancel_result(action.request_id, state, time.monotonic()))
 
