@@ -164,7 +164,9 @@ class Edge:
         left, or Redis was out of reach for ``LANES_UNREACHABLE_S``) is retried until Redis
         answers, for up to ``CANCEL_RETRY_S``: dropped, the request ran on for nobody once Redis
         was back (this edge is alive, so no worker's orphan check ends it)."""
-        backoff = Backoff(f"cancel of {action.request_id}", log, min_s=1.0, max_s=30.0)
+        # Retried every few seconds at most: each pending cancel is one small command, and the
+        # request runs on for nobody until one lands.
+        backoff = Backoff(f"cancel of {action.request_id}", log, min_s=1.0, max_s=5.0)
         deadline = time.monotonic() + CANCEL_RETRY_S
         while True:
             try:
