@@ -3,7 +3,10 @@
 Each parses its settings once, checks what it depends on before anything slow (Redis at
 ``LANES_REDIS_URL``; for a worker its settings and model; for an edge its port), sets up
 logging and tracing, and runs until SIGINT/SIGTERM. What it cannot fix is raised as a
-``ConfigFailure`` / ``ConfigError``: the command line prints one line and exits 2.
+``ConfigFailure`` / ``ConfigError``: the command line prints one line and exits 2. A write the
+disk refuses (full, read-only, a quota) is one line too, but exits 1 here: these processes run
+until stopped, and such a disk is usually freed again, so their supervisor should restart them
+(``cli/failures.py: exit_code_for``).
 """
 
 from __future__ import annotations

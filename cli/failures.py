@@ -3,9 +3,11 @@ name the cause and the fix (the setting, the flag, the path), and an exit status
 
 Exit statuses (``lanes up`` and the process harness rely on them)::
 
-    1   a failure that may pass by itself (a crash, a server that went away): restart it
+    1   a failure that may pass by itself (a crash, a server that went away): restart it (also
+        a write refused in a long-running process: the edge, a worker, the scheduler)
     2   a configuration error: restarting cannot help, the user must change something (also a
-        write that a full disk, a read-only file system, a quota or a permission refused)
+        write that a full disk, a read-only file system, a quota or a permission refused, in a
+        one-shot command)
     130 interrupted (Ctrl-C)
 
 Tracebacks are for bugs: an expected failure prints one only with ``--debug`` or
@@ -125,8 +127,15 @@ def write_error(exc: BaseException) -> str | None:
     return None
 
 
-def exit_code_for(exc: BaseException) -> int | None:
-    """The exit status of an expected failure, or None for anything else (a bug)."""
+def exit_code_for(exc: BaseException, *, long_running: bool = False) -> int | None:
+    """The exit status of an expected failure, or None for anything else (a bug).
+
+    A refused write (``write_error``) is 2 for a one-shot command (``lanes model tiny``: the
+    user makes room and runs it again) but 1 in a ``long_running`` process (edge, worker,
+    scheduler): a disk that filled up under a running service is usually freed again (logs
+    rotated, a temporary file removed), and ``lanes up``, like systemd or Kubernetes, restarts
+    an exit 1 with backoff, where an exit 2 stopped every process, with every stream in flight,
+    for good."""
     from lanes.scheduler.predictor import WeightsError
     from lanes.scheduler.router.fixed_answers import FixedAnswersError
     from lanes.scheduler.router.rules import RulesError
@@ -134,9 +143,10 @@ def exit_code_for(exc: BaseException) -> int | None:
 
     if isinstance(exc, Failure):
         return exc.exit_code
-    if (isinstance(exc, (ConfigError, RulesError, FixedAnswersError, WeightsError)) or settings_error(exc) is not None
-            or write_error(exc) is not None):
+    if isinstance(exc, (ConfigError, RulesError, FixedAnswersError, WeightsError)) or settings_error(exc) is not None:
         return EXIT_CONFIG
+    if write_error(exc) is not None:
+        return EXIT_FAILURE if long_running else EXIT_CONFIG
     return None
 
 
@@ -181,10 +191,11 @@ def load_settings(cls: type[SettingsT], flags: Mapping[str, Any]) -> SettingsT:
         raise ConfigFailure(message) from exc
 
 
-def report(exc: BaseException) -> int | None:
+def report(exc: BaseException, *, long_running: bool = False) -> int | None:
     """Print an expected failure as one message on stderr; returns its exit status, or None
-    (print nothing) when ``exc`` is not an expected failure."""
-    code = exit_code_for(exc)
+    (print nothing) when ``exc`` is not an expected failure (``long_running``: see
+    ``exit_code_for``)."""
+    code = exit_code_for(exc, long_running=long_running)
     if code is None:
         return None
     written = write_error(exc)

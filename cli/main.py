@@ -27,6 +27,9 @@ app.add_typer(keys.app, name="keys", help="API keys: create (shown once, stored 
 class _State:
     #: Set from ``--debug`` or ``LANES_DEBUG`` before any command runs.
     debug = False
+    #: Set by the commands that run until stopped (edge, worker, scheduler): a refused write
+    #: there exits 1, which ``lanes up`` restarts, not 2, which stops everything.
+    long_running = False
 
 
 @app.callback()
@@ -80,6 +83,7 @@ def edge(
     """Run one WebSocket edge."""
     from lanes.cli.entrypoints import run_edge
 
+    _State.long_running = True
     run_edge(_given(port=port, host=host))
 
 
@@ -109,6 +113,7 @@ def worker(
     """Run one worker: claim requests from the lanes and stream tokens back."""
     from lanes.cli.entrypoints import run_worker
 
+    _State.long_running = True
     run_worker(_given(
         engine=engine, model=model, draft_model=draft_model, spec_method=spec_method,
         num_speculative_tokens=num_speculative_tokens, quantization=quantization, max_slots=max_slots,
@@ -123,6 +128,7 @@ def scheduler() -> None:
     """Run the scheduler process: lease reaper and lane-depth snapshots."""
     from lanes.cli.entrypoints import run_scheduler
 
+    _State.long_running = True
     run_scheduler({})
 
 
@@ -197,11 +203,11 @@ def main() -> None:
             raise
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:  # noqa: BLE001 - expected failures become one line; bugs re-raise
-        if _State.debug and exit_code_for(exc) is not None:
+        if _State.debug and exit_code_for(exc, long_running=_State.long_running) is not None:
             # The traceback, then the same status: ``lanes up`` must still see a configuration
             # error (2) and stop, not restart its child forever.
             traceback.print_exc()
-        code = report(exc)
+        code = report(exc, long_running=_State.long_running)
         if code is None:
             raise
         sys.exit(code)

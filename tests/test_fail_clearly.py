@@ -555,6 +555,39 @@ def test_a_write_the_disk_or_a_permission_refuses_is_one_line(tmp_path) -> None:
     no_traceback(out)
 
 
+def test_a_write_refused_in_a_running_edge_exits_1_to_be_restarted(redis_url: str, tmp_path) -> None:
+    """A full disk met by a long-running process (here the edge, writing a published predictor
+    to a temporary file) exited 2 like ``lanes model tiny``, and ``lanes up`` takes 2 for a
+    configuration error: it stopped every process instead of restarting the edge. One line
+    still, but exit 1, which ``lanes up`` (and systemd, Kubernetes) restarts with backoff."""
+    target = tmp_path / "weights.npz"
+    script = ("import errno, sys\nimport lanes.ws_server.edge as edge\n"
+              "async def full(plane, known_version):\n"
+              f"    raise OSError(errno.ENOSPC, 'No space left on device', {str(target)!r})\n"
+              "edge.load_published = full\nfrom lanes.cli.main import main\n"
+              "sys.argv = ['lanes', 'edge', '--port', '0']\nmain()\n")
+    env = {**os.environ, "LANES_REDIS_URL": redis_url, "LANES_KEY_PREFIX": f"wf{uuid.uuid4().hex[:6]}"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                         check=False)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == f"error: cannot write {target}: No space left on device"
+    no_traceback(out)
+
+
+def test_a_refused_write_is_a_configuration_error_only_for_one_shot_commands() -> None:
+    import errno
+
+    from lanes.cli.failures import EXIT_CONFIG, EXIT_FAILURE, exit_code_for
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/var/log/x")
+    assert exit_code_for(full) == EXIT_CONFIG
+    assert exit_code_for(full, long_running=True) == EXIT_FAILURE
+    # What restarting cannot mend stops a long-running process with 2 all the same.
+    from lanes.cli.failures import ConfigFailure
+
+    assert exit_code_for(ConfigFailure("port taken"), long_running=True) == EXIT_CONFIG
+
+
 def test_which_os_errors_are_writes_the_user_must_make_room_for(tmp_path) -> None:
     import errno
 
