@@ -3,7 +3,9 @@
 # one worker on the shipped demo model, the scheduler. Ctrl-C stops everything.
 # Arguments go to `lanes up` (e.g. --port 8001 --workers 2).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+# lanes up runs in the caller's directory (no cd): the commands it prints (`.venv/bin/lanes
+# chat ...`, or the absolute path from elsewhere) and a relative --model mean what they say there.
+root=$(cd "$(dirname "$0")/.." && pwd)
+bash "$root/scripts/bootstrap.sh"
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
-exec .venv/bin/lanes up "$@"
+exec "$root/.venv/bin/lanes" up "$@"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from conftest import scaled
+from conftest import REPO_ROOT, scaled
 from e2e_support import fixed_http_server
 
 from lanes.cli.up import Backoff, Supervisor, lanes_command
@@ -37,11 +38,12 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
 class Up:
     """A ``lanes up`` process with its output in a file."""
 
-    def __init__(self, tmp_path: Path, *args: str, **env: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, command: tuple[str, ...] = (), cwd: Path | None = None,
+                 **env: str) -> None:
         self.log_path = tmp_path / f"up-{uuid.uuid4().hex[:4]}.log"
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "up", *args],
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+        self.proc = subprocess.Popen([*(command or (sys.executable, "-m", "lanes.cli.main", "up")), *args],
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **env}, cwd=cwd,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
@@ -217,6 +219,29 @@ def test_the_advice_names_the_lanes_this_is_as_the_user_can_type_it(tmp_path: Pa
     assert lanes_command(str(script), cwd=elsewhere) == "lanes"
     # ``python -m lanes.cli.main``: the script next to this python, or plain ``lanes``.
     assert lanes_command("/x/main.py", cwd=elsewhere) in ("lanes", str(Path(sys.executable).parent / "lanes"))
+
+
+def test_up_sh_run_from_another_directory_advises_a_lanes_that_runs_there(tiny_model, tmp_path: Path,
+                                                                         up_runs: list[Up]) -> None:
+    """``cd /tmp && ~/lanes/scripts/up.sh`` advised ``try: .venv/bin/lanes chat ...``, which is
+    not found in /tmp: up.sh changed into the checkout, so the path was relative to it, not to
+    the directory the user typed in."""
+    venv = REPO_ROOT / ".venv"
+    if not (venv / "bin" / "lanes").is_file() or Path(sys.prefix).resolve() != venv.resolve():
+        pytest.skip("up.sh runs the checkout's .venv; this test runs in another environment (it would install one)")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    up = Up(tmp_path, "--port", str(free_port()), "--model", str(tiny_model.target),
+            command=(str(REPO_ROOT / "scripts" / "up.sh"),), cwd=elsewhere)
+    up_runs.append(up)
+    wait_for(lambda: "try: " in up.output, scaled(120), "the advice")
+    advice = next(line for line in up.output.splitlines() if line.startswith("try: "))
+    lanes = shlex.split(advice.removeprefix("try: "))[0]
+    typed = subprocess.run(f"{shlex.quote(lanes)} chat --help", shell=True, cwd=elsewhere, capture_output=True,
+                           text=True, timeout=scaled(60), check=False)
+    assert typed.returncode == 0, (advice, typed.stderr[-2000:])
+    up.proc.send_signal(signal.SIGINT)
+    assert up.wait(scaled(60)) == 0
 
 
 def test_a_crash_looping_child_is_said_to_have_exited_not_to_be_loading() -> None:
