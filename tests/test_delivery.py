@@ -223,6 +223,22 @@ def test_cancel_of_a_running_request_ends_locally_if_the_worker_is_silent() -> N
     assert frames(d.cancel(2, "x", 3.0))[0]["code"] == "unknown_id"
 
 
+def test_a_cancel_redis_did_not_take_stands_until_the_request_is_served_here_again() -> None:
+    """The shell retries a cancel Redis did not answer while ``cancel_stands``: through the
+    cancel grace and after the request ended here, not once its client resumed it here."""
+    d = core()
+    open_accepted(d, 1, "r")
+    assert not d.cancel_stands("r"), "served here and nobody cancelled it"
+    assert d.cancel(1, "r", 0.0) == [CancelRequest("r", report=True)]
+    assert d.cancel_failed("r", 1.0) == []
+    assert d.cancel_stands("r"), "ending cancelled"
+    assert frames(d.tick(3.1))[0]["finish_reason"] == "cancelled"
+    assert d.cancel_stands("r"), "ended here: Redis must still hear of it"
+    out = d.resume(2, "r", 5, "", 4.0, 0)
+    assert Repoint("r", "") in out
+    assert not d.cancel_stands("r"), "its client resumed it here"
+
+
 def test_quiet_requests_are_checked_lost_or_moved() -> None:
     d = core()
     open_accepted(d, 1, "a")

@@ -160,32 +160,33 @@ class Edge:
         return self.plane.for_pool(self._pool_of.get(request_id, DEFAULT_POOL))
 
     async def _cancel(self, action: delivery.CancelRequest, plane: QueuePlane) -> None:
-        """Cancel in Redis. A cancel nobody waits for (the request already ended here: its client
-        left, or Redis was out of reach for ``LANES_UNREACHABLE_S``) is retried until Redis
-        answers, for up to ``CANCEL_RETRY_S``: dropped, the request ran on for nobody once Redis
-        was back (this edge is alive, so no worker's orphan check ends it)."""
+        """Cancel in Redis. A cancel Redis does not answer is retried until it does, for up to
+        ``CANCEL_RETRY_S``: dropped, the request ran on for nobody once Redis was back (this
+        edge is alive, so no worker's orphan check ends it). That holds for a client's own
+        ``cancel`` too: the client is answered at once (``cancel_failed``: its answer ends after
+        the cancel grace, as told), and the cancel itself goes on being retried."""
         # Retried every few seconds at most: each pending cancel is one small command, and the
         # request runs on for nobody until one lands.
         backoff = Backoff(f"cancel of {action.request_id}", log, min_s=1.0, max_s=5.0)
         deadline = time.monotonic() + CANCEL_RETRY_S
+        report = action.report
         while True:
             try:
                 state, _ = await plane.cancel(action.request_id, only_edge=self.edge_id)
                 break
             except QueueUnavailable as exc:
-                if action.report:
-                    log.warning("cancel of %s failed: %s", action.request_id, exc)
+                if report:  # answered now; Redis gets the cancel once it answers
                     self.carry(self.core.cancel_failed(action.request_id, time.monotonic()))
-                    return
+                    report = False
                 delay = backoff.failed(exc)
                 if time.monotonic() + delay > deadline:
                     log.warning("cancel of %s failed for %g s; given up: %s", action.request_id, CANCEL_RETRY_S, exc)
                     return
             await asyncio.sleep(delay)
-            if action.request_id in self.core.entries:  # its client resumed it here meanwhile
+            if not self.core.cancel_stands(action.request_id):  # its client resumed it here meanwhile
                 return
         backoff.succeeded()
-        if action.report:
+        if report:
             self.carry(self.core.cancel_result(action.request_id, state, time.monotonic()))
 
     async def _repoint(self, action: delivery.Repoint) -> None:

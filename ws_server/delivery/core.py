@@ -273,8 +273,16 @@ class Delivery:
         return []
 
     def cancel_failed(self, request_id: str, now: float) -> list[Action]:
-        """Redis did not take the cancel: stop delivering after the cancel grace all the same."""
+        """Redis did not take the cancel: stop delivering after the cancel grace all the same
+        (the shell keeps retrying the cancel itself while ``cancel_stands``)."""
         return self.cancel_result(request_id, "running", now)
+
+    def cancel_stands(self, request_id: str) -> bool:
+        """Whether a cancel of ``request_id`` that has not reached Redis should still be sent:
+        the request is no longer served here, or is ending cancelled; False once its client
+        resumed it here (a fresh entry that nobody cancelled)."""
+        entry = self.entries.get(request_id)
+        return entry is None or entry.cancel_until is not None
 
     def disconnected(self, conn: int, now: float, grace_s: float | None = None) -> list[Action]:
         """A connection closed: its requests keep running for the resume grace (``grace_s``
