@@ -95,3 +95,28 @@ def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:
     huge.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,1e400\n1,ChatGPT,12,3\n")
     with pytest.raises(ValueError, match="huge.csv, line 2"):
         load_trace(huge)
+
+
+def test_a_fractional_token_count_is_refused_naming_its_line_not_cut(tmp_path: Path) -> None:
+    """Mooncake's loader took ``int(812.9)``: 812, silently (the CSV readers cut the same way).
+    A fraction means the file holds no token counts (averaged, rescaled, another column): the
+    simulator would run another workload without a word. Whole numbers written as floats pass."""
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text('{"timestamp": 0, "input_length": 812.0, "output_length": 130}\n'
+                     '{"timestamp": 1000, "input_length": 40, "output_length": 7.0}\n')
+    trace = load_trace(whole).trace
+    assert (trace.prompt_tokens.tolist(), trace.output_tokens.tolist()) == ([812, 40], [130, 7])
+    fractional = tmp_path / "fractional.jsonl"
+    fractional.write_text('{"timestamp": 0, "input_length": 812, "output_length": 130}\n'
+                          '{"timestamp": 1000, "input_length": 812.9, "output_length": 130}\n')
+    with pytest.raises(ValueError, match=r"^\S*fractional.jsonl, line 2: input_length 812.9 is not a whole number "
+                                         r"of tokens$"):
+        load_trace(fractional)
+    boolean = tmp_path / "boolean.jsonl"
+    boolean.write_text('{"timestamp": 0, "input_length": 5, "output_length": true}\n')
+    with pytest.raises(ValueError, match="boolean.jsonl, line 1: output_length True is not a number of tokens"):
+        load_trace(boolean)
+    csv_cut = tmp_path / "cut.csv"
+    csv_cut.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,3\n1,ChatGPT,12.5,3\n")
+    with pytest.raises(ValueError, match="cut.csv, line 3: Request tokens '12.5' is not a whole number of tokens"):
+        load_trace(csv_cut)

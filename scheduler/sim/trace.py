@@ -8,6 +8,11 @@ Three public formats are read, each carrying arrival times and token counts only
   ``Response tokens`` is 0 are failed requests without an answer and are left out);
 - Mooncake / Kimi FAST'25 (JSONL ``{"timestamp": ms, "input_length", "output_length", ...}``).
 
+Token counts must be whole numbers (``812`` or ``812.0``): a row with ``812.9`` is refused,
+naming the file, line and column, rather than rounded or cut to 812. A fraction says the file is
+not a trace of token counts (averaged, rescaled, the wrong column) and the simulation would
+quietly run another workload.
+
 Files are read where they lie; nothing is copied. Requests logged at the same instant (coarse
 timestamps: Mooncake's are mostly whole seconds, BurstGPT's are seconds) are spread over the gap
 to the next timestamp (``spread_ties``).
@@ -106,17 +111,39 @@ def load_trace(path: str | Path) -> LoadedTrace:
                      + "; or ".join(TRACE_FORMATS.values()))
 
 
+class BadTokenCount(ValueError):
+    """A token count that is not a whole number (``str()`` is the whole message)."""
+
+
+def token_count(value: object, field: str) -> int:
+    """``value`` as a whole number of tokens: an integer, or a number or numeric text with no
+    fraction (``"812"``, ``812.0``). Raises ``BadTokenCount`` naming ``field`` otherwise (a
+    fraction, a boolean, text that is no number); a negative count passes (``_finish`` refuses
+    it with the request's number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise BadTokenCount(f"{field} {value!r} is not a number of tokens")
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise BadTokenCount(f"{field} {value!r} is not a number of tokens") from None
+    if not number.is_integer():  # also inf and NaN
+        raise BadTokenCount(f"{field} {value!r} is not a whole number of tokens")
+    return int(number)
+
+
 def _read_rows(path: str | Path, reader: csv.DictReader, time_col: str, parse_time: Callable[[str], float],
                prompt_col: str, output_col: str, skip_zero: bool) -> tuple[list[float], list[int], list[int], int]:
     arrival, prompt, output, skipped = [], [], [], 0
     for line, row in enumerate(reader, start=2):
         try:
-            tokens = int(float(row[output_col]))
+            tokens = token_count(row[output_col], output_col)
             if skip_zero and tokens == 0:
                 skipped += 1
                 continue
             arrival.append(float(parse_time(row[time_col])))
-            prompt.append(int(float(row[prompt_col])))
+            prompt.append(token_count(row[prompt_col], prompt_col))
             output.append(tokens)
         except (TypeError, ValueError, OverflowError) as exc:  # a short row gives None, a bad one text, 1e400 inf
             raise ValueError(f"{path}, line {line}: {exc}") from None
@@ -131,8 +158,10 @@ def _read_mooncake(path: str | Path, lines: Iterable[str]) -> tuple[list[float],
         try:
             row = json.loads(text)
             arrival.append(float(row["timestamp"]) / 1000.0)
-            prompt.append(int(row["input_length"]))
-            output.append(int(row["output_length"]))
+            prompt.append(token_count(row["input_length"], "input_length"))
+            output.append(token_count(row["output_length"], "output_length"))
+        except BadTokenCount as exc:
+            raise ValueError(f"{path}, line {line}: {exc}") from None
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"{path}, line {line}: {exc!r}") from None
     return arrival, prompt, output, 0
