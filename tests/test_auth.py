@@ -412,6 +412,8 @@ async def test_fleet_rate_limit_is_shared_by_every_edge(start_edge: StartEdge, c
     await a.chat("f-3", "hello")
     refused = await first_answer(a, "f-3")
     assert refused["code"] == "rate_limited" and 0 < refused["retry_after_ms"] <= 1000
+    # The same words as an edge's own bucket (was "over 1 requests/s for this key": no burst, no wait).
+    assert refused["message"] == f"this API key is limited to 1 requests/s (burst 2); retry in {refused['retry_after_ms']} ms"
     await asyncio.sleep(refused["retry_after_ms"] / 1000 + 0.05)
     await b.chat("f-4", "hello")
     assert (await first_answer(b, "f-4"))["type"] == "accepted"

@@ -10,7 +10,7 @@ from collections import Counter
 from lanes.queue.plane import QueuePlane
 from lanes.ws_server import auth
 from lanes.ws_server.auth import ANONYMOUS, Identity
-from lanes.ws_server.ratelimit import KeyLimiter, Refusal, RefusalCode
+from lanes.ws_server.ratelimit import KeyLimiter, Refusal, rate_limited
 
 
 class KeyGuard:
@@ -38,10 +38,7 @@ class KeyGuard:
         if identity.limits.rate_per_s <= 0:
             return None
         wait_ms = await self.plane.take_token(identity.key_id, identity.limits.rate_per_s, identity.limits.burst)
-        if wait_ms > 0:
-            return Refusal(RefusalCode.RATE_LIMITED,
-                           f"over {identity.limits.rate_per_s:g} requests/s for this key", retry_after_ms=wait_ms)
-        return None
+        return rate_limited(identity.limits, wait_ms) if wait_ms > 0 else None
 
     async def ticket_refusal(self, identity: Identity) -> str | None:
         """Why this key may not have another WebSocket ticket now (its rate: each ticket is a

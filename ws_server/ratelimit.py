@@ -63,6 +63,14 @@ class TokenBucket:
     updated_at_s: float
 
 
+def rate_limited(limits: KeyLimits, retry_after_ms: int) -> Refusal:
+    """The refusal of a request over its key's rate, naming the rate, the burst and the wait
+    (the same words whether the bucket is this edge's or the fleet's)."""
+    return Refusal(RefusalCode.RATE_LIMITED,
+                   f"this API key is limited to {limits.rate_per_s:g} requests/s (burst {limits.burst}); "
+                   f"retry in {retry_after_ms} ms", retry_after_ms)
+
+
 def take_token(bucket: TokenBucket | None, rate_per_s: float, burst: int, now_s: float) -> tuple[TokenBucket, float]:
     """Refill ``bucket`` up to ``now_s`` and take one token.
 
@@ -121,10 +129,7 @@ class KeyLimiter:
             self._sweep(now_s)
         if wait_s == 0.0:
             return None
-        retry_after_ms = max(1, math.ceil(wait_s * 1000))
-        return Refusal(RefusalCode.RATE_LIMITED,
-                       f"this API key is limited to {limits.rate_per_s:g} requests/s (burst {limits.burst}); "
-                       f"retry in {retry_after_ms} ms", retry_after_ms)
+        return rate_limited(limits, max(1, math.ceil(wait_s * 1000)))
 
     def _sweep(self, now_s: float) -> None:
         """Drop the buckets that are full again by now."""
