@@ -291,7 +291,7 @@ def policy(
     from lanes.scheduler.sim.policies import lanes_slots
 
     if never := lanes_never_served(lanes_slots(engine.max_num_seqs, tuning)):  # stopped mid-run before
-        raise typer.BadParameter(f"the {' and '.join(l.value for l in never)} lane could never run: capped at 0 "
+        raise typer.BadParameter(f"the {' and '.join(lane.value for lane in never)} lane could never run: capped at 0 "
                                  "slots, with no guaranteed share and no wait bound; give it a share of the slots "
                                  "or a wait bound", param_hint="--max-medium-long-share / --max-wait-s")
     requests = _load_trace(trace, start, requests)

@@ -77,4 +77,5 @@ try:
         body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/api/v1/series?" + urllib.parse.urlencode({"match[]": metric[0] if metric[0] else '{__name__=~"lanes_.+"}'}), timeout=10).read())
         print("variable", v["name"], sorted({s.get(metric[1].strip(), "-") for s in body["data"]}))
 finally:
-    prom.terminate(); c.close()
+    prom.terminate()
+    c.close()

@@ -1,4 +1,8 @@
-import asyncio, json, time, urllib.request, urllib.error, sys
+import asyncio
+import json
+import time
+import urllib.request
+import urllib.error
 from common import *
 
 problems = []
@@ -168,7 +172,6 @@ async def main(c, key):
     if h.close_code != 1009: P(f"1.1MiB frame close code {h.close_code}")
     # invalid utf-8 raw text frame -> 1007
     i8 = await Conn.open(url, key)
-    from websockets.frames import Frame, Opcode
     try:
         await i8.ws.send(b"\xff\xfe{}", text=True)
     except Exception as e:

@@ -1,4 +1,6 @@
-import asyncio, json, socket, time
+import asyncio
+import socket
+import time
 from common import *
 async def main(c, key):
     a = await Conn.open(c.edge_urls["e1"], key)

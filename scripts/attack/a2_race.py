@@ -1,4 +1,5 @@
-import asyncio, json, time
+import asyncio
+import json
 from collections import Counter
 from common import *
 problems = []

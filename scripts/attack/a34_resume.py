@@ -1,5 +1,7 @@
-import asyncio, json, time, urllib.request
-from collections import Counter
+import asyncio
+import json
+import time
+import urllib.request
 from common import *
 problems = []
 def P(m): problems.append(m); print("DEFECT?", m, flush=True)

@@ -1,4 +1,4 @@
-import asyncio, json, time, sys
+import asyncio
 from common import *
 TOK = 300
 async def chain(c, key, pattern, per_hop=15, label=""):

@@ -1,5 +1,5 @@
 """Minimal repro: chat on e1, drop; resume on e2, drop; resume on e1 -> resumed + resumed_elsewhere."""
-import asyncio, json, time, sys
+import asyncio
 from common import *
 TOK = 400
 async def aba(c, key, stay_s):

@@ -1,4 +1,5 @@
-import asyncio, json, time
+import asyncio
+import time
 from common import *
 TOK = 400
 def kinds(conn, rid): return [f.get("code", f.get("finish_reason", f["type"])) for f in conn.by_id[rid] if f["type"] != "delta"]

@@ -3,7 +3,8 @@ anything after it is told? A delta already in flight when the resume was sent ma
 before the ``resumed_elsewhere`` frame (it carries its seq, and the new stream starts after the
 ``last_seq`` the resume named); nothing may arrive after that frame, and the new connection's
 seqs must run on from ``last_seq`` without a gap."""
-import asyncio, time
+import asyncio
+import time
 from common import *
 async def main(c, key):
     problems = []

@@ -1,4 +1,8 @@
-import asyncio, json, time, signal, urllib.request
+import asyncio
+import json
+import time
+import signal
+import urllib.request
 from collections import Counter
 from common import *
 problems = []

@@ -1,4 +1,11 @@
-import asyncio, json, random, shutil, subprocess, sys, time, urllib.request
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from collections import Counter
 from common import Conn, check_one, create_key, rss_kb, start_cluster, uid
 problems = []

@@ -5,7 +5,13 @@ edge table (requests, sessions, pools, tasks, per-connection and per-key counts,
 
     .venv/bin/python scripts/attack/a6b_census.py
 """
-import asyncio, gc, sys, tempfile, uuid, collections, tracemalloc
+import asyncio
+import gc
+import sys
+import tempfile
+import uuid
+import collections
+import tracemalloc
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import a6_memory as a6

@@ -3,7 +3,8 @@ two rounds of 1,500 per kind) against real processes; prints edge e1's RSS chang
 
     .venv/bin/python scripts/attack/a6c_kinds.py
 """
-import asyncio, sys
+import asyncio
+import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import a6_memory as a6

@@ -8,9 +8,16 @@ keep it serving, its gauges must show what it routes by, and every chat must end
 
 (PORT: the embedded Redis `lanes up` prints.) About 1 minute.
 """
-import asyncio, json, re, sys, tempfile, time, urllib.request
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
-import redis.asyncio as aioredis, websockets
+import redis.asyncio as aioredis
+import websockets
 from lanes.scheduler.predictor import load_default, LengthPredictor
 from lanes.scheduler.policy import LaneThresholds
 

@@ -11,7 +11,11 @@ worker's memory stays flat over repeated floods (the window is 1,000 requests).
 
     .venv/bin/python scripts/attack/a8_prefill_gate.py
 """
-import asyncio, socket, sys, time, urllib.request
+import asyncio
+import socket
+import sys
+import time
+import urllib.request
 
 from common import Conn, check_one, create_key, rss_kb, start_cluster, uid
 

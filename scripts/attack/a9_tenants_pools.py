@@ -7,7 +7,9 @@
    request must end with exactly one terminal frame (``unavailable`` once the pool has had no
    worker for LANES_NO_WORKER_TIMEOUT_S), and a new chat for the pool is refused at once.
 """
-import asyncio, json, time
+import asyncio
+import json
+import time
 from common import *
 
 problems = []

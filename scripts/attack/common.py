@@ -4,7 +4,14 @@ Redis, scheduler, two edges with API keys on, sim workers), each script one fami
     .venv/bin/python scripts/attack/a1_bad_input.py      # and a2_race, a34_resume, a4*_..., a5_kill, a6_memory
 """
 from __future__ import annotations
-import asyncio, json, os, subprocess, sys, time, uuid, tempfile
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 import websockets
@@ -74,7 +81,7 @@ class Conn:
                 self.raw.append(f)
                 self.by_id[f.get("id")].append(f)
                 self.events[f.get("id")].set()
-        except websockets.ConnectionClosed as e:
+        except websockets.ConnectionClosed:
             pass
         finally:
             self.close_code = getattr(self.ws, "close_code", None)
