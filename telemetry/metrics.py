@@ -76,7 +76,9 @@ BATCH_SIZE = Histogram("lanes_batch_size", "Requests running on the engine, samp
 TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"], registry=WORKER)
 PREEMPTIONS = Counter("lanes_preemptions_total", "Running requests handed back to a lane, by claimed lane",
                       ["lane"], registry=WORKER)
-RUNNING = Gauge("lanes_worker_running", "Running requests", ["lane"], registry=WORKER)
+RUNNING = Gauge("lanes_worker_running", "Running requests per lane they count against (a demoted run against a "
+                "later lane, as in lanes_lane_running; updated at each start, end and heartbeat)", ["lane"],
+                registry=WORKER)
 ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"],
                         registry=WORKER)
 for _kind in ("oom", "dead", "engine_error"):  # at 0 from the start: rate() reads 0, not "no data"

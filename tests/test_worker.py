@@ -347,3 +347,37 @@ def test_worker_float_settings_refuse_nan_and_inf_where_it_breaks_arithmetic() -
     with pytest.raises(ValidationError, match="gpu_memory_fraction"):
         WorkerSettings(_env_file=None, gpu_memory_fraction=1.5)
     WorkerSettings(_env_file=None, gpu_memory_fraction=1.0, preempt_after_ms=0, drain_timeout_s=0, orphan_grace_s=0)
+
+
+async def test_the_running_gauge_counts_a_demoted_run_against_its_later_lane(plane: QueuePlane) -> None:
+    """``lanes_worker_running{lane}`` follows the lane a run counts against, as the heartbeat
+    reports it (the dashboard's slots per worker, the scheduler's ``lanes_lane_running``). It
+    counted each run under its claimed lane for good: a short-lane answer past the short bound
+    showed as short in Grafana's "slots in use per worker and lane" and as medium or long on the
+    dashboard and in ``lanes_lane_running``, live."""
+    from lanes.scheduler.costmodel import get_profile
+    from lanes.telemetry import metrics
+    from lanes.workers.engines.sim import SimEngine
+
+    def gauges() -> dict[str, float]:
+        return {s.labels["lane"]: s.value for m in metrics.RUNNING.collect() for s in m.samples}
+
+    await enqueue(plane, "demoted", 1500, Lane.SHORT)  # short bound: 150 tokens
+    settings = WorkerSettings(redis_url=plane.settings.redis_url, key_prefix=plane.settings.key_prefix,
+                              engine="sim", sim_time_scale=20, heartbeat_s=0.2)
+    worker = Worker(settings, plane, SimEngine(get_profile("l70-h100"), max_num_seqs=4))
+    assert gauges() == {"short": 0, "medium": 0, "long": 0}, "every lane exported from the start"
+    serving = asyncio.create_task(worker.serve(burst=True))
+    seen: list[dict[str, float]] = []
+    deadline = time.monotonic() + 20
+    while not serving.done() and time.monotonic() < deadline:
+        seen.append(gauges())
+        reported = {lane.value: float(n) for lane, n in worker.running_by_lane().items()}
+        if seen[-1]["short"] == 0 and sum(seen[-1].values()) == 1:
+            assert {lane: n for lane, n in seen[-1].items() if n} == {k: v for k, v in reported.items() if v}
+            break
+        await asyncio.sleep(0.05)
+    assert seen and seen[-1]["short"] == 0 and sum(seen[-1].values()) == 1, f"never counted past short: {seen[-5:]}"
+    assert any(g["short"] == 1 for g in seen), f"counted as short before its demotion: {seen[:5]}"
+    await asyncio.wait_for(serving, 60)
+    assert gauges() == {"short": 0, "medium": 0, "long": 0}

@@ -107,6 +107,9 @@ class Worker:
         self.reporter = Reporter(plane, self.worker_id, settings.heartbeat_s, settings.pool)
         #: Per-lane token counters, looked up once (a ``labels()`` call per token costs ~1.5 us).
         self._token_counters = {lane: metrics.TOKENS.labels(lane.value) for lane in Lane}
+        #: ``lanes_worker_running`` per lane, every lane exported from the start (0, not "no data").
+        self._running_gauges = {lane: metrics.RUNNING.labels(lane.value) for lane in Lane}
+        self._export_running()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._pending: set[asyncio.Task[None]] = set()
         self._flush_wanted = asyncio.Event()
@@ -223,6 +226,15 @@ class Worker:
         """Running requests per lane they count against (demoted ones against a later lane)."""
         return self.policy.running_by_lane(self.table.lanes_and_progress())
 
+    def _export_running(self) -> None:
+        """``lanes_worker_running{lane}``: running requests per lane they count against, as the
+        heartbeat reports them (the dashboard's slots per worker, the scheduler's
+        ``lanes_lane_running``). It counted each run under its claimed lane for good, so a
+        demoted run showed as short in Grafana and as long on the dashboard."""
+        running = self.running_by_lane()
+        for lane, gauge in self._running_gauges.items():
+            gauge.set(running.get(lane, 0))
+
     def lanes_now(self) -> tuple[Lane, ...]:
         return lanes_to_pop(self.running_by_lane(), self.oldest_wait_ms, self.slots, self.prefill_share())
 
@@ -317,8 +329,8 @@ class Worker:
         run = self.table.start(payload.id, claim.edge, claim.attempt, lane, max_tokens=payload.max_tokens,
                                predicted_tokens=payload.predicted_tokens, times_preempted=claim.times_preempted,
                                now_ms=time.monotonic() * 1000, orphan_grace_s=self._orphan_grace_s(payload))
-        metrics.RUNNING.labels(lane.value).inc()
         self._tasks[run.id] = asyncio.create_task(self._execute(run, claim), name=f"run-{run.id}")
+        self._export_running()
 
     async def _restart(self, claim: Claim, lane: Lane) -> None:
         request_id = claim.payload.id
@@ -406,10 +418,10 @@ class Worker:
             log.warning("request %s: Redis unavailable before it started (%s); handing it back", run.id, exc)
         finally:
             self._tasks.pop(run.id, None)
-            metrics.RUNNING.labels(run.lane.value).dec()
             # The request must end up either completed or back in its lane; shutdown waits for
             # these (``_stop_runs``) even though it is cancelling this task.
             self.carry(self.table.ended(run.id, final))
+            self._export_running()
 
     async def _stream(self, run: Run, request: EngineRequest, queue_ms: float) -> Finish | None:
         """Run the engine and submit each delta; returns the final event's Finish (None when
@@ -562,6 +574,7 @@ class Worker:
 
     async def _report(self) -> None:
         running = {lane.value: n for lane, n in self.running_by_lane().items()}
+        self._export_running()  # a demotion moves a run to a later lane between starts and ends
         metrics.PREFILL_SHARE.set(self.prefill_share())
         await self.reporter.report(running, self.slots.max_slots, dict(self.table.num_finished), self.engine.stats())
 
