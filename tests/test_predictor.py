@@ -832,3 +832,43 @@ def test_refit_ships_thresholds_when_every_window_prompt_is_held_out() -> None:
     went_long = [choose_lane(model.predict(user(p), 4096), model.routing) is Lane.LONG
                  for p in [words() for _ in range(100)] + prompts]
     assert sum(went_long) <= 10, f"{sum(went_long)} of 120 prompts routed long with nothing to rank"
+
+
+# --- Stop 44: the predictor's cost, its features unchanged ------------------------------------------
+
+
+def _cue_test_texts() -> list[str]:
+    """Lower-cased cue windows of data-set prompts and long joins of them, and random texts made of
+    every word and phrase the cue patterns name, cut and joined by spaces, newlines, signs, digits
+    and non-ASCII word characters (each pattern's edge: a word glued to another, a sign without
+    digits, a colon before a newline, a line-start word after punctuation)."""
+    from lanes.scheduler.predictor.lexical import (
+        _CUE_HEAD_CHARS,
+        _CUE_TAIL_CHARS,
+        _lower_clip,
+    )
+
+    rng = np.random.default_rng(44)
+    prompts = [example.prompt for example in read_examples(DEFAULT_DATASET_PATH)]
+    sample = [prompts[int(i)] for i in rng.choice(len(prompts), 1500, replace=False)]
+    sample += ["\n\n".join(prompts[int(i)] for i in rng.choice(len(prompts), 60)) for _ in range(60)]
+    texts = [_lower_clip(text.strip(), _CUE_HEAD_CHARS, _CUE_TAIL_CHARS) for text in sample]
+    vocabulary = sorted({w for _, pattern in CUE_PATTERNS for w in re.findall(r"[a-z][a-z ;+-]*[a-z+]", pattern)})
+    pieces = [*vocabulary, *[w[:-1] for w in vocabulary], *[w[1:] for w in vocabulary], " ", " ", " ", "  ", "\n",
+              "\n\n", "\t", "\u2003", "-", "+", "*", "/", "^", "=", ":", ";", "{", "}", "```", "?", ".", ",", "(", "'",
+              "_", "5", "12", "\u0663", "é", "ß", "日本", "please", "def", "c", "++", "tl", "dr", "x"]
+    texts += ["".join(rng.choice(pieces, int(n))) for n in rng.integers(1, 40, 30_000)]
+    return texts
+
+
+def test_cue_scans_find_what_the_cue_patterns_find() -> None:
+    """``_cue_hits`` (word runs, guards, a few searches) gives each cue the value searching its
+    pattern gives (``CUE_PATTERNS`` is the definition the weights were trained with)."""
+    from lanes.scheduler.predictor.lexical import _CUE_RES, _cue_hits
+
+    hits = np.zeros(len(CUE_PATTERNS))
+    for text in _cue_test_texts():
+        expected = [float(regex.search(text) is not None) for regex in _CUE_RES]
+        assert _cue_hits(text) == expected, text
+        hits += expected
+    assert hits.min() > 50, dict(zip([name for name, _ in CUE_PATTERNS], hits.tolist()))  # every cue is exercised
