@@ -872,3 +872,47 @@ def test_cue_scans_find_what_the_cue_patterns_find() -> None:
         assert _cue_hits(text) == expected, text
         hits += expected
     assert hits.min() > 50, dict(zip([name for name, _ in CUE_PATTERNS], hits.tolist()))  # every cue is exercised
+
+
+def _reference_gram_slots(text: str, config: FeatureConfig) -> tuple[list[int], list[int]]:
+    """The word and character gram slots as the features define them: ``crc32(prefix + gram)``
+    of the lower-cased text's clipped words and characters, each gram built as a string."""
+    import zlib
+
+    from lanes.scheduler.predictor.lexical import _WORD_RE, _clip
+
+    mask = config.num_buckets - 1
+    lowered = text.lower()
+    words = list(_clip(_WORD_RE.findall(lowered), config.max_head_words, config.max_tail_words))
+    grams = [f"w:{w}" for w in words]
+    marked = ["<s>", *words]
+    for n in range(2, config.word_ngram_max + 1):
+        grams += ["w:" + " ".join(marked[i:i + n]) for i in range(len(marked) - n + 1)]
+    chars = []
+    for word in str(_clip(lowered, config.max_head_chars, config.max_tail_chars)).split():
+        padded = f" {word} "
+        for n in range(config.char_ngram_min, config.char_ngram_max + 1):
+            chars += ["c:" + padded[i:i + n] for i in range(len(padded) - n + 1)]
+    return [zlib.crc32(g.encode()) & mask for g in grams], [zlib.crc32(g.encode()) & mask for g in chars]
+
+
+def test_word_and_char_slots_are_those_of_the_grams_built_as_strings() -> None:
+    """The running word-gram CRCs and the character grams hashed together in numpy give the
+    slots of each gram built and hashed alone: data-set prompts, long joins of them, the unicode
+    edge cases of ``_long_texts``, and other n-gram ranges than the shipped one."""
+    from lanes.scheduler.predictor.lexical import _char_slots, _word_slots
+
+    rng = np.random.default_rng(45)
+    prompts = [example.prompt for example in read_examples(DEFAULT_DATASET_PATH)]
+    texts = [prompts[int(i)] for i in rng.choice(len(prompts), 400, replace=False)]
+    texts += ["\n\n".join(prompts[int(i)] for i in rng.choice(len(prompts), int(k))) for k in rng.integers(2, 300, 40)]
+    texts += _long_texts() + ["a", "ab", " x ", "İ", "naïve café", "a\u2003b", "x" * 500, "\U0001f600 ok"]
+    configs = [load_default().model.config, FeatureConfig(word_ngram_max=3, char_ngram_min=2, char_ngram_max=5),
+               FeatureConfig(word_ngram_max=1, char_ngram_min=4, char_ngram_max=4, max_head_chars=40,
+                             max_tail_chars=9, max_head_words=7, max_tail_words=3)]
+    for config in configs:
+        mask = config.num_buckets - 1
+        for text in texts:
+            words, chars = _reference_gram_slots(text, config)
+            assert sorted(_word_slots(text, config, mask)) == sorted(words), text[:80]
+            assert sorted(np.asarray(_char_slots(text, config, mask)).tolist()) == sorted(chars), text[:80]
