@@ -32,14 +32,21 @@ WORKER = CollectorRegistry(auto_describe=True)
 SCHEDULER = CollectorRegistry(auto_describe=True)
 
 # -- edge
-REQUESTS = Counter("lanes_requests_total", "Chat requests by pool, lane and outcome", ["pool", "lane", "outcome"],
+#: Every chat the edge answered, once, by outcome: ``stop``, ``length``, ``cancelled``,
+#: ``disconnected``, or the error code it was answered with, refusals of bad input included
+#: (those before a pool and lane were chosen as ``pool="none", lane="none"``). The error-rate
+#: denominator (README, "Metrics and Grafana").
+REQUESTS = Counter("lanes_requests_total", "Chat requests answered, by pool, lane and outcome (stop, length, "
+                   "cancelled, disconnected, or the error code: refused input included)", ["pool", "lane", "outcome"],
                    registry=EDGE)
 #: A request taken over here by ``resume`` after its own entry ended (the answer finished in its
 #: resume grace, or its edge went away): its end, kept out of ``lanes_requests_total`` and the
 #: latency histograms, which count each request once, where its chat arrived.
 RESUMES = Counter("lanes_resumes_total", "Requests resumed on this edge from an ended entry or another edge, by "
                   "pool and outcome", ["pool", "outcome"], registry=EDGE)
-ERRORS = Counter("lanes_errors_total", "Error frames sent, by code", ["code"], registry=EDGE)
+#: Every error answer, by code: a chat's (also in ``lanes_requests_total``), and those that end
+#: no request: a bad cancel or resume, a refused key or handshake.
+ERRORS = Counter("lanes_errors_total", "Error frames and error answers sent, by code", ["code"], registry=EDGE)
 REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were enqueued, by pool and lane ('none' "
                      "before one was chosen) and reason (lane_full, deadline_unmeetable, no_capacity, no_workers, "
                      "rate_limited, ...)", ["pool", "lane", "reason"], registry=EDGE)
@@ -61,6 +68,26 @@ QUEUE_WAIT = Histogram("lanes_queue_seconds", "Enqueue to claim", ["pool", "lane
 PREDICT = Histogram("lanes_edge_predict_seconds", "Length prediction per chat, the predictor's own time (issue 9's goal: "
                     "p99 <= 5 ms on one core)", buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
                     registry=EDGE)
+#: The edge's own pool and lane for a request refused before either was chosen.
+NO_POOL_LANE = (NO_POOL, "none")
+#: Outcomes of requests refused before a pool was chosen, and error codes, at 0 from the start so
+#: that ``rate()`` and an error-rate ratio read 0, not "no data", until the first one.
+_COMMON_REFUSALS = ("invalid_json", "invalid_field", "missing_field", "unknown_parameter", "rate_limited",
+                    "model_not_found", "overloaded", "unavailable")
+for _code in _COMMON_REFUSALS:
+    REQUESTS.labels(*NO_POOL_LANE, _code)
+    ERRORS.labels(_code)
+for _code in ("engine_error", "worker_failed", "internal", "unauthorized"):
+    ERRORS.labels(_code)
+
+
+def count_refused_input(code: str) -> None:
+    """A chat frame or completion body refused as bad input before it became a request: one
+    outcome (``pool="none", lane="none"``) and one error answer."""
+    REQUESTS.labels(*NO_POOL_LANE, code).inc()
+    ERRORS.labels(code).inc()
+
+
 SLOW_CLIENTS = Counter("lanes_slow_clients_total", "Connections closed for not reading", registry=EDGE)
 FIXED_ANSWERS = Counter("lanes_fixed_answers_total", "Chats the edge answered from its fixed-answer table", ["name"],
                         registry=EDGE)

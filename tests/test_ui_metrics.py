@@ -71,6 +71,21 @@ def test_grafana_dashboard_is_import_ready() -> None:
     assert wanted <= asked, wanted - asked
 
 
+def test_grafana_error_rate_is_the_readmes() -> None:
+    """The dashboard's error rate divides by ``lanes_requests_total`` (refused input included),
+    with the README's list of outcomes that are not errors; ``lanes_errors_total`` counts error
+    answers that are no request's and is never its numerator."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    not_errors = re.search(r'lanes_requests_total\{outcome!~"([^"]+)"\}\[5m\]', readme).group(1)  # type: ignore[union-attr]
+    panel = next(p for p in json.loads(GRAFANA.read_text())["panels"] if p["title"].startswith("Error rate"))
+    numerator, denominator = panel["targets"][0]["expr"].split(" / ")
+    assert f'outcome!~"{not_errors}"' in numerator and "lanes_requests_total" in numerator
+    for target in panel["targets"]:
+        assert target["expr"].split(" / ")[1] == denominator
+        assert "lanes_errors_total" not in target["expr"]
+    assert re.fullmatch(r"sum\(rate\(lanes_requests_total\{[^}]*\}\[\$__rate_interval\]\)\)", denominator)
+
+
 def scrape(url: str) -> dict[str, float]:
     """``sample{labels}`` -> value of every ``lanes_`` sample at ``url``."""
     with urllib.request.urlopen(url, timeout=5) as resp:

@@ -76,9 +76,10 @@ def _error(error: oai.APIError, request_id: str | None = None) -> Response:
 
 
 def _refused_request(error: oai.APIError, request_id: str) -> Response:
-    """A body refused before it became a chat: counted in ``lanes_errors_total`` as the
-    WebSocket's protocol errors are (the codes are a fixed set)."""
-    metrics.ERRORS.labels(error.code or "invalid_request").inc()
+    """A body refused before it became a chat: counted in ``lanes_requests_total`` (by its code)
+    and ``lanes_errors_total`` as the WebSocket's refused chat frames are (the codes are a
+    fixed set)."""
+    metrics.count_refused_input(error.code or "invalid_request")
     return _error(error, request_id)
 
 

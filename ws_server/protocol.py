@@ -48,6 +48,9 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         self.request_id = request_id
+        #: The refused frame said it was a ``cancel`` or a ``resume``: a control frame about a
+        #: request, not a request of its own (``lanes_requests_total`` does not count it).
+        self.control = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,14 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
         raise _too_deep(limits)
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.INVALID_FRAME, "frame must be a JSON object")
+    try:
+        return _parse_object(obj, limits)
+    except ProtocolError as err:
+        err.control = obj.get("type") in ("cancel", "resume")
+        raise
+
+
+def _parse_object(obj: dict[str, Any], limits: Limits) -> ClientFrame:
     request_id = _optional_id(obj)
     kind = obj.get("type")
     if kind is None:  # the documented code for a missing type too; the message says which
