@@ -60,6 +60,14 @@ class _TraceOnly(msgspec.Struct):
 
 _trace_decoder = msgspec.json.Decoder(_TraceOnly)
 
+
+def _trace_headers(raw: bytes | None) -> dict[str, str]:
+    """The ``trace`` of a payload as stored (empty for none, or one that cannot be read)."""
+    try:
+        return _trace_decoder.decode(raw).trace if raw else {}
+    except msgspec.DecodeError:
+        return {}
+
 #: A script's reply that cannot be read: a field missing from a record comes back as a nil,
 #: which cuts the reply short or puts None where bytes were due.
 _REPLY_FAULTS = (ValueError, TypeError, AttributeError, msgspec.DecodeError)
@@ -449,6 +457,11 @@ class QueuePlane(TokenStreams):
                 reaped.append(Reaped(request_id, "malformed", edge_id, attempt_no, reason=fault.reason))
         return reaped
 
+    async def trace_of(self, request_id: str) -> dict[str, str]:
+        """A request's W3C trace context (its payload's ``trace``; empty where it has none or its
+        record is gone or unreadable)."""
+        return _trace_headers(await self.redis.hget(self.keys.request(request_id), "p"))
+
     async def trace_and_streamed(self, request_id: str) -> tuple[dict[str, str], int]:
         """A request's W3C trace context (its payload's ``trace``; empty where it has none or
         its record is gone or unreadable) and how many deltas its stream holds (one round trip)."""
@@ -456,11 +469,7 @@ class QueuePlane(TokenStreams):
             pipe.hget(self.keys.request(request_id), "p")
             pipe.xlen(self.keys.stream(request_id))
             raw, num_deltas = await pipe.execute()
-        try:
-            trace = _trace_decoder.decode(raw).trace if raw else {}
-        except msgspec.DecodeError:
-            trace = {}
-        return trace, int(num_deltas)
+        return _trace_headers(raw), int(num_deltas)
 
     async def queued_ids(self, limit: int = 1000, enqueued_before_ms: int | None = None) -> list[str]:
         """Up to ``limit`` ids waiting in this pool's lanes, oldest first per lane; with

@@ -135,3 +135,47 @@ async def test_the_edges_spans_name_the_id_the_client_sees(start_edge: StartEdge
     (enqueue,) = [s for s in exporter.get_finished_spans() if s.name == "lanes.enqueue"]
     assert enqueue.attributes["lanes.request_id"] == f"{scope}/q1"
     assert enqueue.attributes["lanes.client_request_id"] == "q1"
+
+
+async def test_a_resume_on_another_edge_links_to_the_requests_own_trace(start_edge: StartEdge,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lanes.resume`` is a trace of its own (the resume frame carries no context), but the
+    request's ``traceparent`` is in its payload in Redis: the resume's span links to it, so a
+    trace viewer goes from the resume to the chat that started the request."""
+    import websockets
+    from e2e_support import Client
+    from lanes.ws_server import intake
+    from lanes.ws_server import spans as spans_module
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(spans_module, "tracer", lambda: provider.get_tracer("test"))
+    monkeypatch.setattr(intake, "tracer", lambda: provider.get_tracer("test"))
+    first, second = await start_edge(), await start_edge()
+
+    client = Client(await websockets.connect(f"ws://{first}/v1/chat"))
+    await client.chat("r1", "hello")  # no worker here: it is enqueued and waits
+    async with asyncio.timeout(10):
+        while not client.frames["r1"]:
+            await asyncio.sleep(0.01)
+    assert client.frames["r1"][0]["type"] == "accepted"
+    await client.close()
+    client = Client(await websockets.connect(f"ws://{second}/v1/chat"))
+    await client.send({"type": "resume", "id": "r1", "last_seq": -1})
+    async with asyncio.timeout(10):
+        while not client.frames["r1"]:
+            await asyncio.sleep(0.01)
+    assert client.frames["r1"][0]["type"] == "resumed", client.frames["r1"]
+    await client.send({"type": "cancel", "id": "r1"})  # ends it, and the resume's span with it
+    async with asyncio.timeout(10):
+        while not [s for s in exporter.get_finished_spans() if s.name == "lanes.resume"]:
+            await asyncio.sleep(0.01)
+    await client.close()
+    (enqueue,) = [s for s in exporter.get_finished_spans() if s.name == "lanes.enqueue"]
+    (resume,) = [s for s in exporter.get_finished_spans() if s.name == "lanes.resume"]
+    assert enqueue.kind is trace.SpanKind.PRODUCER
+    assert resume.context.trace_id != enqueue.context.trace_id, "a trace of its own"
+    assert [(link.context.trace_id, link.context.span_id) for link in resume.links] == \
+        [(enqueue.context.trace_id, enqueue.context.span_id)], "linked to where the request began"
+    assert resume.links[0].attributes["lanes.link"] == "resumed_request"

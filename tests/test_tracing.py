@@ -166,3 +166,29 @@ async def test_a_collector_that_never_answers_costs_a_stop_no_time_beyond_the_dr
     for name in codes:
         log = (system.log_dir / f"{name}.log").read_text()
         assert "Traceback" not in log, log[-3000:]
+
+
+async def test_a_run_handed_back_at_a_workers_stop_says_so_on_its_span(make_cluster) -> None:
+    """A stop past the drain cancels each run and hands it back to its lane: its ``lanes.generate``
+    span ended with no outcome at all (a CancelledError records nothing), unlike a preempted one."""
+    import asyncio
+
+    from conftest import scaled
+
+    env = {"LANES_OTEL_EXPORTER": "console", "LANES_DRAIN_TIMEOUT_S": "0"}
+    system = make_cluster(workers=1, env=env, worker_args=["--engine", "sim"])
+    client = await Client.connect(system.edge_urls["edge"])
+    await client.chat("long", "Write a long essay", max_tokens=3000)
+    async with asyncio.timeout(scaled(30)):
+        while not client.deltas("long"):  # running on the worker
+            await asyncio.sleep(0.05)
+    system.stop(names=["worker"], timeout_s=scaled(10))
+    await client.close()
+    assert system.children["worker"].process.returncode == 0
+    (generate,) = [s for s in spans(system.log_dir / "worker.log") if s["name"] == "lanes.generate"]
+    assert generate["kind"] == "SpanKind.CONSUMER"
+    assert generate["attributes"]["lanes.outcome"] == "handed_back"
+    assert generate["attributes"]["lanes.handed_back_because"] == "worker_stopping"
+    assert generate["status"]["status_code"] == "UNSET", "a stop is not the request's failure"
+    (back,) = [e for e in generate["events"] if e["name"] == "lanes.handed_back"]
+    assert back["attributes"]["lanes.completion_tokens"] > 0

@@ -68,7 +68,7 @@ from lanes.workers.reporting import Reporter, observe_decode
 from lanes.workers.runs import AbortEngine, Complete, Release, Run, RunAction, RunTable
 from lanes.workers.settings import WorkerSettings
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,8 @@ class Worker:
         self._blocker_id: int | None = None
         #: Fails with EngineDead when a run finds the engine gone: ``serve`` then stops.
         self._fatal: asyncio.Future[None] = asyncio.get_event_loop().create_future()
+        #: The worker stops: a run cancelled now is handed back by the stop (its span says so).
+        self._stopping = False
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -163,6 +165,7 @@ class Worker:
 
     async def _stop_runs(self) -> None:
         """Drain (a stop lets running answers finish for a while), then hand back the rest."""
+        self._stopping = True
         tasks = list(self._tasks.values())
         if tasks and not self._fatal.done() and self.settings.drain_timeout_s > 0:
             log.info("draining %d running requests (up to %.0f s)", len(tasks), self.settings.drain_timeout_s)
@@ -363,9 +366,14 @@ class Worker:
         # Set once the request's end is submitted; a request interrupted by engine death,
         # Redis or shutdown is handed back to its lane instead.
         final: RequestState | None = None
+        #: Why a run that ends without an end goes back to its lane (said on its span).
+        handed_back_because = "error"
+        # Ended in ``finally``, not by the ``with``: a run handed back (a stop cancels its task)
+        # gets its outcome there; the span ended with none.
+        span = tracer().start_span("lanes.generate", context=extract_context(payload.trace), attributes=attrs,
+                                   kind=SpanKind.CONSUMER)
         try:
-            with tracer().start_as_current_span("lanes.generate", context=extract_context(payload.trace),
-                                                attributes=attrs) as span:
+            with trace.use_span(span, end_on_exit=False):
                 prior: list[TokenEvent] = []
                 if run.attempt > 1:
                     # An earlier attempt may still be writing (fence it off) and may have streamed
@@ -377,6 +385,7 @@ class Worker:
                     # An earlier attempt finished but died before completing: re-send the end.
                     await self.plane.publish({run.edge: TokenBatch(self.worker_id, (prior[-1],))})
                     self.table.end_already_streamed(run.id)
+                    span.set_attribute("lanes.outcome", _outcome(prior[-1].finish))
                     final = RequestState.DONE
                     return
                 run.seq = len(prior)
@@ -390,8 +399,7 @@ class Worker:
                 )
                 finish = await self._stream(run, request, queue_ms)
                 if finish is None:  # preempted: handed back, resumes later after its tokens
-                    span.add_event("lanes.handed_back", {"lanes.completion_tokens": run.completion_tokens})
-                    span.set_attribute("lanes.outcome", "handed_back")
+                    handed_back_because = "preempted"
                     return
                 if finish.reason is FinishReason.ERROR:
                     code = str(finish.error_code or ErrorCode.ENGINE_ERROR)
@@ -402,21 +410,33 @@ class Worker:
                     self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens, claim.owner)
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
                     await self.reporter.observation(payload.messages, finish.usage.completion_tokens, claim.owner)
+                span.set_attribute("lanes.outcome", _outcome(finish))
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
                 span.set_attribute("lanes.prompt_tokens", finish.usage.prompt_tokens)
                 final = RequestState.CANCELLED if finish.reason is FinishReason.CANCELLED else RequestState.DONE
         except EngineDead as exc:
+            handed_back_because = "engine_dead"
             if not self._fatal.done():
                 self._fatal.set_exception(exc)
         except EngineBusy as exc:
             # The engine's own queue is full: transient, so no final error. ``finally`` hands
             # the request back to its lane; the pause keeps this slot from re-claiming it at once.
+            handed_back_because = "engine_busy"
             log.info("engine busy (%s); handing %s back to its lane", exc, run.id)
             await asyncio.sleep(_BUSY_PAUSE_S)
         except QueueUnavailable as exc:
+            handed_back_because = "redis_unavailable"
             log.warning("request %s: Redis unavailable before it started (%s); handing it back", run.id, exc)
+        except asyncio.CancelledError:  # the worker's stop (past its drain), or a cancel's backstop
+            handed_back_because = "worker_stopping" if self._stopping else "task_cancelled"
+            raise
         finally:
+            if final is None:
+                span.add_event("lanes.handed_back", {"lanes.completion_tokens": run.completion_tokens})
+                span.set_attribute("lanes.outcome", "superseded" if run.stale else "handed_back")
+                span.set_attribute("lanes.handed_back_because", handed_back_because)
+            span.end()
             self._tasks.pop(run.id, None)
             # The request must end up either completed or back in its lane; shutdown waits for
             # these (``_stop_runs``) even though it is cancelling this task.
@@ -597,3 +617,10 @@ class Worker:
                     self.carry(self.table.cancel(decode(data, Control).id))
             except (msgspec.DecodeError, ValueError):
                 log.warning("ignoring a malformed message on %s", channel.decode(errors="replace"))
+
+
+def _outcome(finish: Finish) -> str:
+    """A ``lanes.generate`` span's outcome: the finish reason, or the error code of an error."""
+    if finish.reason is FinishReason.ERROR:
+        return str(finish.error_code or ErrorCode.ENGINE_ERROR)
+    return finish.reason.value

@@ -46,7 +46,7 @@ from lanes.ws_server.lengths import LengthEstimator
 from lanes.ws_server.routing import PoolRouter
 from lanes.ws_server.session import KEY_REVOKED_CLOSE_CODE, Session
 from lanes.ws_server.settings import EdgeSettings
-from lanes.ws_server.spans import RequestSpans, use
+from lanes.ws_server.spans import RESUME, RequestSpans, use
 from lanes.ws_server.stats import EdgeStats, StatsRelay, ship_windows
 from starlette.datastructures import Headers
 
@@ -204,6 +204,8 @@ class Edge:
                 state, pool = await self._repoint_in(action, others)
             if state is not None and state != "forbidden":  # refused: the core forgets it, so must we
                 self._pool_of[action.request_id] = pool or DEFAULT_POOL
+                if self.spans.wants_link(action.request_id):  # before its end can close the span
+                    await self._link_original(action.request_id, pool or DEFAULT_POOL)
         except QueueUnavailable:
             self.carry(self.core.refuse_resume(action.request_id, action.key,
                                                "queue unavailable; retry the resume shortly"))
@@ -213,6 +215,14 @@ class Edge:
         self.carry(self.core.repointed(action.request_id, action.key, state, time.monotonic()))
         if action.request_id not in self.core.entries:  # refused, or ended while Redis answered
             self._pool_of.pop(action.request_id, None)
+
+    async def _link_original(self, request_id: str, pool: str) -> None:
+        """Link a ``lanes.resume`` span to the request's own trace (best effort: one read)."""
+        try:
+            carrier = await self.plane.for_pool(pool).trace_of(request_id)
+        except QueueUnavailable:
+            carrier = {}
+        self.spans.link_original(request_id, carrier)
 
     async def _repoint_in(self, action: delivery.Repoint, pools: list[str]) -> tuple[str | None, str | None]:
         """The state of the first of ``pools`` that holds the request, re-pointed at this edge."""
@@ -377,7 +387,7 @@ class Edge:
             actions = self.core.resume(conn, request_id, frame.last_seq, identity.key_id, now,
                                        identity.limits.max_in_flight)
             if request_id not in self.spans and any(isinstance(a, delivery.Repoint) for a in actions):
-                self.spans.start(request_id, "lanes.resume", **{"lanes.resumed_after": frame.last_seq})
+                self.spans.start(request_id, RESUME, **{"lanes.resumed_after": frame.last_seq})
             self.carry([a for a in actions if not isinstance(a, delivery.Repoint)])
             for action in actions:
                 if isinstance(action, delivery.Repoint):

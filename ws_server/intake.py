@@ -19,6 +19,7 @@ from lanes.telemetry.tracing import inject_context, tracer
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.auth import Identity
 from lanes.ws_server.routing import UnknownModel
+from opentelemetry.trace import SpanKind
 
 if TYPE_CHECKING:
     from lanes.scheduler.admission import AdmissionDecision
@@ -76,7 +77,7 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
     if not decision.admitted:
         return await refuse_unless_duplicate(
             lambda: _overloaded(edge, request_id, decision, f"lane {lane.value} cannot", lane.value))
-    with tracer().start_as_current_span("lanes.enqueue", attributes={
+    with tracer().start_as_current_span("lanes.enqueue", kind=SpanKind.PRODUCER, attributes={
         "lanes.request_id": request_id, "lanes.client_request_id": protocol.client_id(request_id),
         "lanes.lane": lane.value, "lanes.predicted_tokens": predicted,
         "lanes.pool": pool,

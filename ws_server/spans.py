@@ -4,7 +4,9 @@
 worker's ``lanes.generate`` continues; it carries the time to first token (a ``lanes.first_token``
 event) and the end as the client saw it (``lanes.outcome``, end to end, queue wait). A resume on
 this edge of a request another edge (or connection) started opens ``lanes.resume`` instead: its
-own trace, since the resume frame carries no trace context.
+own trace, since the resume frame carries no trace context, with a span link to the request's
+original trace (the ``lanes.enqueue`` context its payload in Redis carries) once the re-point
+has found it.
 
 Spans end with the core's ``Finished``; a request the core forgets without one (a resume of an
 unknown id, a re-point Redis refused) ends at the next ``prune`` as ``forgotten``.
@@ -12,18 +14,20 @@ unknown id, a re-point Redis refused) ends at the next ``prune`` as ``forgotten`
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from contextlib import AbstractContextManager
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from lanes.queue.errors import ErrorCode
-from lanes.telemetry.tracing import tracer
+from lanes.telemetry.tracing import extract_context, tracer
 from lanes.ws_server import delivery, protocol
 from lanes.ws_server.openai_compat import error_from_frame
 
 _CODES = frozenset(code.value for code in ErrorCode)
+#: The span of a request resumed here that this edge did not start.
+RESUME = "lanes.resume"
 #: An end no-one had to be told about: ``forgotten`` is a resume that never got going.
 FORGOTTEN = "forgotten"
 #: The longest client ``x-request-id`` kept on a span (longer ones are cut to this).
@@ -55,6 +59,8 @@ class RequestSpans:
         self.edge_id = edge_id
         self._tracer = tracer_
         self._open: dict[str, Span] = {}
+        #: Open ``lanes.resume`` spans not linked to their request's trace yet.
+        self._unlinked: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -71,13 +77,28 @@ class RequestSpans:
             "lanes.request_id": request_id, "lanes.client_request_id": protocol.client_id(request_id),
             "lanes.edge": self.edge_id, **attributes})
         self._open[request_id] = span
+        if name == RESUME:
+            self._unlinked.add(request_id)
         return span
+
+    def wants_link(self, request_id: str) -> bool:
+        """Whether the request's span is a ``lanes.resume`` still without its link."""
+        return request_id in self._unlinked and request_id in self._open
+
+    def link_original(self, request_id: str, carrier: Mapping[str, str]) -> None:
+        """Link the request's ``lanes.resume`` span to the trace its chat began (``carrier``: the
+        W3C context its payload carries); nothing when there is none."""
+        self._unlinked.discard(request_id)
+        original = trace.get_current_span(extract_context(carrier)).get_span_context()
+        if (span := self._open.get(request_id)) is not None and original.is_valid:
+            span.add_link(original, {"lanes.link": "resumed_request"})
 
     def first_token(self, action: delivery.FirstToken) -> None:
         if (span := self._open.get(action.request_id)) is not None:
             span.add_event("lanes.first_token", {"lanes.ttft_ms": round(action.ttft_s * 1000, 3)})
 
     def finished(self, action: delivery.Finished, pool: str) -> None:
+        self._unlinked.discard(action.request_id)
         span = self._open.pop(action.request_id, None)
         if span is None:
             return
@@ -94,6 +115,7 @@ class RequestSpans:
         _close(span, action.outcome)
 
     def end(self, request_id: str, outcome: str) -> None:
+        self._unlinked.discard(request_id)
         if (span := self._open.pop(request_id, None)) is not None:
             _close(span, outcome)
 
