@@ -88,12 +88,17 @@ class Fleet:
 
     async def live_workers(self, now_ms: int, max_age_ms: int) -> list[str]:
         """Workers heard from within ``max_age_ms`` (older entries are dropped)."""
+        return list(await self.heard_from(now_ms, max_age_ms))
+
+    async def heard_from(self, now_ms: int, max_age_ms: int) -> dict[str, int]:
+        """Workers heard from within ``max_age_ms`` -> when last (Redis clock, ms); older
+        entries are dropped."""
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zremrangebyscore(k.workers, "-inf", now_ms - max_age_ms)
-            pipe.zrange(k.workers, 0, -1)
-            _, names = await pipe.execute()
-        return [n.decode() for n in names]
+            pipe.zrange(k.workers, 0, -1, withscores=True)
+            _, heard = await pipe.execute()
+        return {name.decode(): int(at_ms) for name, at_ms in heard}
 
     async def num_workers(self, pool: str | None = None) -> int:
         """Registered workers, of ``pool`` or of all (the scheduler drops silent ones within seconds);

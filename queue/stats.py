@@ -66,6 +66,11 @@ class PoolStats(msgspec.Struct, frozen=True):
     ttft_p99_ms: float | None = None
 
 
+#: A worker not heard from for longer than this (ms) is shown as silent, not live (four missed
+#: heartbeats; the dashboard uses the same bound), and its tokens/s leave the sample's total.
+SILENT_AFTER_MS = 2_000
+
+
 class WorkerStats(msgspec.Struct, frozen=True):
     """One worker in one sample (from its latest heartbeat report)."""
 
@@ -80,6 +85,10 @@ class WorkerStats(msgspec.Struct, frozen=True):
     kv_cache_usage: float | None = None
     #: Share of drafted tokens accepted, 0..1 (None: no speculation).
     spec_acceptance: float | None = None
+    #: How long before the sample its last heartbeat came (ms, Redis clock). Heartbeats come
+    #: every ~0.5 s: past ``SILENT_AFTER_MS`` the worker has gone quiet (killed, paused, cut off
+    #: from Redis) and the rest of this row is its last word, not now; it is dropped at 10 s.
+    silent_ms: int = 0
 
 
 class StatsSample(msgspec.Struct, frozen=True):
@@ -90,7 +99,7 @@ class StatsSample(msgspec.Struct, frozen=True):
     #: ``at_ms`` of the depth snapshot the depths come from (the same one ``/v1/depths`` served).
     depths_at_ms: int
     lanes: dict[str, LaneStats]
-    #: Generated tokens per second over every worker.
+    #: Generated tokens per second over every worker heard from within ``SILENT_AFTER_MS``.
     tokens_per_s: float
     workers: list[WorkerStats]
     #: Trailing time over which the TTFT percentiles are taken (s).

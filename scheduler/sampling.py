@@ -5,7 +5,9 @@
 - **TTFT, refusals, finished requests**: the edges' one-second windows (``EdgeWindow``); every
   edge's windows that arrived since the previous sample count in this one. TTFT percentiles are
   taken over the trailing ``ttft_window_s`` (one second holds too few first tokens for a p99).
-- **Tokens/s, slots, KV cache, acceptance**: each live worker's latest heartbeat report.
+- **Tokens/s, slots, KV cache, acceptance**: each live worker's latest heartbeat report, with
+  how long ago it came (``silent_ms``): a worker killed with ``kill -9`` stays live for 10 s,
+  and its last report must not read as now.
 
 ``Sampler`` keeps the trailing TTFT histograms between calls; time comes in as ``at_ms``.
 """
@@ -17,7 +19,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from lanes.queue.keys import LANE_ORDER
 from lanes.queue.messages import DepthSnapshot, WorkerReport
-from lanes.queue.stats import NO_LANE, EdgeWindow, Histogram, LaneStats, PoolStats, StatsSample, WorkerStats
+from lanes.queue.stats import (
+    NO_LANE,
+    SILENT_AFTER_MS,
+    EdgeWindow,
+    Histogram,
+    LaneStats,
+    PoolStats,
+    StatsSample,
+    WorkerStats,
+)
 from lanes.scheduler import histogram
 
 #: Names engines give the same stat (they differ per engine; see ``workers/reporting.py``).
@@ -35,17 +46,22 @@ class Sampler:
         self._recent: deque[tuple[int, dict[str, Histogram], dict[str, Histogram]]] = deque()
 
     def sample(self, at_ms: int, snapshot: DepthSnapshot | None, reports: Sequence[WorkerReport],
-               windows: Sequence[EdgeWindow], pools: Sequence[DepthSnapshot] = ()) -> StatsSample:
+               windows: Sequence[EdgeWindow], pools: Sequence[DepthSnapshot] = (),
+               heard_at_ms: Mapping[str, int] | None = None) -> StatsSample:
         """The fleet at ``at_ms`` (Redis clock). ``snapshot`` None: no depths known yet (zeros);
-        ``pools``: each pool's own snapshot (``snapshot`` adds them up)."""
+        ``pools``: each pool's own snapshot (``snapshot`` adds them up); ``heard_at_ms``: each
+        worker's last heartbeat (Redis clock; one missing counts as heard now)."""
         self._remember(at_ms, windows)
         recent = [by_lane for _, by_lane, _ in self._recent]
         lane_names = _lane_names(snapshot, windows)
         lanes = {lane: _lane(lane, snapshot, windows, recent) for lane in lane_names}
-        workers = [worker_stats(report) for report in sorted(reports, key=lambda r: r.worker)]
+        heard = heard_at_ms or {}
+        workers = [worker_stats(report, max(0, at_ms - heard.get(report.worker, at_ms)))
+                   for report in sorted(reports, key=lambda r: r.worker)]
         return StatsSample(
             at_ms=at_ms, depths_at_ms=snapshot.at_ms if snapshot else 0, lanes=lanes,
-            tokens_per_s=round(sum(w.tokens_per_s for w in workers), 1), workers=workers,
+            tokens_per_s=round(sum(w.tokens_per_s for w in workers if w.silent_ms <= SILENT_AFTER_MS), 1),
+            workers=workers,
             ttft_window_s=self.ttft_window_s, num_edges=len({w.edge for w in windows}),
             refusals_no_lane=_count_reasons(windows, NO_LANE),
             pools={s.pool: self._pool(s) for s in pools},
@@ -97,15 +113,15 @@ def _lane(lane: str, snapshot: DepthSnapshot | None, windows: Sequence[EdgeWindo
     )
 
 
-def worker_stats(report: WorkerReport) -> WorkerStats:
-    """A worker's heartbeat report as the dashboard shows it."""
+def worker_stats(report: WorkerReport, silent_ms: int = 0) -> WorkerStats:
+    """A worker's heartbeat report as the dashboard shows it, ``silent_ms`` after it came."""
     engine = report.engine
     name = engine.get("engine")
     return WorkerStats(
         worker=report.worker, pool=report.pool, engine=name if isinstance(name, str) else "",
         slots=report.slots, running={lane: n for lane, n in report.running.items() if n},
         tokens_per_s=report.tokens_per_s, kv_cache_usage=_number(engine, KV_CACHE_NAMES),
-        spec_acceptance=_number(engine, ACCEPTANCE_NAMES),
+        spec_acceptance=_number(engine, ACCEPTANCE_NAMES), silent_ms=silent_ms,
     )
 
 

@@ -68,6 +68,8 @@ class Scheduler:
         #: dashboard sample uses them (``last_snapshot``: all pools merged).
         self.last_pool_snapshots: list[DepthSnapshot] = []
         self.last_reports: list[WorkerReport] = []
+        #: When each live worker was last heard from (Redis clock, ms), as of the last snapshot.
+        self.heard_at_ms: dict[str, int] = {}
         self.tracer = tracer()
 
     async def serve(self) -> None:
@@ -201,7 +203,8 @@ class Scheduler:
         anti-starvation, the dashboard, the autoscaling signal)."""
         now_ms = await self.plane.server_time_ms()
         fleet = self.plane.fleet
-        live = await fleet.live_workers(now_ms, max_age_ms=_WORKER_TIMEOUT_MS)
+        self.heard_at_ms = await fleet.heard_from(now_ms, max_age_ms=_WORKER_TIMEOUT_MS)
+        live = list(self.heard_at_ms)
         for report in await fleet.reports(live):
             self._last_reports[report.worker] = report
         # A live worker whose newest report expired (a late heartbeat) keeps its last one.
@@ -341,7 +344,7 @@ class Scheduler:
             return False
         windows = await fleet.take_edge_windows()
         await fleet.append_stats_sample(self.sampler.sample(now_ms, self.last_snapshot, self.last_reports, windows,
-                                                            self.last_pool_snapshots))
+                                                            self.last_pool_snapshots, self.heard_at_ms))
         return True
 
 

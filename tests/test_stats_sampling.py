@@ -208,3 +208,16 @@ def test_worker_stats_ignore_non_numbers() -> None:
                                               "acceptance": "n/a"})
     stats = worker_stats(report)
     assert (stats.engine, stats.kv_cache_usage, stats.spec_acceptance) == ("", 0.5, None)
+
+
+def test_a_silent_workers_age_is_in_the_sample_and_its_tokens_leave_the_total() -> None:
+    """``kill -9`` leaves a worker live for 10 s: its last report must say how old it is."""
+    from lanes.queue.stats import SILENT_AFTER_MS
+
+    reports = [WorkerReport("fresh", {"short": 1}, 4, tokens_per_s=10.0),
+               WorkerReport("quiet", {"short": 2}, 4, tokens_per_s=30.0)]
+    heard = {"fresh": 9_700, "quiet": 10_000 - SILENT_AFTER_MS - 1500}
+    sample = Sampler().sample(10_000, None, reports, [], heard_at_ms=heard)
+    assert [(w.worker, w.silent_ms) for w in sample.workers] == [("fresh", 300), ("quiet", SILENT_AFTER_MS + 1500)]
+    assert sample.workers[1].running == {"short": 2}, "its last report, kept for the dashboard to dim"
+    assert sample.tokens_per_s == 10.0, "the silent worker's last tokens/s is not the fleet's now"

@@ -466,6 +466,29 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
     await client.close()
 
 
+async def test_dashboard_shows_a_silent_worker_as_silent(make_cluster, new_tab) -> None:  # noqa: ANN001
+    """A worker that stops answering (SIGSTOP here, ``kill -9`` alike) is live for the scheduler's
+    10 s: its row said nothing of it, showing its last slots as now. Past 2 s it reads "silent N s",
+    dimmed, and comes back when the worker does."""
+    sys_ = make_cluster(workers=1, worker_args=("--engine", "sim"))
+    tab = await new_tab()
+    await tab.page.goto(f"{base_url(sys_)}/dashboard")
+    await tab.until("() => document.querySelectorAll('#workers-now tbody tr').length === 1")
+    assert await tab.page.evaluate("() => document.querySelector('#workers-now tr.silent')") is None
+    process = sys_.children["worker"].process
+    process.send_signal(signal.SIGSTOP)
+    try:
+        shown = await tab.until("() => document.querySelector('#workers-now tr.silent [data-field=worker]')"
+                                "?.textContent", timeout_s=10)
+        assert re.search(r" · silent [2-9] s$", shown), shown
+        assert "(+1 silent)" in await tab.page.text_content("#summary")
+    finally:
+        process.send_signal(signal.SIGCONT)
+    await tab.until("() => document.querySelectorAll('#workers-now tbody tr').length === 1"
+                    " && !document.querySelector('#workers-now tr.silent')", timeout_s=10)
+    assert not tab.errors, tab.errors
+
+
 async def test_dashboard_says_when_its_numbers_go_stale(ops_system: tuple[System, str], new_tab) -> None:
     """While no sample arrives (the scheduler paused: the stream stays open), the status pill
     says so instead of "live" over frozen numbers, and is live again once samples resume."""
