@@ -53,7 +53,7 @@ try:
         await client.close()
     asyncio.run(load())
     time.sleep(70)
-    dash = json.loads(Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "lanes.json".read_text())
+    dash = json.loads((Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "lanes.json").read_text())
     n = ok = 0
     empty = []
     for panel in dash["panels"]:

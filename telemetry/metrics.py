@@ -117,7 +117,11 @@ SPEC_ACCEPTANCE = Gauge("lanes_spec_acceptance_rate", "Speculative decoding acce
 SPEC_ACCEPTANCE_LENGTH = Gauge("lanes_spec_mean_acceptance_length", "Tokens per target forward with speculation",
                                ["engine"], registry=WORKER)
 KV_CACHE_USAGE = Gauge("lanes_kv_cache_usage", "Share of the engine's KV cache in use", ["engine"], registry=WORKER)
-TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat",
+#: Instantaneous: one heartbeat's (0.5 s) tokens, so a scrape samples noise (0 right after a
+#: burst). Per-worker throughput over time is ``rate(lanes_generated_tokens_total[1m])``
+#: (the Grafana dashboard's panel); this gauge is what the heartbeat report carries.
+TOKENS_PER_S = Gauge("lanes_worker_tokens_per_second", "Generated tokens per second over the last heartbeat "
+                     "(0.5 s, instantaneous: for a rate over time use rate(lanes_generated_tokens_total[1m]))",
                      registry=WORKER)
 #: ``lanes_worker_info{worker, pool, engine} 1``: join a worker's series to its pool
 #: (``lanes_prefill_seconds_bucket * on(instance) group_left(pool) lanes_worker_info``) when two

@@ -71,6 +71,22 @@ def test_grafana_dashboard_is_import_ready() -> None:
     assert wanted <= asked, wanted - asked
 
 
+def test_grafana_rates_only_counters_and_reads_worker_throughput_from_the_counter() -> None:
+    """``rate()`` of a gauge is meaningless, and ``lanes_worker_tokens_per_second`` is one 0.5 s
+    heartbeat's value (a scrape samples noise): the per-worker tokens/s panel is the rate of
+    ``lanes_generated_tokens_total`` per instance, over a minute."""
+    kinds = {f.name: f.type for r in (metrics.EDGE, metrics.WORKER, metrics.SCHEDULER) for f in r.collect()}
+    exprs = [t["expr"] for p in json.loads(GRAFANA.read_text())["panels"] for t in p.get("targets", [])]
+    rated = {name for expr in exprs for name in re.findall(r"\brate\((lanes_[a-z0-9_]+)", expr)}
+    assert rated, "the dashboard rates counters"
+    for name in rated:
+        base = re.sub(r"_(bucket|total)$", "", name)
+        assert kinds.get(base) in ("counter", "histogram"), f"rate() of {name}, a {kinds.get(base)}"
+    assert not any("lanes_worker_tokens_per_second" in expr for expr in exprs)
+    (panel,) = [p for p in json.loads(GRAFANA.read_text())["panels"] if p["title"].startswith("Tokens per second per worker")]
+    assert panel["targets"][0]["expr"] == 'sum by (instance) (rate(lanes_generated_tokens_total{job=~"$job"}[1m]))'
+
+
 def test_grafana_error_rate_is_the_readmes() -> None:
     """The dashboard's error rate divides by ``lanes_requests_total`` (refused input included),
     with the README's list of outcomes that are not errors; ``lanes_errors_total`` counts error
