@@ -179,3 +179,18 @@ async def test_a_resume_on_another_edge_links_to_the_requests_own_trace(start_ed
     assert [(link.context.trace_id, link.context.span_id) for link in resume.links] == \
         [(enqueue.context.trace_id, enqueue.context.span_id)], "linked to where the request began"
     assert resume.links[0].attributes["lanes.link"] == "resumed_request"
+
+
+def test_a_resume_wants_its_link_only_where_spans_are_recorded() -> None:
+    """The link costs a Redis read of the request's payload: a no-op span (tracing off, the
+    default) asks for none, a recorded one does until it has it."""
+    from lanes.ws_server.spans import RESUME
+
+    spans, _, _ = spans_with_exporter()
+    spans.start("r1", RESUME)
+    assert spans.wants_link("r1")
+    spans.link_original("r1", {})
+    assert not spans.wants_link("r1")
+    off = RequestSpans("edge-1", trace.NoOpTracer())
+    off.start("r2", RESUME)
+    assert not off.wants_link("r2")

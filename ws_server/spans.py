@@ -77,7 +77,7 @@ class RequestSpans:
             "lanes.request_id": request_id, "lanes.client_request_id": protocol.client_id(request_id),
             "lanes.edge": self.edge_id, **attributes})
         self._open[request_id] = span
-        if name == RESUME:
+        if name == RESUME and span.is_recording():  # the link costs a Redis read: not for a no-op span
             self._unlinked.add(request_id)
         return span
 
