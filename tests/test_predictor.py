@@ -725,7 +725,11 @@ def _long_texts() -> list[str]:
     pieces = ["word", "İ", "ı", "ſ", "Σ", "σ", "\u0301", " ", "\n", "\u2003", "\xa0", "\x1f", "?", ".", "5", "ten",
               "words", "at most", "😀", "K", "\u212a", "-", ",", "日本語", "x" * 120]
     texts = ["", " ", "\n\t \u3000\xa0", "İ" * 9000, "ΣΑΣ ΟΔΟΣ " * 2000, "e\u0301" * 9000, "a" * 100_000,
-             "b " + "a" * 100_000, "a" * 100_000 + " b", "x" * 9000 + "\u03a3", " \u2003 ".join(["word"] * 5000)]
+             "b " + "a" * 100_000, "a" * 100_000 + " b", "x" * 9000 + "\u03a3", " \u2003 ".join(["word"] * 5000),
+             # Chunks the word count reads whole (most units from 0x85 up) next to ASCII ones,
+             # across its 64 k-unit chunk edges.
+             "привет мир\u3000" * 12_000, "日本語の文\u3000テキスト " * 8_000,
+             ("ascii words here " * 4_000 + "жжж ж\u2003" * 14_000) * 2]
     texts += ["".join(rng.choice(pieces, int(n))) for n in rng.integers(10, 40_000, 60)]
     return texts
 
@@ -916,3 +920,13 @@ def test_word_and_char_slots_are_those_of_the_grams_built_as_strings() -> None:
             words, chars = _reference_gram_slots(text, config)
             assert sorted(_word_slots(text, config, mask)) == sorted(words), text[:80]
             assert sorted(np.asarray(_char_slots(text, config, mask)).tolist()) == sorted(chars), text[:80]
+
+
+def test_a_feature_config_the_hashing_cannot_serve_is_refused() -> None:
+    """Slots are 32-bit CRCs and a character gram has a character: a config outside that is
+    refused when built (or loaded from weights), not mis-hashed at the first prompt."""
+    with pytest.raises(ValueError, match="num_buckets_log2"):
+        FeatureConfig(num_buckets_log2=33)
+    with pytest.raises(ValueError, match="char_ngram_min"):
+        FeatureConfig(char_ngram_min=0)
+    assert FeatureConfig(num_buckets_log2=32).num_buckets == 1 << 32
