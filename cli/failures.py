@@ -104,6 +104,8 @@ def safe_url(url: str) -> str:
 
 #: Errors of a write the user must make room or permission for: retrying as it is cannot help.
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT})
+#: Of those, the ones that clear by themselves under a running service (space freed).
+_CLEARING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def write_error(exc: BaseException) -> str | None:
@@ -131,11 +133,12 @@ def exit_code_for(exc: BaseException, *, long_running: bool = False) -> int | No
     """The exit status of an expected failure, or None for anything else (a bug).
 
     A refused write (``write_error``) is 2 for a one-shot command (``lanes model tiny``: the
-    user makes room and runs it again) but 1 in a ``long_running`` process (edge, worker,
-    scheduler): a disk that filled up under a running service is usually freed again (logs
-    rotated, a temporary file removed), and ``lanes up``, like systemd or Kubernetes, restarts
-    an exit 1 with backoff, where an exit 2 stopped every process, with every stream in flight,
-    for good."""
+    user makes room and runs it again). In a ``long_running`` process (edge, worker, scheduler)
+    a full disk or quota is 1: one that filled up under a running service is usually freed
+    again (logs rotated, a temporary file removed), and ``lanes up``, like systemd or
+    Kubernetes, restarts an exit 1 with backoff, where an exit 2 stopped every process, with
+    every stream in flight, for good. A read-only file system or a refused permission stays 2
+    there too: it does not clear by itself, and restarting would loop on it."""
     from lanes.scheduler.predictor import WeightsError
     from lanes.scheduler.router.fixed_answers import FixedAnswersError
     from lanes.scheduler.router.rules import RulesError
@@ -146,7 +149,8 @@ def exit_code_for(exc: BaseException, *, long_running: bool = False) -> int | No
     if isinstance(exc, (ConfigError, RulesError, FixedAnswersError, WeightsError)) or settings_error(exc) is not None:
         return EXIT_CONFIG
     if write_error(exc) is not None:
-        return EXIT_FAILURE if long_running else EXIT_CONFIG
+        clears = isinstance(exc, OSError) and exc.errno in _CLEARING_ERRNOS
+        return EXIT_FAILURE if long_running and clears else EXIT_CONFIG
     return None
 
 

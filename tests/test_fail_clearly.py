@@ -582,7 +582,14 @@ def test_a_refused_write_is_a_configuration_error_only_for_one_shot_commands() -
     full = OSError(errno.ENOSPC, "No space left on device", "/var/log/x")
     assert exit_code_for(full) == EXIT_CONFIG
     assert exit_code_for(full, long_running=True) == EXIT_FAILURE
-    # What restarting cannot mend stops a long-running process with 2 all the same.
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded", "/var/log/x")
+    assert exit_code_for(quota, long_running=True) == EXIT_FAILURE
+    # What restarting cannot mend stops a long-running process with 2 all the same: a
+    # read-only file system or a refused permission does not clear by itself.
+    for number in (errno.EROFS, errno.EACCES):
+        refused = OSError(number, os.strerror(number), "/var/lib/lanes/f")
+        assert exit_code_for(refused) == EXIT_CONFIG
+        assert exit_code_for(refused, long_running=True) == EXIT_CONFIG
     from lanes.cli.failures import ConfigFailure
 
     assert exit_code_for(ConfigFailure("port taken"), long_running=True) == EXIT_CONFIG
