@@ -104,8 +104,8 @@ TOKENS = Counter("lanes_generated_tokens_total", "Generated tokens", ["lane"], r
 PREEMPTIONS = Counter("lanes_preemptions_total", "Running requests handed back to a lane, by claimed lane",
                       ["lane"], registry=WORKER)
 RUNNING = Gauge("lanes_worker_running", "Running requests per lane they count against (a demoted run against a "
-                "later lane, as in lanes_lane_running; updated at each start, end and heartbeat)", ["lane"],
-                registry=WORKER)
+                "later lane, as in lanes_lane_running; updated at each start and heartbeat, so an end shows "
+                "within 0.5 s)", ["lane"], registry=WORKER)
 ENGINE_ERRORS = Counter("lanes_engine_errors_total", "Engine errors by kind (oom, rejected, dead...)", ["kind"],
                         registry=WORKER)
 for _kind in ("oom", "dead", "engine_error"):  # at 0 from the start: rate() reads 0, not "no data"

@@ -84,7 +84,7 @@ def test_grafana_rates_only_counters_and_reads_worker_throughput_from_the_counte
         assert kinds.get(base) in ("counter", "histogram"), f"rate() of {name}, a {kinds.get(base)}"
     assert not any("lanes_worker_tokens_per_second" in expr for expr in exprs)
     (panel,) = [p for p in json.loads(GRAFANA.read_text())["panels"] if p["title"].startswith("Tokens per second per worker")]
-    assert panel["targets"][0]["expr"] == 'sum by (instance) (rate(lanes_generated_tokens_total{job=~"$job"}[1m]))'
+    assert panel["targets"][0]["expr"] == 'sum by (instance) (rate(lanes_generated_tokens_total{job=~"$job"}[$__rate_interval]))'
 
 
 def test_grafana_error_rate_is_the_readmes() -> None:

@@ -367,7 +367,7 @@ class Worker:
         # Redis or shutdown is handed back to its lane instead.
         final: RequestState | None = None
         #: Why a run that ends without an end goes back to its lane (said on its span).
-        handed_back_because = "error"
+        handed_back_because = "unexpected_error"
         # Ended in ``finally``, not by the ``with``: a run handed back (a stop cancels its task)
         # gets its outcome there; the span ended with none.
         span = tracer().start_span("lanes.generate", context=extract_context(payload.trace), attributes=attrs,
