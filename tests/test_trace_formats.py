@@ -61,6 +61,25 @@ def test_requests_logged_at_the_same_instant_are_spread_to_the_next_timestamp() 
     assert spread_ties(np.array([4.0, 4.0])).tolist() == [4.0, 4.0], "one instant only: nothing to spread over"
 
 
+#: BurstGPT's CSV header.
+CSV = "Timestamp,Model,Request tokens,Response tokens\n"
+
+
+def row(timestamp: object, input_length: object, output_length: object = None) -> str:
+    """One line of a Mooncake trace, each value written as given (``output_length`` None: left out)."""
+    fields = {"timestamp": timestamp, "input_length": input_length}
+    if output_length is not None:
+        fields["output_length"] = output_length
+    return ", ".join(f'"{key}": {value}' for key, value in fields.items()).join("{}") + "\n"
+
+
+def refused(path: Path, text: str, match: str) -> None:
+    """``path`` holding ``text`` is refused with a ValueError whose message matches ``match``."""
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
+
+
 def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:
     other = tmp_path / "other.csv"
     other.write_text("time,prompt,answer\n0,1,2\n")
@@ -68,33 +87,15 @@ def test_an_unknown_or_malformed_file_names_the_problem(tmp_path: Path) -> None:
         load_trace(other)
     assert "not a trace format lanes reads" in str(unknown.value)
     assert all(description in str(unknown.value) for description in TRACE_FORMATS.values())
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"timestamp": 0, "input_length": 5, "output_length": 3}\n{"timestamp": 9, "input_length": 5}\n')
-    with pytest.raises(ValueError, match=r"broken.jsonl, line 2: KeyError\('output_length'\)"):
-        load_trace(broken)
-    bad_row = tmp_path / "bad.csv"
-    bad_row.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,x\n")
-    with pytest.raises(ValueError, match="bad.csv, line 2"):
-        load_trace(bad_row)
-    nan = tmp_path / "nan.jsonl"
-    nan.write_text('{"timestamp": 0, "input_length": 5, "output_length": 3}\n'
-                   '{"timestamp": NaN, "input_length": 5, "output_length": 3}\n')
-    with pytest.raises(ValueError, match="request 2 has a time that is not a number or a negative token count"):
-        load_trace(nan)
-    failed = tmp_path / "failed.csv"
-    failed.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,0\n")
-    with pytest.raises(ValueError, match=r"no requests \(1 failed rows without an answer\)"):
-        load_trace(failed)
+    refused(tmp_path / "broken.jsonl", row(0, 5, 3) + row(9, 5), r"broken.jsonl, line 2: KeyError\('output_length'\)")
+    refused(tmp_path / "bad.csv", CSV + "0,ChatGPT,12,x\n", "bad.csv, line 2")
+    refused(tmp_path / "nan.jsonl", row(0, 5, 3) + row("NaN", 5, 3),
+            "request 2 has a time that is not a number or a negative token count")
+    refused(tmp_path / "failed.csv", CSV + "0,ChatGPT,12,0\n", r"no requests \(1 failed rows without an answer\)")
     # Every row at one time: no rate to scale to a load (the simulator looped forever on NaN
     # arrivals); a length beyond a float's range is a bad value, not a traceback.
-    burst = tmp_path / "burst.jsonl"
-    burst.write_text("".join('{"timestamp": 0, "input_length": 5, "output_length": 3}\n' for _ in range(3)))
-    with pytest.raises(ValueError, match="all 3 request.s. arrive at one time"):
-        load_trace(burst)
-    huge = tmp_path / "huge.csv"
-    huge.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,1e400\n1,ChatGPT,12,3\n")
-    with pytest.raises(ValueError, match="huge.csv, line 2"):
-        load_trace(huge)
+    refused(tmp_path / "burst.jsonl", row(0, 5, 3) * 3, "all 3 request.s. arrive at one time")
+    refused(tmp_path / "huge.csv", CSV + "0,ChatGPT,12,1e400\n1,ChatGPT,12,3\n", "huge.csv, line 2")
 
 
 def test_a_fractional_token_count_is_refused_naming_its_line_not_cut(tmp_path: Path) -> None:
@@ -102,21 +103,12 @@ def test_a_fractional_token_count_is_refused_naming_its_line_not_cut(tmp_path: P
     A fraction means the file holds no token counts (averaged, rescaled, another column): the
     simulator would run another workload without a word. Whole numbers written as floats pass."""
     whole = tmp_path / "whole.jsonl"
-    whole.write_text('{"timestamp": 0, "input_length": 812.0, "output_length": 130}\n'
-                     '{"timestamp": 1000, "input_length": 40, "output_length": 7.0}\n')
+    whole.write_text(row(0, "812.0", 130) + row(1000, 40, "7.0"))
     trace = load_trace(whole).trace
     assert (trace.prompt_tokens.tolist(), trace.output_tokens.tolist()) == ([812, 40], [130, 7])
-    fractional = tmp_path / "fractional.jsonl"
-    fractional.write_text('{"timestamp": 0, "input_length": 812, "output_length": 130}\n'
-                          '{"timestamp": 1000, "input_length": 812.9, "output_length": 130}\n')
-    with pytest.raises(ValueError, match=r"^\S*fractional.jsonl, line 2: input_length 812.9 is not a whole number "
-                                         r"of tokens$"):
-        load_trace(fractional)
-    boolean = tmp_path / "boolean.jsonl"
-    boolean.write_text('{"timestamp": 0, "input_length": 5, "output_length": true}\n')
-    with pytest.raises(ValueError, match="boolean.jsonl, line 1: output_length True is not a number of tokens"):
-        load_trace(boolean)
-    csv_cut = tmp_path / "cut.csv"
-    csv_cut.write_text("Timestamp,Model,Request tokens,Response tokens\n0,ChatGPT,12,3\n1,ChatGPT,12.5,3\n")
-    with pytest.raises(ValueError, match="cut.csv, line 3: Request tokens '12.5' is not a whole number of tokens"):
-        load_trace(csv_cut)
+    refused(tmp_path / "fractional.jsonl", row(0, 812, 130) + row(1000, 812.9, 130),
+            r"^\S*fractional.jsonl, line 2: input_length 812.9 is not a whole number of tokens$")
+    refused(tmp_path / "boolean.jsonl", row(0, 5, "true"),
+            "boolean.jsonl, line 1: output_length True is not a number of tokens")
+    refused(tmp_path / "cut.csv", CSV + "0,ChatGPT,12,3\n1,ChatGPT,12.5,3\n",
+            "cut.csv, line 3: Request tokens '12.5' is not a whole number of tokens")
