@@ -86,10 +86,6 @@ class Fleet:
         """Drop ``pool`` from ``served_pools`` (a worker that serves it again adds it back)."""
         await self.redis.srem(self.keys.pools, pool)
 
-    async def live_workers(self, now_ms: int, max_age_ms: int) -> list[str]:
-        """Workers heard from within ``max_age_ms`` (older entries are dropped)."""
-        return list(await self.heard_from(now_ms, max_age_ms))
-
     async def heard_from(self, now_ms: int, max_age_ms: int) -> dict[str, int]:
         """Workers heard from within ``max_age_ms`` -> when last (Redis clock, ms); older
         entries are dropped."""

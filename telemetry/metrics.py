@@ -81,11 +81,10 @@ for _code in ("engine_error", "worker_failed", "internal", "unauthorized"):
     ERRORS.labels(_code)
 
 
-def count_refused_input(code: str) -> None:
+def count_refused_request(code: str) -> None:
     """A chat frame or completion body refused as bad input before it became a request: one
-    outcome (``pool="none", lane="none"``) and one error answer."""
+    outcome (``pool="none", lane="none"``); its error answer is counted where it is sent."""
     REQUESTS.labels(*NO_POOL_LANE, code).inc()
-    ERRORS.labels(code).inc()
 
 
 SLOW_CLIENTS = Counter("lanes_slow_clients_total", "Connections closed for not reading", registry=EDGE)

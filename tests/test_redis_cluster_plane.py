@@ -212,7 +212,7 @@ async def test_fleet_state_on_a_cluster(plane: QueuePlane) -> None:
     now_ms = await plane.server_time_ms()
     for worker in ("w1", "w2"):
         await fleet.report(WorkerReport(worker=worker, running={}, slots=4, pool="small"), now_ms, ttl_ms=5000)
-    assert sorted(await fleet.live_workers(now_ms, max_age_ms=1000)) == ["w1", "w2"]
+    assert sorted(await fleet.heard_from(now_ms, max_age_ms=1000)) == ["w1", "w2"]
     assert sorted(r.worker for r in await fleet.reports()) == ["w1", "w2"], "MGET of reports: one slot"
     assert await fleet.num_workers("small") == 2
     assert await plane.worker_heartbeats(["w1", "w3"]) == {"w1": now_ms}

@@ -108,4 +108,4 @@ async def test_a_worker_registers_on_the_redis_clock(plane: QueuePlane, monkeypa
     await Reporter(plane, "skewed", heartbeat_s=0.5, pool="default").report({}, 8, {}, {})
     now_ms = await plane.server_time_ms()
     assert abs(await plane.redis.zscore(plane.keys.workers, "skewed") - now_ms) < 2000
-    assert await plane.fleet.live_workers(now_ms, max_age_ms=10_000) == ["skewed"]
+    assert list(await plane.fleet.heard_from(now_ms, max_age_ms=10_000)) == ["skewed"]

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import msgspec
@@ -229,12 +229,13 @@ class Worker:
         """Running requests per lane they count against (demoted ones against a later lane)."""
         return self.policy.running_by_lane(self.table.lanes_and_progress())
 
-    def _export_running(self) -> None:
+    def _export_running(self, running: Mapping[Lane, int] | None = None) -> None:
         """``lanes_worker_running{lane}``: running requests per lane they count against, as the
         heartbeat reports them (the dashboard's slots per worker, the scheduler's
         ``lanes_lane_running``). It counted each run under its claimed lane for good, so a
-        demoted run showed as short in Grafana and as long on the dashboard."""
-        running = self.running_by_lane()
+        demoted run showed as short in Grafana and as long on the dashboard. ``running``: those
+        counts where the caller has them already."""
+        running = self.running_by_lane() if running is None else running
         for lane, gauge in self._running_gauges.items():
             gauge.set(running.get(lane, 0))
 
@@ -401,8 +402,9 @@ class Worker:
                 if finish is None:  # preempted: handed back, resumes later after its tokens
                     handed_back_because = "preempted"
                     return
+                outcome = _outcome(finish)
                 if finish.reason is FinishReason.ERROR:
-                    code = str(finish.error_code or ErrorCode.ENGINE_ERROR)
+                    code = outcome  # the error code
                     span.set_attribute("lanes.error_code", code)
                     if code not in CLIENT_FAULTS:  # a prompt too long for the model is the client's doing
                         span.set_status(Status(StatusCode.ERROR, code))
@@ -410,7 +412,7 @@ class Worker:
                     self.work_mix.observe(finish.usage.prompt_tokens, finish.usage.completion_tokens, claim.owner)
                 if finish.reason is FinishReason.STOP and self.settings.report_observations:
                     await self.reporter.observation(payload.messages, finish.usage.completion_tokens, claim.owner)
-                span.set_attribute("lanes.outcome", _outcome(finish))
+                span.set_attribute("lanes.outcome", outcome)
                 span.set_attribute("lanes.finish_reason", finish.reason.value)
                 span.set_attribute("lanes.completion_tokens", finish.usage.completion_tokens)
                 span.set_attribute("lanes.prompt_tokens", finish.usage.prompt_tokens)
@@ -593,8 +595,9 @@ class Worker:
         self.carry(self.table.preempt(victim, lane))
 
     async def _report(self) -> None:
-        running = {lane.value: n for lane, n in self.running_by_lane().items()}
-        self._export_running()  # a demotion moves a run to a later lane between starts and ends
+        by_lane = self.running_by_lane()
+        running = {lane.value: n for lane, n in by_lane.items()}
+        self._export_running(by_lane)  # a demotion moves a run to a later lane between starts and ends
         metrics.PREFILL_SHARE.set(self.prefill_share())
         await self.reporter.report(running, self.slots.max_slots, dict(self.table.num_finished), self.engine.stats())
 

@@ -79,7 +79,9 @@ def _refused_request(error: oai.APIError, request_id: str) -> Response:
     """A body refused before it became a chat: counted in ``lanes_requests_total`` (by its code)
     and ``lanes_errors_total`` as the WebSocket's refused chat frames are (the codes are a
     fixed set)."""
-    metrics.count_refused_input(error.code or "invalid_request")
+    code = error.code or "invalid_request"
+    metrics.count_refused_request(code)
+    metrics.ERRORS.labels(code).inc()
     return _error(error, request_id)
 
 

@@ -358,7 +358,7 @@ class Edge:
             # A refused chat (or a frame too broken to say what it was) is an answered request,
             # counted by its code as any other outcome; a bad cancel or resume only as an error.
             if not err.control:
-                metrics.REQUESTS.labels(*metrics.NO_POOL_LANE, err.code.value).inc()
+                metrics.count_refused_request(err.code.value)
             self._send_error(conn, err.code, err.message, err.request_id)
             return
         now = time.monotonic()
