@@ -280,8 +280,12 @@ class QueuePlane(TokenStreams):
             blocker = SlotConnection(self.redis, self.keys.pending(LANE_ORDER[0]))
             self._blockers.add(blocker)
             return blocker
-        # No command timeout: the pop itself blocks for up to its own timeout.
-        return connect(self.settings.redis_url, single_connection_client=True, socket_timeout=None)
+        # No command timeout: the pop itself blocks for up to its own timeout. Set on the pool,
+        # since a URL's ``socket_timeout`` wins over keyword arguments: one under the pop's 2 s
+        # failed every idle pop, and the worker claimed nothing more.
+        blocker = connect(self.settings.redis_url, single_connection_client=True)
+        blocker.connection_pool.connection_kwargs["socket_timeout"] = None
+        return blocker
 
     async def client_id(self, conn: aioredis.Redis | SlotConnection) -> int:
         """The id ``unblock`` takes for ``conn`` (connects it if need be)."""

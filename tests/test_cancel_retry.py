@@ -84,7 +84,7 @@ async def streaming(system: Any, prefix: str) -> tuple[Client, str]:
     await client.chat(rid, f"Talk at length about {rid}.", max_tokens=4000)
     deadline = time.monotonic() + scaled(30)
     while len(client.deltas(rid)) < 3:
-        assert time.monotonic() < deadline, "the answer did not start streaming"
+        assert time.monotonic() < deadline, f"the answer did not start streaming: {client.frames[rid]}"
         await asyncio.sleep(0.02)
     return client, rid
 
