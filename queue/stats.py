@@ -66,8 +66,9 @@ class PoolStats(msgspec.Struct, frozen=True):
     ttft_p99_ms: float | None = None
 
 
-#: A worker not heard from for longer than this (ms) is shown as silent, not live (four missed
-#: heartbeats; the dashboard uses the same bound), and its tokens/s leave the sample's total.
+#: A worker not heard from for longer than this (ms) is silent, not live (four missed
+#: heartbeats): its sample row says so (``WorkerStats.silent``, which the dashboard reads; it
+#: holds no copy of this bound), and its tokens/s leave the sample's total.
 SILENT_AFTER_MS = 2_000
 
 
@@ -89,6 +90,9 @@ class WorkerStats(msgspec.Struct, frozen=True):
     #: every ~0.5 s: past ``SILENT_AFTER_MS`` the worker has gone quiet (killed, paused, cut off
     #: from Redis) and the rest of this row is its last word, not now; it is dropped at 10 s.
     silent_ms: int = 0
+    #: ``silent_ms`` is past ``SILENT_AFTER_MS``: the dashboard dims the row and leaves it out
+    #: of the live count (the decision is made here, once).
+    silent: bool = False
 
 
 class StatsSample(msgspec.Struct, frozen=True):
@@ -99,7 +103,7 @@ class StatsSample(msgspec.Struct, frozen=True):
     #: ``at_ms`` of the depth snapshot the depths come from (the same one ``/v1/depths`` served).
     depths_at_ms: int
     lanes: dict[str, LaneStats]
-    #: Generated tokens per second over every worker heard from within ``SILENT_AFTER_MS``.
+    #: Generated tokens per second over every worker that is not ``silent``.
     tokens_per_s: float
     workers: list[WorkerStats]
     #: Trailing time over which the TTFT percentiles are taken (s).

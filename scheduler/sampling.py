@@ -6,8 +6,8 @@
   edge's windows that arrived since the previous sample count in this one. TTFT percentiles are
   taken over the trailing ``ttft_window_s`` (one second holds too few first tokens for a p99).
 - **Tokens/s, slots, KV cache, acceptance**: each live worker's latest heartbeat report, with
-  how long ago it came (``silent_ms``): a worker killed with ``kill -9`` stays live for 10 s,
-  and its last report must not read as now.
+  how long ago it came (``silent_ms``, and ``silent`` past ``SILENT_AFTER_MS``): a worker
+  killed with ``kill -9`` stays live for 10 s, and its last report must not read as now.
 
 ``Sampler`` keeps the trailing TTFT histograms between calls; time comes in as ``at_ms``.
 """
@@ -60,7 +60,7 @@ class Sampler:
                    for report in sorted(reports, key=lambda r: r.worker)]
         return StatsSample(
             at_ms=at_ms, depths_at_ms=snapshot.at_ms if snapshot else 0, lanes=lanes,
-            tokens_per_s=round(sum(w.tokens_per_s for w in workers if w.silent_ms <= SILENT_AFTER_MS), 1),
+            tokens_per_s=round(sum(w.tokens_per_s for w in workers if not w.silent), 1),
             workers=workers,
             ttft_window_s=self.ttft_window_s, num_edges=len({w.edge for w in windows}),
             refusals_no_lane=_count_reasons(windows, NO_LANE),
@@ -122,6 +122,7 @@ def worker_stats(report: WorkerReport, silent_ms: int = 0) -> WorkerStats:
         slots=report.slots, running={lane: n for lane, n in report.running.items() if n},
         tokens_per_s=report.tokens_per_s, kv_cache_usage=_number(engine, KV_CACHE_NAMES),
         spec_acceptance=_number(engine, ACCEPTANCE_NAMES), silent_ms=silent_ms,
+        silent=silent_ms > SILENT_AFTER_MS,
     )
 
 

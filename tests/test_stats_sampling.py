@@ -221,3 +221,15 @@ def test_a_silent_workers_age_is_in_the_sample_and_its_tokens_leave_the_total() 
     assert [(w.worker, w.silent_ms) for w in sample.workers] == [("fresh", 300), ("quiet", SILENT_AFTER_MS + 1500)]
     assert sample.workers[1].running == {"short": 2}, "its last report, kept for the dashboard to dim"
     assert sample.tokens_per_s == 10.0, "the silent worker's last tokens/s is not the fleet's now"
+
+
+def test_the_sample_says_which_workers_are_silent() -> None:
+    """The sample carries the decision (``silent``), so the dashboard holds no copy of the bound:
+    past ``SILENT_AFTER_MS`` silent, at it not yet; and it crosses the wire as JSON."""
+    from lanes.queue.stats import SILENT_AFTER_MS
+
+    reports = [WorkerReport(name, {}, 4) for name in ("at", "fresh", "past")]
+    heard = {"fresh": 10_000, "at": 10_000 - SILENT_AFTER_MS, "past": 10_000 - SILENT_AFTER_MS - 1}
+    sample = Sampler().sample(10_000, None, reports, [], heard_at_ms=heard)
+    assert [(w.worker, w.silent) for w in sample.workers] == [("at", False), ("fresh", False), ("past", True)]
+    assert [w["silent"] for w in msgspec.json.decode(msgspec.json.encode(sample))["workers"]] == [False, False, True]

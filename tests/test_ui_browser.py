@@ -489,6 +489,49 @@ async def test_dashboard_shows_a_silent_worker_as_silent(make_cluster, new_tab) 
     assert not tab.errors, tab.errors
 
 
+def crafted_sample(at_ms: int, workers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A sample as the scheduler writes it (``StatsSample``), with these workers and fields."""
+    lane = {"depth": 0, "running": 0, "oldest_wait_ms": 0, "ttft_p50_ms": None, "ttft_p99_ms": None,
+            "num_first_tokens": 0, "refusals": {}, "finished": 0}
+    return {"at_ms": at_ms, "depths_at_ms": at_ms, "lanes": {lane_: lane for lane_ in ("short", "medium", "long")},
+            "tokens_per_s": 0.0, "ttft_window_s": 10.0, "num_edges": 1, "refusals_no_lane": {}, "pools": {},
+            "workers": [{"pool": "default", "engine": "sim", "slots": 4, "running": {}, "tokens_per_s": 0.0,
+                         "kv_cache_usage": None, "spec_acceptance": None, **w} for w in workers], **extra}
+
+
+async def serve_samples(tab: Tab, samples: list[dict[str, Any]]) -> None:
+    """The page's sample stream answered with ``samples`` (the edge's page, these numbers)."""
+    body = "retry: 1000\n\n" + "".join(f"id: {s['at_ms']}\ndata: {json.dumps(s)}\n\n" for s in samples)
+
+    async def answer(route: Any) -> None:
+        await route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+    await tab.page.route("**/v1/stats/stream*", answer)
+
+
+async def test_dashboard_takes_silence_from_the_sample(make_cluster, new_tab) -> None:  # noqa: ANN001
+    """The scheduler decides which worker is silent (``silent`` in each worker's row); the page
+    holds no bound of its own (it had a copy of ``SILENT_AFTER_MS``, 2 s, that could drift
+    from the scheduler's). Samples whose ``silent`` disagrees with any fixed bound on
+    ``silent_ms`` are shown as the sample says."""
+    sys_ = make_cluster(workers=0, scheduler=False)
+    tab = await new_tab()
+    now_ms = int(time.time() * 1000)
+    await serve_samples(tab, [crafted_sample(now_ms, [
+        {"worker": "quiet-but-live", "silent_ms": 5000, "silent": False},
+        {"worker": "called-silent", "silent_ms": 1500, "silent": True},
+        {"worker": "live", "silent_ms": 100, "silent": False},
+    ])])
+    await tab.page.goto(f"{base_url(sys_)}/dashboard")
+    await tab.until("() => document.querySelectorAll('#workers-now tbody tr').length === 3")
+    rows = await tab.page.evaluate("""() => [...document.querySelectorAll('#workers-now tbody tr')].map(
+        (tr) => [tr.dataset.worker, tr.className, tr.querySelector('[data-field=worker]').textContent])""")
+    assert rows == [["quiet-but-live", "", "quiet-but-live"], ["called-silent", "silent", "called-silent · silent 1 s"],
+                    ["live", "", "live"]], rows
+    assert (await tab.page.text_content("#summary")).startswith("2 worker(s) (+1 silent)")
+    assert not tab.errors, tab.errors
+
+
 async def test_dashboard_says_when_its_numbers_go_stale(ops_system: tuple[System, str], new_tab) -> None:
     """While no sample arrives (the scheduler paused: the stream stays open), the status pill
     says so instead of "live" over frozen numbers, and is live again once samples resume."""

@@ -10,8 +10,6 @@ takeKeyFromFragment();
 
 const WINDOW_MS = 15 * 60 * 1000;
 const LANE_COLORS = { short: "#3b6fd4", medium: "#e08a1e", long: "#c8453b" };
-/** A worker not heard from for longer (ms) is silent, not live (queue/stats.py SILENT_AFTER_MS). */
-const SILENT_AFTER_MS = 2000;
 const PALETTE = ["#3b6fd4", "#e08a1e", "#2e8b57", "#c8453b", "#8e5cc4", "#1f9aa8", "#b0902a", "#d4589a"];
 const $ = (id) => document.getElementById(id);
 /** Samples in time order, at most 15 minutes' worth. */
@@ -64,9 +62,10 @@ function drawTables(s) {
     const tr = document.createElement("tr");
     tr.dataset.worker = w.worker;
     const r = w.running;
-    // Heartbeats come every ~0.5 s: a worker quiet past SILENT_AFTER_MS (killed, paused, cut off
-    // from Redis) is not live; its row is its last report, dimmed, until the scheduler drops it.
-    const silent = (w.silent_ms || 0) > SILENT_AFTER_MS;
+    // The sample says whether a worker is silent (queue/stats.py decides, past SILENT_AFTER_MS:
+    // killed, paused, cut off from Redis): its row is its last report, dimmed, until the
+    // scheduler drops it.
+    const silent = w.silent === true;
     if (silent) {
       tr.className = "silent";
       tr.dataset.silentS = String(Math.floor(w.silent_ms / 1000));
@@ -90,7 +89,7 @@ function drawTables(s) {
   });
   $("pools-now").querySelector("tbody").replaceChildren(...pools);
   const noLane = sum(s.refusals_no_lane);
-  const numSilent = s.workers.filter((w) => (w.silent_ms || 0) > SILENT_AFTER_MS).length;
+  const numSilent = s.workers.filter((w) => w.silent === true).length;
   $("summary").textContent = `${s.workers.length - numSilent} worker(s)` +
     (numSilent ? ` (+${numSilent} silent)` : "") + ` · ${s.tokens_per_s.toFixed(0)} tokens/s` +
     (noLane ? ` · ${noLane} refused before a lane` : "") +
@@ -139,7 +138,7 @@ function draw() {
     .map((line) => ({ ...line, points: samples.map((s) => [s.at_ms, refusedFor(s, line.label)]) })), { counts: true });
   chart("tokens", [{ label: "tokens/s", color: PALETTE[2], points: samples.map((s) => [s.at_ms, s.tokens_per_s]) }]);
   // A silent worker's last report is not a reading of now: its lines break while it is silent.
-  const workers = (s) => s.workers.filter((w) => (w.silent_ms || 0) <= SILENT_AFTER_MS).map((w) => w.worker);
+  const workers = (s) => s.workers.filter((w) => w.silent !== true).map((w) => w.worker);
   const worker = (s, id) => s.workers.find((w) => w.worker === id);
   const workerStyle = (id, i) => ({ label: id, color: PALETTE[i % PALETTE.length] });
   chart("slots", seriesBy(workers, (s, id) => sum(worker(s, id).running), workerStyle), { counts: true });
