@@ -61,7 +61,9 @@ class Keys:
         return [self.pending(lane) for lane in LANE_ORDER]
 
     def request(self, request_id: str) -> str:
-        """HASH with the request's payload and state."""
+        """HASH with the request's payload (``p``, JSON ``RequestPayload``, the prompt in it) and
+        state; ``trace`` holds the payload's trace context alone (JSON, ``{}`` for none), which
+        spans read instead of ``p`` (records from edges before it lack it: ``QueuePlane.trace_of``)."""
         return f"{self.prefix}:{self.tag}:req:{request_id}"
 
     @property

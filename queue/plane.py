@@ -53,18 +53,27 @@ _payload_decoder = msgspec.json.Decoder(RequestPayload)
 
 
 class _TraceOnly(msgspec.Struct):
-    """The one field of a payload that a requeue's span needs (the rest is not decoded)."""
+    """The one field of a payload that a span needs (the rest is not decoded)."""
 
     trace: dict[str, str] = {}
 
 
 _trace_decoder = msgspec.json.Decoder(_TraceOnly)
+_carrier_decoder = msgspec.json.Decoder(dict[str, str])
 
 
 def _trace_headers(raw: bytes | None) -> dict[str, str]:
     """The ``trace`` of a payload as stored (empty for none, or one that cannot be read)."""
     try:
         return _trace_decoder.decode(raw).trace if raw else {}
+    except msgspec.DecodeError:
+        return {}
+
+
+def _carrier(raw: bytes) -> dict[str, str]:
+    """A record's ``trace`` field (JSON ``{"traceparent": ...}``; empty for one that cannot be read)."""
+    try:
+        return _carrier_decoder.decode(raw)
     except msgspec.DecodeError:
         return {}
 
@@ -204,7 +213,8 @@ class QueuePlane(TokenStreams):
         created, value = await self._enqueue(
             keys=[k.request(payload.id), k.pending(payload.lane), k.watch, k.arrivals],
             args=[payload.id, encode(payload), payload.lane.value, edge_id,
-                  self.settings.start_timeout_ms, REQUEST_TTL_S, owner, ",".join(payload.fallback_pools)],
+                  self.settings.start_timeout_ms, REQUEST_TTL_S, owner, ",".join(payload.fallback_pools),
+                  msgspec.json.encode(payload.trace)],
         )
         if created:
             return Enqueued(True, enqueued_at_ms=int(value))
@@ -462,18 +472,31 @@ class QueuePlane(TokenStreams):
         return reaped
 
     async def trace_of(self, request_id: str) -> dict[str, str]:
-        """A request's W3C trace context (its payload's ``trace``; empty where it has none or its
-        record is gone or unreadable)."""
-        return _trace_headers(await self.redis.hget(self.keys.request(request_id), "p"))
+        """A request's W3C trace context (its record's ``trace`` field, a few hundred bytes at
+        most; empty where it has none or its record is gone or unreadable). The payload, which
+        holds the prompt, is read only for a record an older edge wrote, without that field."""
+        trace_field, state = await self.redis.hmget(self.keys.request(request_id), "trace", "state")
+        return await self._carrier_or_payloads(request_id, trace_field, state)
 
     async def trace_and_streamed(self, request_id: str) -> tuple[dict[str, str], int]:
-        """A request's W3C trace context (its payload's ``trace``; empty where it has none or
-        its record is gone or unreadable) and how many deltas its stream holds (one round trip)."""
+        """``trace_of`` and how many deltas the request's stream holds (one round trip; two
+        for a record an older edge wrote)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hget(self.keys.request(request_id), "p")
+            pipe.hmget(self.keys.request(request_id), "trace", "state")
             pipe.xlen(self.keys.stream(request_id))
-            raw, num_deltas = await pipe.execute()
-        return _trace_headers(raw), int(num_deltas)
+            (trace_field, state), num_deltas = await pipe.execute()
+        return await self._carrier_or_payloads(request_id, trace_field, state), int(num_deltas)
+
+    async def _carrier_or_payloads(self, request_id: str, trace_field: bytes | None,
+                                   state: bytes | None) -> dict[str, str]:
+        """The ``trace`` field read; where the record exists without one (enqueued by an edge
+        from before the field, during a rolling upgrade: such records live ``REQUEST_TTL_S`` at
+        most), the payload's ``trace``, as before, so that the link is not lost."""
+        if trace_field is not None:
+            return _carrier(trace_field)
+        if state is None:
+            return {}  # no record (gone, or never here)
+        return _trace_headers(await self.redis.hget(self.keys.request(request_id), "p"))
 
     async def queued_ids(self, limit: int = 1000, enqueued_before_ms: int | None = None) -> list[str]:
         """Up to ``limit`` ids waiting in this pool's lanes, oldest first per lane; with

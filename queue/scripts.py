@@ -12,7 +12,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 #: KEYS: req, pending:<lane>, watch, arrivals. ARGV: id, payload, lane, edge, start_timeout_ms, ttl_s, owner,
-#: fallback (the pools ``auto`` could also have chosen, comma-separated: ``RequestPayload.fallback_pools``).
+#: fallback (the pools ``auto`` could also have chosen, comma-separated: ``RequestPayload.fallback_pools``),
+#: trace (the payload's ``trace`` as JSON, ``{}`` for none: stored as its own small field so that
+#: a resume's or a requeue's span reads its context without the payload, which holds the prompt).
 #: Returns {1, enq_ms} when enqueued, {0, state} when the id already exists (a no-op), with the
 #: state '' when another owner submitted it (its state is not this caller's business).
 #: ``arrivals`` counts enqueues per lane: the scheduler turns it into the arrival rate.
@@ -23,7 +25,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, h[1] or ''}
 end
 redis.call('HSET', KEYS[1], 'p', ARGV[2], 'lane', ARGV[3], 'edge', ARGV[4], 'state', 'queued',
-           'attempt', 0, 'enq_ms', now, 'worker', '', 'owner', ARGV[7] or '', 'fallback', ARGV[8] or '')
+           'attempt', 0, 'enq_ms', now, 'worker', '', 'owner', ARGV[7] or '', 'fallback', ARGV[8] or '',
+           'trace', ARGV[9] or '{}')
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])

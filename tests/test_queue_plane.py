@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from lanes.queue.messages import ChatMessage, Lane, RequestPayload, TokenEvent
@@ -430,3 +431,50 @@ async def test_a_lane_key_of_the_wrong_type_is_named(plane: QueuePlane) -> None:
     with pytest.raises(ResponseError) as wrong:
         await pop(plane, (Lane.MEDIUM, Lane.LONG))
     assert f"{plane.keys.pending(Lane.MEDIUM)} is a string, not a zset" in str(wrong.value)
+
+
+# -- a request's trace context, without its payload ------------------------------------------
+
+TRACE = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "k=v"}
+
+
+async def test_the_trace_context_is_read_without_the_payload(plane: QueuePlane) -> None:
+    """A resume's span link and a requeue's span need only the request's ``traceparent``; they
+    read the whole payload for it (field ``p``, the prompt: a megabyte here). Now enqueue
+    stores the context as a field of its own and they read that field only."""
+    prompt = "x" * 1_000_000
+    big = RequestPayload(id="big", messages=(ChatMessage("user", prompt),), max_tokens=8, trace=TRACE)
+    assert (await plane.enqueue(big, "e")).created
+    key = plane.keys.request("big")
+    assert await plane.redis.hget(key, "trace") == msgspec.json.encode(TRACE)
+
+    async def sent_bytes() -> int:
+        return int((await plane.redis.info("stats"))["total_net_output_bytes"])
+
+    before = await sent_bytes()
+    assert await plane.trace_of("big") == TRACE
+    assert await plane.trace_and_streamed("big") == (TRACE, 0)
+    # Both INFO replies (a few kB) and the two reads: nowhere near the payload's megabyte.
+    assert await sent_bytes() - before < 100_000
+    # The field is what is read: a payload rewritten with another context does not change it.
+    other = {"traceparent": "00-11111111111111111111111111111111-2222222222222222-01"}
+    await plane.redis.hset(key, "p", msgspec.json.encode(msgspec.structs.replace(big, trace=other)))
+    assert await plane.trace_of("big") == TRACE
+    # No context (tracing off at the edge): an empty one, still without the payload.
+    assert (await plane.enqueue(payload("plain"), "e")).created
+    assert await plane.redis.hget(plane.keys.request("plain"), "trace") == b"{}"
+    assert await plane.trace_of("plain") == {}
+
+
+async def test_a_record_from_an_older_edge_links_through_its_payload(plane: QueuePlane) -> None:
+    """During a rolling upgrade, requests an older edge enqueued have no ``trace`` field: their
+    context is read from the payload, as before (one more round trip, only for them), so that
+    their resumes still link. A record that is gone has none; nor has an unreadable field."""
+    assert (await plane.enqueue(RequestPayload(id="old", messages=MSG, max_tokens=8, trace=TRACE), "e")).created
+    await plane.redis.hdel(plane.keys.request("old"), "trace")  # as an older edge's ENQUEUE wrote it
+    assert await plane.trace_of("old") == TRACE
+    assert await plane.trace_and_streamed("old") == (TRACE, 0)
+    assert await plane.trace_of("never-here") == {}
+    assert await plane.trace_and_streamed("never-here") == ({}, 0)
+    await plane.redis.hset(plane.keys.request("old"), "trace", b"not json")
+    assert await plane.trace_of("old") == {}

@@ -48,6 +48,9 @@ def payload(request_id: str, lane: Lane = Lane.SHORT) -> RequestPayload:
     return RequestPayload(id=request_id, messages=MSG, max_tokens=8, lane=lane)
 
 
+TRACE = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+
+
 def settings(url: str) -> RedisSettings:
     return RedisSettings(redis_url=url, key_prefix=f"t{uuid.uuid4().hex[:8]}", lease_ms=1000, start_timeout_ms=1000)
 
@@ -198,6 +201,13 @@ async def test_request_path_on_each_master(redis_cluster: LocalCluster, plane: Q
                 reaped = await p.reap(await p.server_time_ms() + 5000)
                 assert [(r.id, r.action, r.worker) for r in reaped] == [(f"{pool}-c", "requeued", "w9")]
                 assert await p.trace_and_streamed(rid) == ({}, 3), "its record and its stream: two slots"
+                # The trace context is a field of the record (its pool's slot), read without the payload;
+                # an older edge's record, without that field, is read through its payload.
+                traced = RequestPayload(id=f"{pool}-t", messages=MSG, max_tokens=8, trace=TRACE)
+                await p.enqueue(traced, "e1")
+                assert await p.trace_and_streamed(traced.id) == (TRACE, 0)
+                await p.redis.hdel(p.keys.request(traced.id), "trace")
+                assert await p.trace_of(traced.id) == TRACE
             finally:
                 await blocker.aclose()
         assert await plane.take_token("key1", rate_per_s=1.0, burst=1) == 0

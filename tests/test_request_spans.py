@@ -140,7 +140,7 @@ async def test_the_edges_spans_name_the_id_the_client_sees(start_edge: StartEdge
 async def test_a_resume_on_another_edge_links_to_the_requests_own_trace(start_edge: StartEdge,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """``lanes.resume`` is a trace of its own (the resume frame carries no context), but the
-    request's ``traceparent`` is in its payload in Redis: the resume's span links to it, so a
+    request's ``traceparent`` is stored with it in Redis: the resume's span links to it, so a
     trace viewer goes from the resume to the chat that started the request."""
     import websockets
     from e2e_support import Client
@@ -182,7 +182,7 @@ async def test_a_resume_on_another_edge_links_to_the_requests_own_trace(start_ed
 
 
 def test_a_resume_wants_its_link_only_where_spans_are_recorded() -> None:
-    """The link costs a Redis read of the request's payload: a no-op span (tracing off, the
+    """The link costs a Redis read (of the request's ``trace`` field): a no-op span (tracing off, the
     default) asks for none, a recorded one does until it has it."""
     from lanes.ws_server.spans import RESUME
 

@@ -217,7 +217,8 @@ class Edge:
             self._pool_of.pop(action.request_id, None)
 
     async def _link_original(self, request_id: str, pool: str) -> None:
-        """Link a ``lanes.resume`` span to the request's own trace (best effort: one read)."""
+        """Link a ``lanes.resume`` span to the request's own trace (best effort: one read of its
+        ``trace`` field, not of its payload)."""
         try:
             carrier = await self.plane.for_pool(pool).trace_of(request_id)
         except QueueUnavailable:

@@ -5,8 +5,8 @@ worker's ``lanes.generate`` continues; it carries the time to first token (a ``l
 event) and the end as the client saw it (``lanes.outcome``, end to end, queue wait). A resume on
 this edge of a request another edge (or connection) started opens ``lanes.resume`` instead: its
 own trace, since the resume frame carries no trace context, with a span link to the request's
-original trace (the ``lanes.enqueue`` context its payload in Redis carries) once the re-point
-has found it.
+original trace (the ``lanes.enqueue`` context stored with the request in Redis, its ``trace``
+field: ``QueuePlane.trace_of``) once the re-point has found it.
 
 Spans end with the core's ``Finished``; a request the core forgets without one (a resume of an
 unknown id, a re-point Redis refused) ends at the next ``prune`` as ``forgotten``.
@@ -87,7 +87,7 @@ class RequestSpans:
 
     def link_original(self, request_id: str, carrier: Mapping[str, str]) -> None:
         """Link the request's ``lanes.resume`` span to the trace its chat began (``carrier``: the
-        W3C context its payload carries); nothing when there is none."""
+        W3C context stored with the request); nothing when there is none."""
         self._unlinked.discard(request_id)
         original = trace.get_current_span(extract_context(carrier)).get_span_context()
         if (span := self._open.get(request_id)) is not None and original.is_valid:
