@@ -12,7 +12,7 @@ import msgspec
 import redis.asyncio as aioredis
 from lanes.queue.keys import STATS_HISTORY_LEN, Keys
 from lanes.queue.messages import REFRESH_WINDOW, DepthSnapshot, Observation, WorkerReport, clip_observed, encode
-from lanes.queue.stats import EdgeWindow, StatsSample
+from lanes.queue.stats import LOST_SHOWN_MS, EdgeWindow, StatsSample
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
 #: KEYS: list. Returns every element and deletes the list, atomically.
@@ -28,6 +28,23 @@ local h = redis.call('HMGET', KEYS[1], 'version', 'weights')
 if not h[1] or not h[2] or tonumber(h[1]) <= tonumber(ARGV[1]) then return {} end
 return h
 """
+#: KEYS: workers, workers:lost. ARGV: dropped_before_ms, forget_before_ms, max_kept, ttl_ms.
+#: Drops the workers last heard from at or before ``dropped_before_ms`` from the registry and
+#: records them as lost (by that heartbeat's time); forgets lost ones heard from last before
+#: ``forget_before_ms``, keeps at most ``max_kept``. Returns the registry left {id, ms, ...}.
+_DROP_SILENT = """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES')
+if #gone > 0 then
+  for i = 1, #gone, 2 do redis.call('ZADD', KEYS[2], gone[i + 1], gone[i]) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[2])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -1 - tonumber(ARGV[3]))
+return redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+"""
+#: Lost workers kept in ``Keys.workers_lost`` (the newest): counted in samples up to this many.
+MAX_LOST_KEPT = 1000
 _TAKE_ALL = "local items = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return items"
 _observation_decoder = msgspec.json.Decoder(Observation)
 #: Newest observations kept for the predictor refresh (a capped list): two refresh windows, so
@@ -58,6 +75,7 @@ class Fleet:
     def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
         self.redis = client
         self.keys = keys
+        self._drop_silent = client.register_script(_DROP_SILENT)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -67,6 +85,7 @@ class Fleet:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(k.worker_info(report.worker), encode(report), px=ttl_ms)
             pipe.zadd(k.workers, {report.worker: now_ms})
+            pipe.zrem(k.workers_lost, report.worker)  # one heard from again is not lost
             pipe.sadd(k.pools, report.pool)
             await pipe.execute()
 
@@ -75,6 +94,7 @@ class Fleet:
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(k.workers, worker)
+            pipe.zrem(k.workers_lost, worker)
             pipe.delete(k.worker_info(worker))
             await pipe.execute()
 
@@ -88,13 +108,24 @@ class Fleet:
 
     async def heard_from(self, now_ms: int, max_age_ms: int) -> dict[str, int]:
         """Workers heard from within ``max_age_ms`` -> when last (Redis clock, ms); older
-        entries are dropped."""
+        entries are dropped, and recorded as lost (``recently_lost``)."""
         k = self.keys
+        flat = await self._drop_silent(keys=[k.workers, k.workers_lost],
+                                       args=[now_ms - max_age_ms, now_ms - LOST_SHOWN_MS, MAX_LOST_KEPT,
+                                             LOST_SHOWN_MS])
+        return {flat[i].decode(): int(float(flat[i + 1])) for i in range(0, len(flat), 2)}
+
+    async def recently_lost(self, now_ms: int, limit: int) -> tuple[list[tuple[str, int]], int]:
+        """Workers dropped after their silence (``heard_from``) whose last heartbeat came within
+        ``LOST_SHOWN_MS`` of ``now_ms``: up to ``limit`` of them, newest first, as (id, last
+        heartbeat ms), and how many there are in all (at most ``MAX_LOST_KEPT``)."""
+        k = self.keys
+        since_ms = now_ms - LOST_SHOWN_MS
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zremrangebyscore(k.workers, "-inf", now_ms - max_age_ms)
-            pipe.zrange(k.workers, 0, -1, withscores=True)
-            _, heard = await pipe.execute()
-        return {name.decode(): int(at_ms) for name, at_ms in heard}
+            pipe.zrevrangebyscore(k.workers_lost, "+inf", since_ms, start=0, num=limit, withscores=True)
+            pipe.zcount(k.workers_lost, since_ms, "+inf")
+            newest, count = await pipe.execute()
+        return [(name.decode(), int(ms)) for name, ms in newest], int(count)
 
     async def num_workers(self, pool: str | None = None) -> int:
         """Registered workers, of ``pool`` or of all (the scheduler drops silent ones within seconds);

@@ -97,6 +97,14 @@ class Keys:
         return f"{self.prefix}:{{q}}:workers"
 
     @property
+    def workers_lost(self) -> str:
+        """ZSET worker id -> last heartbeat ms: workers the scheduler dropped from ``workers``
+        after 10 s of silence (killed, hung, cut off; not those that deregistered), kept for
+        ``LOST_SHOWN_MS`` after that heartbeat (at most ``MAX_LOST_KEPT``) for the dashboard.
+        Same slot as ``workers``: one script moves them."""
+        return f"{self.prefix}:{{q}}:workers:lost"
+
+    @property
     def pools(self) -> str:
         """SET of the pools workers have served: the scheduler reaps and snapshots each until
         it has stood empty and unserved for a while, even after its last worker is gone."""

@@ -70,6 +70,12 @@ class PoolStats(msgspec.Struct, frozen=True):
 #: heartbeats): its sample row says so (``WorkerStats.silent``, which the dashboard reads; it
 #: holds no copy of this bound), and its tokens/s leave the sample's total.
 SILENT_AFTER_MS = 2_000
+#: A worker the scheduler dropped (not heard from for 10 s: killed, hung, cut off) is listed in
+#: the samples as lost for this long after its last heartbeat (ms), then forgotten.
+LOST_SHOWN_MS = 300_000
+#: At most this many lost workers are listed in a sample (the newest); ``num_lost_workers``
+#: counts them all.
+MAX_LOST_SHOWN = 10
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
@@ -95,6 +101,17 @@ class WorkerStats(msgspec.Struct, frozen=True):
     silent: bool = False
 
 
+class LostWorker(msgspec.Struct, frozen=True):
+    """A worker the scheduler dropped after 10 s of silence (not one that stopped cleanly: that
+    one deregisters), listed for ``LOST_SHOWN_MS`` after its last heartbeat."""
+
+    worker: str
+    #: Its pool as the scheduler last knew it ("" when unknown, e.g. after a scheduler restart).
+    pool: str
+    #: Its last heartbeat (Redis clock, ms); the scheduler dropped it 10 s later.
+    last_heard_ms: int
+
+
 class StatsSample(msgspec.Struct, frozen=True):
     """The fleet in one second: what ``/v1/stats/history`` and ``/v1/stats/stream`` carry."""
 
@@ -114,3 +131,9 @@ class StatsSample(msgspec.Struct, frozen=True):
     refusals_no_lane: dict[str, int] = {}
     #: Each pool's own depths and workers (``lanes`` is every pool added up).
     pools: dict[str, PoolStats] = {}
+    #: Workers lost (dropped after 10 s of silence) whose last heartbeat came within the last
+    #: ``lost_window_s``, newest first, at most ``MAX_LOST_SHOWN``; ``num_lost_workers`` counts
+    #: all of them. A worker heard from again is live, not lost.
+    lost_workers: list[LostWorker] = []
+    num_lost_workers: int = 0
+    lost_window_s: float = LOST_SHOWN_MS / 1000

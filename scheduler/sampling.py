@@ -8,6 +8,8 @@
 - **Tokens/s, slots, KV cache, acceptance**: each live worker's latest heartbeat report, with
   how long ago it came (``silent_ms``, and ``silent`` past ``SILENT_AFTER_MS``): a worker
   killed with ``kill -9`` stays live for 10 s, and its last report must not read as now.
+- **Lost workers**: those the scheduler dropped after 10 s of silence lately (recorded in
+  Redis when it drops them, ``Fleet.heard_from`` / ``recently_lost``); passed in as they are.
 
 ``Sampler`` keeps the trailing TTFT histograms between calls; time comes in as ``at_ms``.
 """
@@ -20,11 +22,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from lanes.queue.keys import LANE_ORDER
 from lanes.queue.messages import DepthSnapshot, WorkerReport
 from lanes.queue.stats import (
+    MAX_LOST_SHOWN,
     NO_LANE,
     SILENT_AFTER_MS,
     EdgeWindow,
     Histogram,
     LaneStats,
+    LostWorker,
     PoolStats,
     StatsSample,
     WorkerStats,
@@ -47,10 +51,13 @@ class Sampler:
 
     def sample(self, at_ms: int, snapshot: DepthSnapshot | None, reports: Sequence[WorkerReport],
                windows: Sequence[EdgeWindow], pools: Sequence[DepthSnapshot] = (),
-               heard_at_ms: Mapping[str, int] | None = None) -> StatsSample:
+               heard_at_ms: Mapping[str, int] | None = None, lost: Sequence[LostWorker] = (),
+               num_lost: int | None = None) -> StatsSample:
         """The fleet at ``at_ms`` (Redis clock). ``snapshot`` None: no depths known yet (zeros);
         ``pools``: each pool's own snapshot (``snapshot`` adds them up); ``heard_at_ms``: each
-        worker's last heartbeat (Redis clock; one missing counts as heard now)."""
+        worker's last heartbeat (Redis clock; one missing counts as heard now); ``lost``: workers
+        dropped lately, newest first (the first ``MAX_LOST_SHOWN`` are listed), ``num_lost`` all
+        of them (default ``len(lost)``)."""
         self._remember(at_ms, windows)
         recent = [by_lane for _, by_lane, _ in self._recent]
         lane_names = _lane_names(snapshot, windows)
@@ -65,6 +72,7 @@ class Sampler:
             ttft_window_s=self.ttft_window_s, num_edges=len({w.edge for w in windows}),
             refusals_no_lane=_count_reasons(windows, NO_LANE),
             pools={s.pool: self._pool(s) for s in pools},
+            lost_workers=list(lost[:MAX_LOST_SHOWN]), num_lost_workers=len(lost) if num_lost is None else num_lost,
         )
 
     def _pool(self, snapshot: DepthSnapshot) -> PoolStats:

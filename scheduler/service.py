@@ -26,6 +26,7 @@ from lanes.queue.messages import (
     WorkerReport,
 )
 from lanes.queue.plane import QueuePlane, Reaped
+from lanes.queue.stats import LOST_SHOWN_MS, MAX_LOST_SHOWN, LostWorker
 from lanes.scheduler.autoscale import capacity_per_worker, desired_workers
 from lanes.scheduler.refresh import refresh_predictor
 from lanes.scheduler.sampling import Sampler
@@ -70,6 +71,9 @@ class Scheduler:
         self.last_reports: list[WorkerReport] = []
         #: When each live worker was last heard from (Redis clock, ms), as of the last snapshot.
         self.heard_at_ms: dict[str, int] = {}
+        #: Each worker's pool and last heartbeat, kept ``LOST_SHOWN_MS`` past it: a lost worker's
+        #: row on the dashboard names its pool.
+        self._pool_of: dict[str, tuple[str, int]] = {}
         self.tracer = tracer()
 
     async def serve(self) -> None:
@@ -207,6 +211,8 @@ class Scheduler:
         live = list(self.heard_at_ms)
         for report in await fleet.reports(live):
             self._last_reports[report.worker] = report
+        self._pool_of |= {w: (r.pool, self.heard_at_ms[w]) for w, r in self._last_reports.items() if w in self.heard_at_ms}
+        self._pool_of = {w: v for w, v in self._pool_of.items() if v[1] >= now_ms - LOST_SHOWN_MS}
         # A live worker whose newest report expired (a late heartbeat) keeps its last one.
         self._last_reports = {w: r for w, r in self._last_reports.items() if w in set(live)}
         reports = list(self._last_reports.values())
@@ -343,8 +349,12 @@ class Scheduler:
         if not await fleet.claim_stats_second(now_ms // 1000):
             return False
         windows = await fleet.take_edge_windows()
+        newest_lost, num_lost = await fleet.recently_lost(now_ms, MAX_LOST_SHOWN)
+        # One heard from again since (an older worker does not take itself off the list) is live.
+        lost = [LostWorker(w, self._pool_of.get(w, ("", 0))[0], ms) for w, ms in newest_lost if w not in self.heard_at_ms]
         await fleet.append_stats_sample(self.sampler.sample(now_ms, self.last_snapshot, self.last_reports, windows,
-                                                            self.last_pool_snapshots, self.heard_at_ms))
+                                                            self.last_pool_snapshots, self.heard_at_ms, lost=lost,
+                                                            num_lost=num_lost - (len(newest_lost) - len(lost))))
         return True
 
 

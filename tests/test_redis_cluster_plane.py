@@ -142,7 +142,8 @@ def test_every_script_keeps_its_keys_in_one_slot() -> None:
         assert len({key_slot(key.encode()) for key in queue_plane}) == 1, pool
     stream = [Keys().stream("abc"), Keys().fence("abc")]
     assert len({key_slot(key.encode()) for key in stream}) == 1
-    fleet = [Keys().workers, Keys().worker_info("w1"), Keys().worker_info("w2"), Keys().cron_tick("refresh", 7)]
+    fleet = [Keys().workers, Keys().workers_lost, Keys().worker_info("w1"), Keys().worker_info("w2"),
+             Keys().cron_tick("refresh", 7)]
     assert len({key_slot(key.encode()) for key in fleet}) == 1
     assert key_slot(Keys(pool="small").watch.encode()) != key_slot(Keys(pool="large").watch.encode())
 
@@ -223,6 +224,10 @@ async def test_fleet_state_on_a_cluster(plane: QueuePlane) -> None:
     for worker in ("w1", "w2"):
         await fleet.report(WorkerReport(worker=worker, running={}, slots=4, pool="small"), now_ms, ttl_ms=5000)
     assert sorted(await fleet.heard_from(now_ms, max_age_ms=1000)) == ["w1", "w2"]
+    # A silent one dropped is recorded as lost by the same script (registry and record: one slot).
+    await fleet.report(WorkerReport(worker="w9", running={}, slots=4), now_ms - 5000, ttl_ms=5000)
+    assert sorted(await fleet.heard_from(now_ms, max_age_ms=1000)) == ["w1", "w2"]
+    assert await fleet.recently_lost(now_ms, 10) == ([("w9", now_ms - 5000)], 1)
     assert sorted(r.worker for r in await fleet.reports()) == ["w1", "w2"], "MGET of reports: one slot"
     assert await fleet.num_workers("small") == 2
     assert await plane.worker_heartbeats(["w1", "w3"]) == {"w1": now_ms}

@@ -109,3 +109,42 @@ async def test_a_worker_registers_on_the_redis_clock(plane: QueuePlane, monkeypa
     now_ms = await plane.server_time_ms()
     assert abs(await plane.redis.zscore(plane.keys.workers, "skewed") - now_ms) < 2000
     assert list(await plane.fleet.heard_from(now_ms, max_age_ms=10_000)) == ["skewed"]
+
+
+async def test_a_dropped_worker_is_listed_as_lost_for_a_while(redis_settings: RedisSettings, plane: QueuePlane,
+                                                               monkeypatch) -> None:
+    """A worker the scheduler dropped after 10 s of silence vanished from the samples without a
+    word. Now it is recorded as lost when dropped and listed (with its pool) in the samples for
+    ``LOST_SHOWN_MS`` after its last heartbeat; one that deregistered (a clean stop) is not
+    lost, nor one heard from again; the record is bounded (``MAX_LOST_KEPT``, here 3)."""
+    from lanes.queue import fleet as fleet_module
+    from lanes.queue.stats import LOST_SHOWN_MS, LostWorker
+
+    monkeypatch.setattr(fleet_module, "MAX_LOST_KEPT", 3)
+    scheduler = Scheduler(SchedulerSettings(**redis_settings.model_dump()), plane)
+    fleet = plane.fleet
+    now_ms = await plane.server_time_ms()
+    for worker in ("dies", "leaves", "returns"):
+        await fleet.report(WorkerReport(worker, {}, 4, pool="small"), now_ms - 9_000, ttl_ms=60_000)
+    await scheduler.snapshot_once()  # all three live: the scheduler learns their pools
+    await fleet.deregister("leaves")  # a clean stop
+    await fleet.report(WorkerReport("long-ago", {}, 4), now_ms - LOST_SHOWN_MS - 1000, ttl_ms=60_000)
+    now_ms = await plane.server_time_ms()
+    for worker in ("dies", "returns"):  # 11 s without a heartbeat
+        await fleet.report(WorkerReport(worker, {}, 4, pool="small"), now_ms - 11_000, ttl_ms=60_000)
+    await fleet.report(WorkerReport("live", {}, 4), now_ms, ttl_ms=60_000)
+    await scheduler.snapshot_once()
+    assert sorted(scheduler.heard_at_ms) == ["live"]
+    await fleet.report(WorkerReport("returns", {}, 4, pool="small"), now_ms, ttl_ms=60_000)  # heard again
+    await scheduler.snapshot_once()
+    assert await scheduler.sample_once()
+    (_, data), *_ = await fleet.stats_history()
+    sample = msgspec.json.decode(data, type=StatsSample)
+    assert sorted(w.worker for w in sample.workers) == ["live", "returns"]
+    assert sample.lost_workers == [LostWorker("dies", "small", now_ms - 11_000)]
+    assert sample.num_lost_workers == 1 and sample.lost_window_s == LOST_SHOWN_MS / 1000
+    # Many lost at once: the record keeps the newest MAX_LOST_KEPT.
+    for i in range(5):
+        await fleet.report(WorkerReport(f"gone-{i}", {}, 4), now_ms - 20_000 + i, ttl_ms=60_000)
+    await fleet.heard_from(now_ms, max_age_ms=10_000)
+    assert await fleet.recently_lost(now_ms, 2) == ([("dies", now_ms - 11_000), ("gone-4", now_ms - 19_996)], 3)

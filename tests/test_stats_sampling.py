@@ -233,3 +233,13 @@ def test_the_sample_says_which_workers_are_silent() -> None:
     sample = Sampler().sample(10_000, None, reports, [], heard_at_ms=heard)
     assert [(w.worker, w.silent) for w in sample.workers] == [("at", False), ("fresh", False), ("past", True)]
     assert [w["silent"] for w in msgspec.json.decode(msgspec.json.encode(sample))["workers"]] == [False, False, True]
+
+
+def test_a_sample_lists_at_most_the_newest_lost_workers_and_counts_them_all() -> None:
+    from lanes.queue.stats import MAX_LOST_SHOWN, LostWorker
+
+    lost = [LostWorker(f"w{i}", "default", 10_000 - i) for i in range(MAX_LOST_SHOWN + 5)]
+    sample = Sampler().sample(20_000, None, [], [], lost=lost, num_lost=40)
+    assert sample.lost_workers == lost[:MAX_LOST_SHOWN] and sample.num_lost_workers == 40
+    assert Sampler().sample(20_000, None, [], [], lost=lost[:2]).num_lost_workers == 2
+    assert Sampler().sample(20_000, None, [], []).lost_workers == []

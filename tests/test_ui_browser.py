@@ -469,7 +469,8 @@ async def test_dashboard_follows_load_and_matches_depths(ops_system: tuple[Syste
 async def test_dashboard_shows_a_silent_worker_as_silent(make_cluster, new_tab) -> None:  # noqa: ANN001
     """A worker that stops answering (SIGSTOP here, ``kill -9`` alike) is live for the scheduler's
     10 s: its row said nothing of it, showing its last slots as now. Past 2 s it reads "silent N s",
-    dimmed, and comes back when the worker does."""
+    dimmed, and comes back when the worker does. Killed (SIGKILL) and dropped at 10 s, its row
+    vanished without a word; now it reads "lost (last heard <time>)" and the summary counts it."""
     sys_ = make_cluster(workers=1, worker_args=("--engine", "sim"))
     tab = await new_tab()
     await tab.page.goto(f"{base_url(sys_)}/dashboard")
@@ -486,6 +487,19 @@ async def test_dashboard_shows_a_silent_worker_as_silent(make_cluster, new_tab) 
         process.send_signal(signal.SIGCONT)
     await tab.until("() => document.querySelectorAll('#workers-now tbody tr').length === 1"
                     " && !document.querySelector('#workers-now tr.silent')", timeout_s=10)
+    worker_id = sys_.child_env_id("worker", "LANES_WORKER_ID")
+    sys_.kill("worker")  # SIGKILL: no deregistration, the heartbeats just stop
+    killed_ms = int(time.time() * 1000)
+    await tab.until("() => document.querySelector('#workers-now tr.silent')", timeout_s=10)
+    # Dropped 10 s after its last heartbeat: the row turns into the lost marker, not nothing.
+    lost = await tab.until("() => { const tr = document.querySelector('#workers-now tr.lost');"
+                           " return tr && [tr.dataset.worker, tr.dataset.lastHeardMs, tr.textContent]; }",
+                           timeout_s=30)
+    assert lost[0] == worker_id, lost
+    assert killed_ms - 5000 <= int(lost[1]) <= killed_ms, "its last heartbeat, just before the kill"
+    assert re.search(r" · lost \(last heard \d{1,2}:\d\d:\d\d", lost[2]), lost
+    assert await tab.page.evaluate("() => document.querySelectorAll('#workers-now tbody tr').length") == 1
+    assert "0 worker(s) · 1 lost in the last 5 min" in await tab.page.text_content("#summary")
     assert not tab.errors, tab.errors
 
 

@@ -76,7 +76,20 @@ function drawTables(s) {
               cell(w.tokens_per_s.toFixed(0)), cell(pct(w.kv_cache_usage)), cell(pct(w.spec_acceptance)));
     return tr;
   });
-  $("workers-now").querySelector("tbody").replaceChildren(...workers);
+  // Workers the scheduler dropped after 10 s of silence, listed for lost_window_s after they were
+  // last heard from (the sample bounds the list; num_lost_workers counts them all): a silent
+  // row must not just vanish.
+  const lost = (s.lost_workers || []).map((w) => {
+    const tr = document.createElement("tr");
+    tr.className = "lost";
+    tr.dataset.worker = w.worker;
+    tr.dataset.lastHeardMs = String(w.last_heard_ms);
+    tr.append(cell(`${w.worker} · lost (last heard ${new Date(w.last_heard_ms).toLocaleTimeString()})`,
+                   { field: "worker" }), cell(w.pool || "–"), cell("–"), cell("–"),
+              cell("–"), cell("–"), cell("–"));
+    return tr;
+  });
+  $("workers-now").querySelector("tbody").replaceChildren(...workers, ...lost);
   const bySlot = (by) => `${by.short || 0} / ${by.medium || 0} / ${by.long || 0}`;
   const pools = Object.entries(s.pools || {}).sort(([a], [b]) => a.localeCompare(b)).map(([name, p]) => {
     const tr = document.createElement("tr");
@@ -91,7 +104,9 @@ function drawTables(s) {
   const noLane = sum(s.refusals_no_lane);
   const numSilent = s.workers.filter((w) => w.silent === true).length;
   $("summary").textContent = `${s.workers.length - numSilent} worker(s)` +
-    (numSilent ? ` (+${numSilent} silent)` : "") + ` · ${s.tokens_per_s.toFixed(0)} tokens/s` +
+    (numSilent ? ` (+${numSilent} silent)` : "") +
+    (s.num_lost_workers ? ` · ${s.num_lost_workers} lost in the last ${Math.round(s.lost_window_s / 60)} min` : "") +
+    ` · ${s.tokens_per_s.toFixed(0)} tokens/s` +
     (noLane ? ` · ${noLane} refused before a lane` : "") +
     ` · sample ${new Date(s.at_ms).toLocaleTimeString()}`;
 }
