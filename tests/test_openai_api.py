@@ -213,6 +213,59 @@ def test_unknown_fields_are_refused_as_openai_refuses_them() -> None:
     assert refused.value.param == "stream_options"
 
 
+def test_stream_options_and_message_keys_are_checked_not_dropped(system: System, greedy_reference) -> None:
+    """``stream_options: {"include_usage": "no"}`` streamed a usage chunk (any truthy value was
+    true) and an unknown key there passed; a message's unknown keys were dropped, an assistant
+    turn's ``tool_calls`` with them (the prompt lost the call without a word). Now each is a 400
+    naming the key; the SDK's own assistant message, appended to the conversation as it is, still
+    passes, and so does a message's ``name`` and ``include_obfuscation``."""
+    sdk = client(system)
+    refused = {"stream_options.include_usage": ({"stream": True, "stream_options": {"include_usage": "no"}},
+                                                "invalid_field"),
+               "stream_options.include_usag": ({"stream": True, "stream_options": {"include_usag": True}},
+                                               "unknown_parameter"),
+               "messages[0].contents": ({"messages": [{"role": "user", "content": QUESTION, "contents": "x"}]},
+                                        "unknown_parameter"),
+               "messages[0].name": ({"messages": [{"role": "user", "content": QUESTION, "name": 5}]}, "invalid_field"),
+               "messages[1].tool_calls": ({"messages": [
+                   {"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                   {"role": "user", "content": QUESTION}]}, "unsupported_parameter")}
+    for param, (extra, code) in refused.items():
+        with pytest.raises(openai.BadRequestError) as answer:
+            sdk.chat.completions.create(**ask(**extra))
+        error = answer.value.body
+        assert (answer.value.status_code, error["param"], error["code"]) == (400, param, code), error
+        assert param in error["message"]
+    ref = greedy_reference(QUESTION, 24)
+    named = sdk.chat.completions.create(**ask(messages=[{"role": "user", "content": QUESTION, "name": "ann"}]))
+    assert named.choices[0].message.content == ref.text, "name is not put in the prompt"
+    chunks = list(sdk.chat.completions.create(**ask(stream=True, stream_options={"include_usage": False,
+                                                                                  "include_obfuscation": False})))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert all(c.usage is None for c in chunks), "include_usage false: no usage chunk"
+    follow_up = [{"role": "user", "content": QUESTION}, named.choices[0].message, {"role": "user", "content": "And?"}]
+    again = sdk.chat.completions.create(**ask(messages=follow_up))  # refusal, tool_calls, audio... as null
+    assert again.choices[0].finish_reason in ("stop", "length") and again.usage.prompt_tokens > ref.prompt_tokens
+
+
+def test_a_prompt_over_the_limit_counts_as_on_the_websocket(system: System) -> None:
+    """The edge's refusal of a prompt over ``LANES_MAX_PROMPT_CHARS`` answers OpenAI's code
+    (``context_length_exceeded``) but counts under the outcome a WebSocket chat's does
+    (``prompt_too_long``): it was counted under a second name, only on this API."""
+    def counted() -> float:
+        text = urllib.request.urlopen(base(system).removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+        line = 'lanes_requests_total{lane="none",outcome="prompt_too_long",pool="none"} '
+        return sum(float(row.removeprefix(line)) for row in text.splitlines() if row.startswith(line))
+
+    before = counted()
+    with pytest.raises(openai.BadRequestError) as answer:
+        client(system).chat.completions.create(**ask(messages=[{"role": "user", "content": "x" * 70_000}]))
+    assert (answer.value.body["code"], answer.value.body["param"]) == ("context_length_exceeded", "messages")
+    assert counted() == before + 1
+
+
 def test_how_our_frames_end_an_openai_answer() -> None:
     """A ``done`` that says ``cancelled`` is an error (a cut answer is not a complete one); the
     worker's prompt_too_long is OpenAI's context_length_exceeded; a retry hint keeps its

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from lanes.queue.errors import QueueUnavailable
+from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import caller_context
 from lanes.ws_server import openai_compat as oai
@@ -80,6 +80,9 @@ def _refused_request(error: oai.APIError, request_id: str) -> Response:
     and ``lanes_errors_total`` as the WebSocket's refused chat frames are (the codes are a
     fixed set)."""
     code = error.code or "invalid_request"
+    # OpenAI's name for a prompt over the limit; the series keep ours, as a WebSocket chat's
+    # refusal counts it (one refusal, one outcome name, whichever API it came by).
+    code = ErrorCode.PROMPT_TOO_LONG.value if code == "context_length_exceeded" else code
     metrics.count_refused_request(code)
     metrics.ERRORS.labels(code).inc()
     return _error(error, request_id)

@@ -3,14 +3,14 @@
 responses out.
 
 Accepted: ``messages`` (string content, or a list of ``{"type": "text"}`` parts, joined by
-newlines; roles system,
-developer (as system), user, assistant), ``model``, ``max_tokens`` / ``max_completion_tokens``,
-``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``,
-``user``. Refused with 400 (code ``unsupported_parameter``, ``param`` naming it): ``n`` other
-than 1, and any field asking for what this server does not do: ``tools`` / ``functions`` (and
+newlines; roles system, developer (as system), user, assistant; a message's ``name`` is not put
+in the prompt), ``model``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
+``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``user``. Refused
+with 400 (code ``unsupported_parameter``, ``param`` naming it): ``n`` other than 1, and any field asking for what this server does not do: ``tools`` / ``functions`` (and
 their choice fields), ``logprobs`` / ``top_logprobs``, ``response_format`` other than text,
 ``logit_bias``, non-zero ``frequency_penalty`` / ``presence_penalty``, ``audio``, ``modalities``
-other than text, ``prediction``; also non-text content parts and ``tool`` messages. A field at
+other than text, ``prediction``; also non-text content parts, ``tool`` messages and an assistant
+message's ``tool_calls`` / ``function_call`` / ``refusal`` / ``audio``. A field at
 its "nothing asked" value (``logprobs: false``, ``presence_penalty: 0``...) is accepted, so
 clients that send every default work, and any field sent as ``null`` takes its default.
 OpenAI's bookkeeping fields that do not change the answer (``store``, ``metadata``,
@@ -18,7 +18,8 @@ OpenAI's bookkeeping fields that do not change the answer (``store``, ``metadata
 other field is refused, as OpenAI refuses it ("Unrecognized request argument supplied"): an
 engine's extension (``top_k``, ``min_tokens``, ``guided_json``...) or a misspelt name
 (``max_token``) would otherwise be dropped in silence, and the answer would not be what was
-asked for. ``deadline_ms`` is lanes' own (refuse at once if the predicted queueing is longer).
+asked for; so is an unknown key of a message or of ``stream_options`` (whose values must be
+booleans). ``deadline_ms`` is lanes' own (refuse at once if the predicted queueing is longer).
 
 Errors (``{"error": {"message", "type", "code", "param"}}``)::
 
@@ -57,6 +58,16 @@ _IGNORED = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache
 #: Every field a body may have.
 _KNOWN = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                     "stop", "stream", "stream_options", "n", "deadline_ms"}) | _IGNORED | frozenset(_UNSUPPORTED)
+#: ``stream_options``' keys.
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+#: A message's keys besides ``role``, ``content`` and ``name`` (a participant's name: accepted and
+#: not put in the prompt, as most open models' chat templates leave it out): those that the SDK's
+#: own assistant message carries back into a conversation, accepted where they ask nothing
+#: (null, or no tool call). Any other key is refused as OpenAI refuses it: dropped, an assistant
+#: turn's ``tool_calls`` would vanish from the prompt without a word.
+_MESSAGE_FIELDS: dict[str, tuple[object, ...]] = {
+    "tool_calls": ([],), "function_call": (), "refusal": (), "audio": (), "annotations": ([],),
+}
 _enc = msgspec.json.Encoder()
 
 
@@ -111,9 +122,7 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
     if "max_completion_tokens" in body and "max_tokens" in body:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    options = _stream_options(body.get("stream_options"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, "'stream' must be a boolean", param="stream")
@@ -129,6 +138,24 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
         code = "context_length_exceeded" if err.code is ErrorCode.PROMPT_TOO_LONG else err.code.value  # OpenAI's
         raise APIError(400, err.message, code=code, param=_param(err, max_tokens_field)) from None
     return CompletionRequest(frame, stream, bool(options and options.get("include_usage")))
+
+
+def _stream_options(options: object) -> dict[str, bool] | None:
+    """``stream_options``: booleans only (``"include_usage": "no"`` was read as true), and no
+    other key than OpenAI's two (``include_obfuscation`` is accepted and ignored: this server pads
+    no chunk, which changes no answer)."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    for name, value in options.items():
+        param = f"stream_options.{str(name)[:64]}"
+        if name not in _STREAM_OPTIONS:
+            raise APIError(400, f"Unrecognized request argument supplied: {param} (stream_options takes "
+                           "include_usage and include_obfuscation)", param=param, code="unknown_parameter")
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"'{param}' must be a boolean", param=param, code="invalid_field")
+    return options
 
 
 def _same(given: object, value: object) -> bool:
@@ -148,8 +175,28 @@ def _messages(raw: object, limits: Limits) -> tuple[ChatMessage, ...]:
         if role not in _ROLES:
             raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant",
                            param=f"messages[{i}].role")
+        _message_fields(m, i)
         messages.append(ChatMessage(_ROLES[role], _content(m.get("content"), i, role)))
     return tuple(messages)
+
+
+def _message_fields(message: dict[str, Any], i: int) -> None:
+    """Refuse a key of ``messages[i]`` that would otherwise be dropped (see ``_MESSAGE_FIELDS``)."""
+    for name, value in message.items():
+        if name in ("role", "content") or value is None:
+            continue
+        param = f"messages[{i}].{str(name)[:64]}"
+        if name == "name":
+            if not isinstance(value, str):
+                raise APIError(400, f"'{param}' must be a string", param=param, code="invalid_field")
+            continue
+        if name not in _MESSAGE_FIELDS:
+            raise APIError(400, f"Unrecognized request argument supplied: {param} (a message has role, "
+                           "content and name)", param=param, code="unknown_parameter")
+        if not any(_same(value, asks_nothing) for asks_nothing in _MESSAGE_FIELDS[name]):
+            raise APIError(400, f"'{param}' is not supported: this server serves plain text chat completions "
+                           "(no tool calls, refusals or audio in a message); leave it out", param=param,
+                           code="unsupported_parameter")
 
 
 def _content(content: object, i: int, role: str) -> str:
