@@ -353,6 +353,32 @@ def test_no_worker_is_503(make_cluster) -> None:
     assert refused.value.status_code == 503 and refused.value.body["code"] == "unavailable"
 
 
+def test_two_pools_each_answer_on_their_own_worker_and_default_names_them(make_cluster) -> None:
+    """Two models side by side (pools small and big, no default pool, no routing rules): a
+    completion runs on a worker of the pool its ``model`` names and answers in that name (body
+    and ``x-lanes-pool``); ``/v1/models`` lists both. ``model: "default"``, as the README's
+    single-pool examples send it, was a bare 503 "retry shortly" (that the SDK retries in vain);
+    it now names the pools to ask, as a chat without a model or ``auto`` is told."""
+    two = make_cluster(workers=0, env={"LANES_POOLS": "small,big"})
+    workers = {pool: two.start_worker(f"{pool}-1", "", "--engine", "sim", "--sim-time-scale", "20",
+                                      LANES_POOL=pool) for pool in ("small", "big")}
+    two.wait_workers(2)
+    sdk = client(two)
+    assert sorted(m.id for m in sdk.models.list()) == ["big", "small"]
+    for pool in ("small", "big"):
+        raw = sdk.chat.completions.with_raw_response.create(**ask(model=pool, max_tokens=8))
+        answer = raw.parse()
+        assert (answer.model, raw.headers["x-lanes-pool"], answer.choices[0].finish_reason) == (pool, pool, "length")
+
+        async def status(plane, rid=answer.id, pool=pool):  # noqa: ANN001 - QueuePlane
+            return await plane.for_pool(pool).request_status(rid)
+
+        assert two.query(status)[1] == workers[pool], f"{pool}'s request ran on another worker"
+    with pytest.raises(openai.InternalServerError) as refused:
+        sdk.chat.completions.create(**ask(model="default"))
+    assert refused.value.status_code == 503 and "(big, small)" in refused.value.body["message"], refused.value.body
+
+
 def test_a_client_that_disconnects_cancels_its_request(system: System) -> None:
     body = ask(stream=True, max_tokens=2000, messages=[{"role": "user", "content": "Explain it all, slowly."}])
     conn = http.client.HTTPConnection("127.0.0.1", system.edge_ports["edge"], timeout=30)

@@ -60,8 +60,10 @@ async def admit_and_enqueue(edge: Edge, request_id: str, identity: Identity,
         # pools (this one is not in LANES_POOLS, or its last worker is gone): only a registry
         # with nobody in it refuses. Without any scheduler the edge cannot tell, and enqueues.
         message = f"no worker of pool {pool!r} is ready yet (starting or all down); retry shortly"
-        if edge.router.rules is None and frame.model in (None, "", AUTO) and (others := await edge.live_pools()):
-            # Pools named small / large and no rules: a chat without a model goes to "default".
+        if edge.router.rules is None and frame.model in (None, "", AUTO, DEFAULT_POOL) and \
+                (others := await edge.live_pools()):
+            # Pools named small / large and no rules: a chat without a model goes to "default"
+            # (as one that names it does, copied from the README: told which pools to name).
             message += (f"; or name a pool with live workers in 'model' ({', '.join(others)}), or set "
                         "LANES_ROUTING_FILE so that 'auto' and chats without a model go to one")
         return await refuse_unless_duplicate(lambda: edge.core.refuse(
