@@ -358,7 +358,8 @@ def test_two_pools_each_answer_on_their_own_worker_and_default_names_them(make_c
     completion runs on a worker of the pool its ``model`` names and answers in that name (body
     and ``x-lanes-pool``); ``/v1/models`` lists both. ``model: "default"``, as the README's
     single-pool examples send it, was a bare 503 "retry shortly" (that the SDK retries in vain);
-    it now names the pools to ask, as a chat without a model or ``auto`` is told."""
+    it now names the pools to ask, as a chat without a model or ``auto`` is told; an unknown
+    model's 404 no longer offers ``auto`` there."""
     two = make_cluster(workers=0, env={"LANES_POOLS": "small,big"})
     workers = {pool: two.start_worker(f"{pool}-1", "", "--engine", "sim", "--sim-time-scale", "20",
                                       LANES_POOL=pool) for pool in ("small", "big")}
@@ -377,6 +378,12 @@ def test_two_pools_each_answer_on_their_own_worker_and_default_names_them(make_c
     with pytest.raises(openai.InternalServerError) as refused:
         sdk.chat.completions.create(**ask(model="default"))
     assert refused.value.status_code == 503 and "(big, small)" in refused.value.body["message"], refused.value.body
+    # An unknown model's 404 lists the pools; it offered "(or 'auto')" too, which here (auto is
+    # the default pool, which has no worker; /v1/models does not list it) could only be a 503.
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk.chat.completions.create(**ask(model="gpt-4o"))
+    assert unknown.value.body["message"].endswith("pools with live workers: big, small"), unknown.value.body
+    assert (unknown.value.body["code"], unknown.value.body["param"]) == ("model_not_found", "model")
 
 
 def test_a_client_that_disconnects_cancels_its_request(system: System) -> None:

@@ -43,7 +43,10 @@ class UnknownModel(Exception):
                     f"({', '.join(self.rules_pools)}, or 'auto'; LANES_ROUTING_FILE); "
                     f"pools with live workers the rules serve: {live}")
         live = ", ".join(live_pools) or "none yet"
-        return f"model {self.model!r} is not served here; pools with live workers: {live} (or 'auto')"
+        # ``auto`` without rules is the default pool: offered only where it could answer (as
+        # ``GET /v1/models`` lists it), not to a deployment of named pools alone, where it is a 503.
+        auto = " (or 'auto')" if not live_pools or DEFAULT_POOL in live_pools else ""
+        return f"model {self.model!r} is not served here; pools with live workers: {live}{auto}"
 
 
 class PoolRouter:
