@@ -226,6 +226,42 @@ async def test_revoking_a_key_closes_its_open_connections_and_cancels_their_requ
     await bystander.close()
 
 
+async def test_revoking_a_key_ends_its_openai_requests_with_401(
+        start_edge: StartEdge, create_key: Callable[..., str], cli: Callable[..., Any], plane: Any) -> None:
+    """An OpenAI request's key was checked only when it arrived: revoked meanwhile, a stream ran
+    to its end (seen: 338 tokens after the revoke, with the official client) and a queued request
+    waited on. Now the key is looked up again like a WebSocket's: the request is cancelled and the
+    answer is a 401 in OpenAI's shape (a stream whose status is out: an error event)."""
+    import openai
+
+    key = create_key("leaked-http")
+    base = (await start_edge(auth_required=True, key_recheck_s=0.2)).replace("ws://", "http://")
+    sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30)
+    ask = {"model": "default", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    # No worker here: both stay queued, and a stream's status waits for its first frame.
+    waiting = [asyncio.create_task(sdk.chat.completions.create(**ask)),
+               asyncio.create_task(sdk.chat.completions.create(**ask, stream=True))]
+    pattern = plane.keys.request("*chatcmpl-*")  # scoped by the key: <key id>...chatcmpl-...
+    for _ in range(100):
+        if len(queued := await plane.redis.keys(pattern)) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert len(queued) == 2, queued
+    cli("keys", "revoke", "leaked-http")
+    for task in waiting:
+        with pytest.raises(openai.AuthenticationError) as revoked:
+            await asyncio.wait_for(task, 10)
+        assert (revoked.value.status_code, revoked.value.body["code"]) == (401, "invalid_api_key")
+        assert "revoked while this request ran" in revoked.value.body["message"]
+    for request_key in queued:
+        for _ in range(50):
+            if await plane.redis.hget(request_key, "state") == b"cancelled":
+                break
+            await asyncio.sleep(0.1)
+        assert await plane.redis.hget(request_key, "state") == b"cancelled", request_key
+    await sdk.close()
+
+
 async def test_lanes_chat_sends_its_api_key_and_model(start_edge: StartEdge, create_key: Callable[..., str]) -> None:
     """``lanes chat --api-key`` (or ``LANES_API_KEY``) and ``--model``: before, the CLI could not
     reach an edge that requires keys at all, and its 401 message asked whether a key was set."""

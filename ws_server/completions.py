@@ -62,6 +62,14 @@ class HttpSession:
         if not self.closed:
             self.frames.put_nowait(_decode_frame(frame))
 
+    def close(self, _code: int, reason: str) -> None:
+        """Its API key was revoked (``Edge.close_revoked``, which cancels its request): end the
+        exchange with a 401 (a stream: an error event and ``[DONE]``) instead of keeping it open
+        with nothing more to come."""
+        if not self.closed:
+            self.frames.put_nowait({"type": "error", "code": oai.KEY_REVOKED,
+                                    "message": f"{reason} while this request ran: it was cancelled"})
+
     def interrupt(self, message: str) -> None:
         """End the exchange now with ``unavailable`` (the edge is stopping; HTTP has no resume):
         a stream gets an error event and ``[DONE]``, a request waiting for its answer a 503."""
@@ -260,7 +268,7 @@ async def _complete(edge: Edge, request: Request, identity: Identity, parsed: oa
                     request_id: str) -> Response:
     created, model = int(time.time()), parsed.frame.model or "default"
     session = HttpSession()
-    conn = edge.open_session(session)
+    conn = edge.open_session(session, identity)
     finished = False  # the answer (or the refusal) was delivered
     handed_to_stream = False  # the streaming response's own ``finally`` closes the session
     try:

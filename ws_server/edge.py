@@ -87,8 +87,9 @@ class Edge:
         self.spans = RequestSpans(self.edge_id)
         metrics.IN_FLIGHT.set_function(lambda: len(self.core.entries))  # read at each scrape
         self.sessions: dict[int, Session] = {}
-        #: The identity each open WebSocket authenticated as (checked again: ``recheck_keys``).
-        self._ws_identity: dict[int, Identity] = {}
+        #: The identity each open WebSocket and HTTP exchange authenticated as (checked again:
+        #: ``recheck_keys``).
+        self._identity: dict[int, Identity] = {}
         self.shutting_down = False
         self.chat_path = CHAT_PATH
         self.gate = Gate(settings, plane, frozenset({CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH}))
@@ -287,14 +288,15 @@ class Edge:
             self.spans.prune(self.core.entries)
 
     async def recheck_keys(self) -> None:
-        """Every ``LANES_KEY_RECHECK_S``, look up the keys of the open WebSockets again; close
-        those of a revoked key (4003) and cancel their requests. Before, a connection kept the
-        identity of its handshake for as long as the client held it open."""
+        """Every ``LANES_KEY_RECHECK_S``, look up the keys of the open WebSockets and HTTP
+        exchanges again; close those of a revoked key (4003; an OpenAI request ends with a 401
+        error) and cancel their requests. Before, a connection kept the identity of its handshake
+        for as long as the client held it open, and an OpenAI stream ran to its end."""
         if not self.gate.enabled or self.settings.key_recheck_s <= 0:
             return
         while True:
             await asyncio.sleep(self.settings.key_recheck_s)
-            for key_hash in {i.key_hash for i in self._ws_identity.values() if i.key_hash}:
+            for key_hash in {i.key_hash for i in self._identity.values() if i.key_hash}:
                 try:
                     live = await self.gate.lookup(key_hash)
                 except QueueUnavailable:
@@ -305,8 +307,8 @@ class Edge:
 
     def close_revoked(self, key_hash: str) -> None:
         now = time.monotonic()
-        for conn in [c for c, i in self._ws_identity.items() if i.key_hash == key_hash]:
-            del self._ws_identity[conn]
+        for conn in [c for c, i in self._identity.items() if i.key_hash == key_hash]:
+            del self._identity[conn]
             log.info("closing connection %d: its API key (%s…) was revoked", conn, key_hash[:8])
             self.carry(self.core.disconnected(conn, now, grace_s=0))  # nobody may resume them
             if (session := self.sessions.get(conn)) is not None:
@@ -330,7 +332,7 @@ class Edge:
         session = Session(send, self.settings.max_client_queue_frames, self.settings.slow_client_close_timeout_s,
                           self.settings.client_send_buffer_bytes)
         self.sessions[conn] = session
-        self._ws_identity[conn] = verdict
+        self._identity[conn] = verdict
         writer = asyncio.create_task(session.writer())
         metrics.CONNECTIONS.inc()
         try:
@@ -348,7 +350,7 @@ class Edge:
             if not self.shutting_down:  # an edge restart keeps requests resumable elsewhere
                 self.carry(self.core.disconnected(conn, time.monotonic()))
             del self.sessions[conn]
-            self._ws_identity.pop(conn, None)
+            self._identity.pop(conn, None)
             self.keys.connections.closed(verdict.key_id)
             writer.cancel()
 
@@ -426,16 +428,20 @@ class Edge:
 
     # -- connections that are not WebSockets (one HTTP request each) -----------------------
 
-    def open_session(self, session: Any) -> int:
-        """Register a non-WebSocket connection (``completions.HttpSession``); returns its id."""
+    def open_session(self, session: Any, identity: Identity | None = None) -> int:
+        """Register a non-WebSocket connection (``completions.HttpSession``); returns its id.
+        ``identity``: the key it came with, looked up again while it runs (``recheck_keys``)."""
         conn = next(self._conn_ids)
         self.sessions[conn] = session
+        if identity is not None:
+            self._identity[conn] = identity
         return conn
 
     def close_session(self, conn: int, *, abandoned: bool) -> None:
         """The HTTP exchange is over; ``abandoned``: its client left first, so its request is
         cancelled now (there is no resume over HTTP)."""
         session = self.sessions.pop(conn, None)
+        self._identity.pop(conn, None)
         if session is not None:
             session.closed = True
         cancel = abandoned or self.shutting_down  # interrupted by a shutdown: nobody can resume it

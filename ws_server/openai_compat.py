@@ -229,6 +229,8 @@ def _param(err: ProtocolError, max_tokens_field: str) -> str | None:
 # -- our error codes in OpenAI's shape ---------------------------------------------------
 
 _TOO_MANY = {ErrorCode.RATE_LIMITED, ErrorCode.TOO_MANY_IN_FLIGHT, ErrorCode.OVERLOADED}
+#: The code an answer ends with when its API key is revoked while it runs (OpenAI's for a bad key).
+KEY_REVOKED = "invalid_api_key"
 
 
 def error_from_frame(frame: dict[str, Any]) -> APIError:
@@ -236,6 +238,8 @@ def error_from_frame(frame: dict[str, Any]) -> APIError:
     code, message = str(frame.get("code", "internal")), str(frame.get("message", "error"))
     retry_ms = frame.get("retry_after_ms")
     retry = None if not isinstance(retry_ms, (int, float)) else max(1, math.ceil(retry_ms))
+    if code == KEY_REVOKED:
+        return APIError(401, message, code=code)
     if code == "model_not_found":
         return APIError(404, message, code=code, param="model")
     if code == ErrorCode.PROMPT_TOO_LONG:  # OpenAI's code for it, which clients key their handling on

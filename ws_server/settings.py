@@ -87,8 +87,9 @@ class EdgeSettings(RedisSettings):
     protect_metrics: bool = True
     #: How long a browser's WebSocket ticket (``POST /v1/ws-ticket``) stays valid; it works once.
     ws_ticket_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False)
-    #: How often an edge checks that the keys of its open WebSockets are not revoked (closing
-    #: those that are, 4003, and cancelling their requests); 0 = only at the handshake.
+    #: How often an edge checks that the keys of its open WebSockets and OpenAI requests are not
+    #: revoked (closing those that are, 4003 or a 401, and cancelling their requests); 0 = only
+    #: at the handshake.
     key_recheck_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     #: Comma list of browser origins allowed to open the chat socket
     #: (``https://app.example.com``); empty allows any (non-browser clients send no Origin).
