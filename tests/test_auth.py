@@ -231,7 +231,8 @@ async def test_revoking_a_key_ends_its_openai_requests_with_401(
     """An OpenAI request's key was checked only when it arrived: revoked meanwhile, a stream ran
     to its end (seen: 338 tokens after the revoke, with the official client) and a queued request
     waited on. Now the key is looked up again like a WebSocket's: the request is cancelled and the
-    answer is a 401 in OpenAI's shape (a stream whose status is out: an error event)."""
+    answer is a 401 in OpenAI's shape. (A stream whose 200 is already out ends with the same
+    error as an event, which the SDK raises: the same frame, shown by hand on a live system.)"""
     import openai
 
     key = create_key("leaked-http")
