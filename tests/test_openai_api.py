@@ -4,6 +4,7 @@ against real processes (edge, scheduler, a worker on the tiny model)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import shutil
@@ -437,6 +438,14 @@ def test_a_body_that_is_not_json_is_400(system: System) -> None:
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{base(system)}/chat/completions", timeout=10)
     assert refused.value.code == 405
+    # A gzip body was read as it came: "not valid JSON ... (byte 0)", naming nothing the client did.
+    gzipped = urllib.request.Request(f"{base(system)}/chat/completions", data=gzip.compress(json.dumps(ask()).encode()),
+                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(gzipped, timeout=10)
+    error = json.loads(refused.value.read())["error"]
+    assert (refused.value.code, error["code"]) == (415, "unsupported_media_type") and "Content-Encoding: gzip" in \
+        error["message"], error
     # Valid JSON nested too deep: refused as on the WebSocket, by a limit that names itself (it
     # was accepted to 500 levels, and from ~2,000 called "not valid JSON": a recursion limit).
     for depth in (40, 5000):

@@ -96,11 +96,16 @@ def _refused_request(error: oai.APIError, request_id: str) -> Response:
     return _error(error, request_id)
 
 
-def _content_type_refusal(content_type: str | None) -> oai.APIError | None:
+def _content_type_refusal(content_type: str | None, encoding: str | None = None) -> oai.APIError | None:
     """Anything but JSON is refused: the types a browser may POST cross-site without asking first
     (CORS "simple requests": text/plain, forms) and a body with no Content-Type at all (a page's
     ``fetch`` of a Blob, ``sendBeacon``), so that no web page can make a visitor's browser spend
-    this server's GPUs blind."""
+    this server's GPUs blind. So is a compressed body (``Content-Encoding: gzip``): it was read
+    as it came and refused as "not valid JSON ... (byte 0)", which named nothing the client did."""
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        return oai.APIError(415, f"the body is sent with Content-Encoding: {encoding.strip()[:32]}; this server "
+                            "reads request bodies uncompressed only (leave the header out and send plain JSON)",
+                            code="unsupported_media_type")
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return None
@@ -169,7 +174,8 @@ def routes(edge: Edge) -> list[BaseRoute]:
             # the connection after the answer, or the server would parse it as the next request.
             response.headers["Connection"] = "close"
             return response
-        if (wrong_type := _content_type_refusal(request.headers.get("content-type"))) is not None:
+        if (wrong_type := _content_type_refusal(request.headers.get("content-type"),
+                                                request.headers.get("content-encoding"))) is not None:
             return _refused_request(wrong_type, request_id)
         too_deep = oai.APIError(400, f"the body is nested deeper than {edge.limits.max_nesting} levels",
                                 code="invalid_json")
