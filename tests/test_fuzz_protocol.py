@@ -265,3 +265,46 @@ def test_ids_outside_the_charset_are_refused(request_id: str, bad: str, at_end: 
     bad_id = request_id[:127] + bad if at_end else bad + request_id[:127]
     result = parse_or_error(json.dumps({"type": "cancel", "id": bad_id}))
     assert isinstance(result, ProtocolError) and result.code == "invalid_field"
+
+
+# -- the OpenAI API's body (``openai_compat.parse_request``) ------------------------------
+
+_OPENAI_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+                  "stream", "stream_options", "n", "user", "tools", "tool_choice", "logprobs", "response_format",
+                  "deadline_ms", "top_k"]
+_MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "refusal", "audio", "function_call", "tool_call_id", "x"]
+finite_json = _json_values(finite=True)
+
+
+@st.composite
+def openai_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """A plausible ``/v1/chat/completions`` body with fields, a message's keys or content parts
+    replaced by any JSON value (as msgspec decodes it: no NaN)."""
+    message: dict[str, Any] = {"role": "user", "content": "hi"}
+    for key in draw(st.lists(st.sampled_from(_MESSAGE_KEYS), max_size=3)):
+        message[key] = draw(finite_json | st.sampled_from(["user", "assistant", "tool", "developer"]))
+    if draw(st.booleans()):
+        message["content"] = [draw(st.dictionaries(st.sampled_from(["type", "text", "image_url"]),
+                                                   finite_json | st.just("text"), max_size=3))]
+    body: dict[str, Any] = {"model": "default", "messages": [message]}
+    for name in draw(st.lists(st.sampled_from(_OPENAI_FIELDS), max_size=4)):
+        body[name] = draw(finite_json)
+    return body
+
+
+@_FUZZ
+@given(openai_bodies())
+@example({"model": "default", "messages": [{"role": ["user"], "content": "hi"}]})  # unhashable: was a 500
+@example({"model": "default", "messages": [{"role": {"a": 1}, "content": "hi"}]})
+def test_any_openai_body_is_parsed_or_refused_400(body: dict[str, Any]) -> None:
+    """Any body is a request or a 400 in OpenAI's shape naming a field; any other exception is a
+    500 with a plain-text body (a role sent as a list once was: ``role in _ROLES`` hashed it)."""
+    from lanes.ws_server.openai_compat import APIError, CompletionRequest, parse_request
+
+    try:
+        parsed = parse_request(body, LIMITS)
+    except APIError as refused:
+        assert refused.status == 400 and refused.message, refused
+        assert json.loads(refused.body())["error"]["type"] == "invalid_request_error"
+    else:
+        assert isinstance(parsed, CompletionRequest) and parsed.frame.messages

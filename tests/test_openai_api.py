@@ -438,6 +438,15 @@ def test_a_body_that_is_not_json_is_400(system: System) -> None:
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{base(system)}/chat/completions", timeout=10)
     assert refused.value.code == 405
+    # A role sent as a list or an object was a 500 with a plain-text body (``role in _ROLES``
+    # hashed it): now a 400 in OpenAI's shape naming the field, as any other wrong type.
+    for role in (["user"], {"a": 1}):
+        bad_role = urllib.request.Request(f"{base(system)}/chat/completions", headers={"Content-Type": "application/json"},
+                                          data=json.dumps(ask(messages=[{"role": role, "content": "hi"}])).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad_role, timeout=10)
+        error = json.loads(refused.value.read())["error"]
+        assert (refused.value.code, error["param"]) == (400, "messages[0].role"), error
     # A gzip body was read as it came: "not valid JSON ... (byte 0)", naming nothing the client did.
     gzipped = urllib.request.Request(f"{base(system)}/chat/completions", data=gzip.compress(json.dumps(ask()).encode()),
                                      headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})

@@ -172,7 +172,7 @@ def _messages(raw: object, limits: Limits) -> tuple[ChatMessage, ...]:
     messages = []
     for i, m in enumerate(raw):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list or object: unhashable, a 500 before
             raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant",
                            param=f"messages[{i}].role")
         _message_fields(m, i)
