@@ -528,6 +528,26 @@ async def test_a_refused_streaming_request_leaves_no_session(redis_url: str, key
         await plane.close()
 
 
+async def test_a_fault_of_ours_is_a_500_in_openais_shape(start_edge, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception no route catches (a parser bug: the unhashable role was one) was Starlette's
+    plain-text "Internal Server Error"; the SDK then showed no message. Now it is a 500 in
+    OpenAI's shape under /v1/ (which the SDKs retry as any 500), plain text elsewhere."""
+    from lanes.ws_server import openai_compat
+
+    def broken(body: object, limits: object) -> None:
+        raise RuntimeError("an injected parser fault")
+
+    monkeypatch.setattr(openai_compat, "parse_request", broken)
+    host = await start_edge()
+    api = openai.AsyncOpenAI(base_url=f"http://{host}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as failed:
+        await api.chat.completions.create(**ask())
+    error = failed.value.body
+    assert (failed.value.status_code, error["type"], error["code"]) == (500, "server_error", "internal"), error
+    assert "RuntimeError" in error["message"] and failed.value.response.headers["x-request-id"].startswith("req_")
+    await api.close()
+
+
 def test_an_oversized_body_sent_in_full_gets_its_413_not_a_reset(system: System) -> None:
     """A client that keeps sending a 5 MB body (under the drain bound) reads the 413 afterwards."""
     import socket

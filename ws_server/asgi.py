@@ -35,7 +35,8 @@ class EdgeApp:
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
         routes = Starlette(routes=http.routes(edge) + completions.routes(edge),
-                           exception_handlers={404: completions.not_routed, 405: completions.not_routed})
+                           exception_handlers={404: completions.not_routed, 405: completions.not_routed,
+                                               Exception: completions.failed})
         allowed = edge.gate.allowed_origins
         self.http: Any = _AllowlistCORS(routes, allowed) if allowed else routes
 

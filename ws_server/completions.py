@@ -133,6 +133,17 @@ async def not_routed(request: Request, exc: Exception) -> Response:
                                                                                             **named})
 
 
+async def failed(request: Request, exc: Exception) -> Response:
+    """A fault of ours (an exception no route caught): under ``/v1/`` a 500 in OpenAI's shape, so
+    that an SDK reads a message and retries as it does any 500, instead of Starlette's plain
+    "Internal Server Error"; elsewhere that plain text. The server logs the traceback still."""
+    if not request.url.path.startswith("/v1/"):
+        return PlainTextResponse("Internal Server Error", 500)
+    error = oai.APIError(500, f"the server failed on this request ({type(exc).__name__}); retry it, and report it "
+                         "if it persists", "server_error", ErrorCode.INTERNAL.value)
+    return Response(error.body(), 500, media_type="application/json", headers={"x-request-id": _other_request_id()})
+
+
 def _other_request_id() -> str:
     """``x-request-id`` of an answer that is not a chat's (whose id is its ``chatcmpl-`` id)."""
     return f"req_{uuid.uuid4().hex}"
