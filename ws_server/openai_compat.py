@@ -6,12 +6,12 @@ Accepted: ``messages`` (string content, or a list of ``{"type": "text"}`` parts,
 newlines; roles system, developer (as system), user, assistant; a message's ``name`` is not put
 in the prompt), ``model``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``user``. Refused
-with 400 (code ``unsupported_parameter``, ``param`` naming it): ``n`` other than 1, and any field asking for what this server does not do: ``tools`` / ``functions`` (and
-their choice fields), ``logprobs`` / ``top_logprobs``, ``response_format`` other than text,
-``logit_bias``, non-zero ``frequency_penalty`` / ``presence_penalty``, ``audio``, ``modalities``
-other than text, ``prediction``; also non-text content parts, ``tool`` messages and an assistant
-message's ``tool_calls`` / ``function_call`` / ``refusal`` / ``audio``. A field at
-its "nothing asked" value (``logprobs: false``, ``presence_penalty: 0``...) is accepted, so
+with 400 (code ``unsupported_parameter``, ``param`` naming it): ``n`` other than 1, and any
+field asking for what this server does not do: ``tools`` / ``functions`` (and their choice
+fields), ``logprobs`` / ``top_logprobs``, ``response_format`` other than text, ``logit_bias``,
+non-zero ``frequency_penalty`` / ``presence_penalty``, ``audio``, ``modalities`` other than
+text, ``prediction``; also non-text content parts, ``tool`` messages and an assistant message's
+``tool_calls`` / ``function_call`` / ``refusal`` / ``audio``. A field at its "nothing asked" value (``logprobs: false``, ``presence_penalty: 0``...) is accepted, so
 clients that send every default work, and any field sent as ``null`` takes its default.
 OpenAI's bookkeeping fields that do not change the answer (``store``, ``metadata``,
 ``service_tier``, ``prompt_cache_key``, ``safety_identifier``) are accepted and ignored; any
