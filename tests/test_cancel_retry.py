@@ -1,6 +1,7 @@
 """A cancel the edge could not get into Redis (hung: SIGSTOP, nothing closes the connections)
 is retried until Redis answers (``Edge._cancel``, up to ``CANCEL_RETRY_S``), so a request nobody
-listens to any more does not run on for nobody once Redis is back.
+listens to any more does not run on for nobody once Redis is back; and a worker reports again
+within a heartbeat of Redis answering.
 
 Real processes (scheduler, edge, one sim worker), a real redis-server of this module's own that
 the tests stop and continue, and a real WebSocket. Redis' command timeout is 1 s here (the URL's
@@ -56,15 +57,16 @@ def hung(server: EmbeddedRedis) -> Iterator[None]:
         server.process.send_signal(signal.SIGCONT)
 
 
-def edge_log(system: Any) -> str:
-    return (system.log_dir / "edge.log").read_text(errors="replace")
+def edge_log(system: Any, name: str = "edge") -> str:
+    return (system.log_dir / f"{name}.log").read_text(errors="replace")
 
 
-async def wait_for_log(system: Any, text: str, timeout_s: float) -> None:
+async def wait_for_log(system: Any, text: str, timeout_s: float, name: str = "edge", times: int = 1) -> None:
+    """Until process ``name`` has logged ``text`` ``times`` times."""
     deadline = time.monotonic() + timeout_s
-    while text not in edge_log(system):
-        assert time.monotonic() < deadline, f"the edge never logged {text!r}"
-        await asyncio.sleep(0.1)
+    while edge_log(system, name).count(text) < times:
+        assert time.monotonic() < deadline, f"the {name} never logged {text!r} ({times} times)"
+        await asyncio.sleep(0.05)
 
 
 async def state_in_redis(system: Any, rid: str, want: str, timeout_s: float) -> str:
@@ -78,15 +80,25 @@ async def state_in_redis(system: Any, rid: str, want: str, timeout_s: float) -> 
 
 
 async def streaming(system: Any, prefix: str) -> tuple[Client, str]:
-    """A connection with one long answer streaming on it (thousands of tokens: minutes)."""
+    """A connection with one long answer streaming on it (thousands of tokens: minutes).
+
+    A chat refused ``no_workers`` is sent again after its ``retry_after_ms``, as a client is
+    told to: a hang of an earlier test outlasts the worker's registration (5 s), and the edge
+    refuses until the worker has reported again (within a heartbeat of Redis answering:
+    ``test_a_worker_reports_again_within_a_heartbeat_once_redis_answers``)."""
     client = await Client.connect(system.edge_urls["edge"])
-    rid = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    await client.chat(rid, f"Talk at length about {rid}.", max_tokens=4000)
     deadline = time.monotonic() + scaled(30)
-    while len(client.deltas(rid)) < 3:
-        assert time.monotonic() < deadline, f"the answer did not start streaming: {client.frames[rid]}"
-        await asyncio.sleep(0.02)
-    return client, rid
+    while True:
+        rid = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        await client.chat(rid, f"Talk at length about {rid}.", max_tokens=4000)
+        while len(client.deltas(rid)) < 3:
+            assert time.monotonic() < deadline, f"the answer did not start streaming: {client.frames[rid]}"
+            if (refused := client.frames[rid][-1:]) and refused[0].get("reason") == "no_workers":
+                await asyncio.sleep(refused[0]["retry_after_ms"] / 1000)
+                break
+            await asyncio.sleep(0.02)
+        else:
+            return client, rid
 
 
 async def test_a_cancel_sent_while_redis_hangs_reaches_redis_once_it_answers(system: Any,
@@ -115,3 +127,35 @@ async def test_a_request_whose_client_left_while_redis_hangs_is_cancelled_once_i
         await wait_for_log(system, f"cancel of {rid}: ", scaled(20))
         await asyncio.sleep(HANG_AFTER_FAILURE_S)
     assert await state_in_redis(system, rid, "cancelled", scaled(15)) == "cancelled"
+
+
+#: How long a worker's registration outlives its last report (``Reporter.report``: 5 s here).
+REGISTRATION_S = 5.0
+#: The harness's heartbeat (``FAST_FAILOVER_ENV``).
+HEARTBEAT_S = 0.3
+
+
+async def test_a_worker_reports_again_within_a_heartbeat_once_redis_answers(system: Any,
+                                                                           own_redis: EmbeddedRedis) -> None:
+    """A hang longer than a worker's registration empties the registry, and every edge refuses
+    every chat (``no_workers``) until the worker reports again: it must, within about a heartbeat
+    of Redis answering. Its heartbeat backed off like a retry loop (up to 2 s more between
+    tries), so that took up to 2.3 s; the second test here then had its chat refused now and
+    then. Redis answers 6.5 s after the worker's first failed heartbeat: a backed-off heartbeat
+    is then in its 2 s pause (its tries failed about 1.6, 3.5 and 6 s after the first one; the
+    next comes at about 8.3 s)."""
+    warned = edge_log(system, "worker").count("heartbeat: TimeoutError")
+    # The earlier tests' hangs are over for the heartbeat (else this hang would be the same outage).
+    await wait_for_log(system, "heartbeat: recovered", scaled(15), name="worker", times=warned)
+    plane = system.plane()
+    try:
+        with hung(own_redis):
+            await wait_for_log(system, "heartbeat: TimeoutError", scaled(10), name="worker", times=warned + 1)
+            await asyncio.sleep(REGISTRATION_S + 1.5)
+        answered = time.monotonic()
+        while not await plane.fleet.num_workers():
+            waited = time.monotonic() - answered
+            assert waited < scaled(2 * HEARTBEAT_S + 0.4), f"the worker had not reported {waited:.1f} s after Redis answered"
+            await asyncio.sleep(0.02)
+    finally:
+        await plane.close()

@@ -548,10 +548,18 @@ class Worker:
             self.carry(self.table.flushed(batch, result, time.monotonic()))
 
     async def _heartbeat_loop(self) -> None:
-        backoff = Backoff("heartbeat", log, min_s=self.settings.heartbeat_s)
+        # Through an outage it tries at its own pace, one heartbeat apart, without backing off:
+        # once Redis answers again, the leases and this worker's registration must be renewed
+        # within a heartbeat. A hang longer than the registration (5 s) empties the registry, and
+        # every edge refuses every chat (``no_workers``) until the worker reports again; backed off
+        # like a retry loop (up to 2 s more), that went on for up to 2.3 s after Redis was back,
+        # and leases that could have been renewed ran out. One command per heartbeat is this
+        # loop's load anyway.
+        heartbeat_s = self.settings.heartbeat_s
+        backoff = Backoff("heartbeat", log, min_s=heartbeat_s, max_s=heartbeat_s)
         while True:
             raise_if_cancelled()
-            await asyncio.sleep(self.settings.heartbeat_s)
+            await asyncio.sleep(heartbeat_s)
             leases = self.table.leases()
             try:
                 answers = await self.plane.heartbeat(leases)
@@ -559,7 +567,7 @@ class Worker:
                 await self._maybe_preempt(time.monotonic() * 1000)
                 await self._report()
             except QueueUnavailable as exc:
-                await asyncio.sleep(backoff.failed(exc))
+                backoff.failed(exc)  # one warning per outage; the sleep above paces the retries
                 continue
             backoff.succeeded()
 
