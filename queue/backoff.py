@@ -28,23 +28,30 @@ class Backoff:
     _failures: int = field(default=0, init=False)
     _since: float = field(default=0.0, init=False)
 
-    def failed(self, exc: BaseException) -> float:
-        """Record a failure; returns how long to wait before the next attempt (s)."""
+    def failed(self, exc: BaseException, detail: str = "") -> float:
+        """Record a failure; returns how long to wait before the next attempt (s). ``detail``
+        ends the outage's warning (what waits on it, as the edge's "3 pending (ids)")."""
         if self._failures == 0:
             self._since = time.monotonic()
             self._delay_s = self.min_s
-            self.log.warning("%s: %s; retrying with backoff (up to %.1f s)", self.name, _describe(exc), self.max_s)
+            self.log.warning("%s: %s; retrying with backoff (up to %.1f s)%s", self.name, _describe(exc), self.max_s,
+                             f": {detail}" if detail else "")
         else:
             self._delay_s = min(self._delay_s * 2, self.max_s)
         self._failures += 1
         return self._delay_s * (1 + self.jitter * (2 * random.random() - 1))
 
-    def succeeded(self) -> None:
-        """Record a success; ends an outage (one info line)."""
+    def succeeded(self, detail: str = "") -> None:
+        """Record a success; ends an outage (one info line, ended by ``detail`` if given)."""
         if self._failures:
-            self.log.info("%s: recovered after %.1f s (%d failed attempts)", self.name,
-                          time.monotonic() - self._since, self._failures)
+            self.log.info("%s: recovered after %.1f s (%d failed attempts)%s", self.name,
+                          time.monotonic() - self._since, self._failures, f": {detail}" if detail else "")
             self._failures = 0
+
+    @property
+    def failing(self) -> bool:
+        """In an outage: the last attempt failed."""
+        return self._failures > 0
 
 
 def _describe(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ then one ``PUBLISH`` per edge instead of one script, and redis-py's cluster pipe
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from lanes.queue.records import record_fault
 from lanes.queue.settings import RedisSettings
 from lanes.queue.streams import TokenStreams
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 _payload_decoder = msgspec.json.Decoder(RequestPayload)
 
@@ -249,6 +250,52 @@ class QueuePlane(TokenStreams):
             # A raw PUBLISH: redis-py's cluster client has no publish() (the same command on one Redis).
             await self.redis.execute_command("PUBLISH", k.control_channel(worker), encode(Control(request_id)))
         return state, worker
+
+    async def cancel_many(self, request_ids: list[str], only_edge: str = "") -> dict[str, tuple[str, str] | RedisError]:
+        """``cancel`` of each of ``request_ids``, in one pipeline: per request
+        ``(previous_state, worker)``, or the ``RedisError`` its script met (a refused write).
+        Raises ``QueueUnavailable`` when Redis does not answer.
+
+        Workers running some are then told, in one more round trip; if that fails they still
+        learn it within a heartbeat (HEARTBEAT answers ``cancelled``), so it raises nothing: a
+        retry would find the requests cancelled and tell nobody."""
+        k = self.keys
+        calls = {rid: (k.request(rid), k.watch, *k.pending_all(), rid, FINISHED_TTL_S, only_edge) for rid in request_ids}
+        replies = await self._cancel_pipeline(list(calls.values()))
+        if any(isinstance(reply, NoScriptError) for reply in replies):  # Redis lost its script cache
+            await self.redis.script_load(scripts.CANCEL)
+            again = iter(await self._cancel_pipeline([c for c, r in zip(calls.values(), replies)
+                                                      if isinstance(r, NoScriptError)]))
+            replies = [next(again) if isinstance(r, NoScriptError) else r for r in replies]
+        out: dict[str, tuple[str, str] | RedisError] = {}
+        for request_id, reply in zip(calls, replies):
+            out[request_id] = reply if isinstance(reply, RedisError) else (reply[0].decode(), reply[1].decode())
+        running = [(rid, got[1]) for rid, got in out.items() if not isinstance(got, RedisError)
+                   and got[0] == "running" and got[1]]
+        with contextlib.suppress(RedisError):
+            await self._tell_workers(running)
+        return out
+
+    async def _cancel_pipeline(self, calls: list[tuple[object, ...]]) -> list[Any]:
+        """CANCEL per call (its 5 keys, then its arguments), one pipeline; replies or errors."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                # The raw command: redis-py's cluster pipeline refuses evalsha() (a pool's keys
+                # share one slot: one node).
+                pipe.execute_command("EVALSHA", self._cancel.sha, 2 + len(LANE_ORDER), *call)
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def _tell_workers(self, runs: list[tuple[str, str]]) -> None:
+        """PUBLISH each ``(request, worker)``'s cancel on the worker's control channel."""
+        if self.cluster:  # the cluster pipeline refuses PUBLISH; a classic one reaches every node
+            for request_id, worker in runs:
+                await self.redis.execute_command("PUBLISH", self.keys.control_channel(worker), encode(Control(request_id)))
+            return
+        if runs:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for request_id, worker in runs:
+                    pipe.publish(self.keys.control_channel(worker), encode(Control(request_id)))
+                await pipe.execute()
 
     async def repoint(self, request_id: str, edge_id: str, owner: str = "") -> str | None:
         """Send a request's future tokens to ``edge_id``; returns its state, None if gone,

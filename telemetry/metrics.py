@@ -52,6 +52,13 @@ REJECTIONS = Counter("lanes_rejections_total", "Chats refused before they were e
                      "rate_limited, ...)", ["pool", "lane", "reason"], registry=EDGE)
 IN_FLIGHT = Gauge("lanes_edge_in_flight", "Requests in flight on this edge", registry=EDGE)
 CONNECTIONS = Gauge("lanes_edge_connections", "Open WebSocket connections", registry=EDGE)
+CANCELS_PENDING = Gauge("lanes_edge_cancels_pending", "Cancels Redis has not taken yet (an outage), retried until it "
+                        "does", registry=EDGE)
+CANCELS_DROPPED = Counter("lanes_edge_cancels_dropped_total", "Cancels never sent to Redis, by reason (full: "
+                          "10000 pending already; expired: retried 600 s); each request ran on for nobody",
+                          ["reason"], registry=EDGE)
+for _reason in ("full", "expired"):
+    CANCELS_DROPPED.labels(_reason)
 ROUTING_THRESHOLD = Gauge("lanes_edge_routing_max_tokens", "Highest prediction routed to a lane (tokens; the long "
                           "lane has none)", ["lane"], registry=EDGE)
 PREDICTOR_VERSION = Gauge("lanes_edge_predictor_version", "Refreshed predictor version in use (0: the shipped one)",

@@ -1,7 +1,7 @@
 """A cancel the edge could not get into Redis (hung: SIGSTOP, nothing closes the connections)
-is retried until Redis answers (``Edge._cancel``, up to ``CANCEL_RETRY_S``), so a request nobody
-listens to any more does not run on for nobody once Redis is back; and a worker reports again
-within a heartbeat of Redis answering.
+is retried until Redis answers (``Edge.send_cancels``: one queue of pending cancels per edge,
+``ws_server/cancels.py``), so a request nobody listens to any more does not run on for nobody
+once Redis is back; and a worker reports again within a heartbeat of Redis answering.
 
 Real processes (scheduler, edge, one sim worker), a real redis-server of this module's own that
 the tests stop and continue, and a real WebSocket. Redis' command timeout is 1 s here (the URL's
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -111,7 +113,7 @@ async def test_a_cancel_sent_while_redis_hangs_reaches_redis_once_it_answers(sys
         await client.send({"type": "cancel", "id": rid})
         ended = await client.wait(rid, timeout_s=scaled(15))
         assert ended["type"] == "done" and ended["finish_reason"] == "cancelled", ended
-        await wait_for_log(system, f"cancel of {rid}: ", scaled(10))  # the Backoff's warning: it retries
+        await wait_for_log(system, f"pending ({rid}", scaled(10))  # the retry's warning: it retries
         await asyncio.sleep(HANG_AFTER_FAILURE_S)
     assert await state_in_redis(system, rid, "cancelled", scaled(15)) == "cancelled"
     await client.close()
@@ -124,9 +126,49 @@ async def test_a_request_whose_client_left_while_redis_hangs_is_cancelled_once_i
     client, rid = await streaming(system, "left")
     with hung(own_redis):
         await client.close()
-        await wait_for_log(system, f"cancel of {rid}: ", scaled(20))
+        await wait_for_log(system, f"pending ({rid}", scaled(20))
         await asyncio.sleep(HANG_AFTER_FAILURE_S)
     assert await state_in_redis(system, rid, "cancelled", scaled(15)) == "cancelled"
+
+
+def pending_metric(system: Any) -> float:
+    """The edge's ``lanes_edge_cancels_pending`` (``/metrics`` asks Redis nothing)."""
+    url = f"http://127.0.0.1:{system.edge_ports['edge']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return float(re.search(r"^lanes_edge_cancels_pending (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
+async def test_several_cancels_pending_at_once_are_retried_together_and_all_land(system: Any,
+                                                                                own_redis: EmbeddedRedis) -> None:
+    """One client cancels, two leave (past their 1 s resume grace) while Redis hangs: three
+    cancels wait in the edge's one queue (its metric says 3), retried by one loop, which logs one
+    warning for the outage and one recovery line once Redis answers, and all three land. The
+    client that cancelled is answered at once (its answer ends after the cancel grace)."""
+    streams = [await streaming(system, f"many{i}") for i in range(3)]
+    (canceller, cancelled), *leavers = streams
+    warned = edge_log(system).count("cancel retry: TimeoutError")
+    recovered = edge_log(system).count("cancel retry: recovered")
+    with hung(own_redis):
+        await canceller.send({"type": "cancel", "id": cancelled})
+        for client, _ in leavers:
+            await client.close()
+        ended = await canceller.wait(cancelled, timeout_s=scaled(15))
+        assert ended["type"] == "done" and ended["finish_reason"] == "cancelled", ended
+        deadline = time.monotonic() + scaled(15)
+        while (pending := await asyncio.to_thread(pending_metric, system)) < 3:
+            assert time.monotonic() < deadline, f"{pending:g} cancels pending, not 3"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(HANG_AFTER_FAILURE_S)
+    for _, rid in streams:
+        assert await state_in_redis(system, rid, "cancelled", scaled(15)) == "cancelled", rid
+    await wait_for_log(system, "cancel retry: recovered", scaled(10), times=recovered + 1)
+    log = edge_log(system)
+    assert log.count("cancel retry: TimeoutError") == warned + 1, "one warning for the outage"
+    assert log.count("cancel retry: recovered") == recovered + 1, "one recovery line"
+    assert re.search(r"cancel retry: recovered after .*: 3 sent", log), "the three in one attempt"
+    assert await asyncio.to_thread(pending_metric, system) == 0
+    await canceller.close()
 
 
 #: How long a worker's registration outlives its last report (``Reporter.report``: 5 s here).

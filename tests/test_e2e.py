@@ -109,7 +109,7 @@ async def test_http_endpoints(system: tuple[System, str]) -> None:
         await asyncio.sleep(0.1)
     health = json.loads(body)
     assert status == 200 and health == {"status": "ok", "edge_id": f"{sys_.prefix}-edge", "workers": 1,
-                                        "instance": health["instance"]}
+                                        "instance": health["instance"], "pending_cancels": 0}
     assert health["instance"].startswith(f"{sys_.prefix}-edge."), "its id in Redis: the name and this start's"
     status, body = await asyncio.to_thread(get, "/metrics")
     assert status == 200 and "lanes_requests_total" in body

@@ -118,6 +118,28 @@ async def test_cancel_running_tells_its_worker(plane: QueuePlane) -> None:
     await pubsub.aclose()
 
 
+async def test_cancel_many_cancels_each_in_one_pipeline_and_tells_running_ones_workers(plane: QueuePlane) -> None:
+    """The edge's retried cancels (``Edge.send_cancels``): each request's outcome as ``cancel``
+    gives it, the other edge's request left alone, the workers of running ones told; after a
+    ``SCRIPT FLUSH`` (a Redis restart's empty script cache) the script is loaded again."""
+    for rid, edge in (("q", "e"), ("r", "e"), ("theirs", "other")):
+        await plane.enqueue(payload(rid), edge)
+    assert await pop(plane) == ("q", Lane.SHORT)  # popped, not claimed: still queued
+    assert await pop(plane) == ("r", Lane.SHORT)
+    await plane.claim("r", "w9")
+    pubsub = plane.redis.pubsub()
+    await pubsub.subscribe(plane.keys.control_channel("w9"))
+    await pubsub.get_message(timeout=1)
+    await plane.redis.script_flush()
+    got = await plane.cancel_many(["q", "r", "theirs", "nope"], only_edge="e")
+    assert got == {"q": ("queued", ""), "r": ("running", "w9"), "theirs": ("moved", ""), "nope": ("absent", "")}
+    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    assert msg is not None and b'"r"' in msg["data"]
+    assert [(await plane.request_status(rid))[0] for rid in ("q", "r", "theirs")] == ["cancelled", "cancelled", "queued"]
+    assert await plane.cancel_many(["q", "r"], only_edge="e") == {"q": ("cancelled", ""), "r": ("cancelled", "w9")}
+    await pubsub.aclose()
+
+
 async def test_expired_lease_is_requeued_at_its_place(plane: QueuePlane) -> None:
     await plane.enqueue(payload("first"), "e")
     await asyncio.sleep(0.005)

@@ -38,6 +38,7 @@ from lanes.ws_server import delivery, protocol
 from lanes.ws_server.admission import EdgeAdmission
 from lanes.ws_server.asgi import EdgeApp, listen_socket, serve_app
 from lanes.ws_server.auth import Gate, Identity, Refusal, ticket_param
+from lanes.ws_server.cancels import PendingCancels
 from lanes.ws_server.completions import COMPLETIONS_PATH, MODELS_PATH
 from lanes.ws_server.delivery import Delivery
 from lanes.ws_server.intake import NO_WORKER_RETRY_MS, admit_and_enqueue, known_pools
@@ -57,9 +58,6 @@ _batch_decoder = msgspec.json.Decoder(TokenBatch)
 #: How often the delivery core's timers are checked (s).
 _TICK_S = 0.25
 
-
-#: How long an edge retries a cancel Redis does not answer (``Edge._cancel``).
-CANCEL_RETRY_S = 600.0
 
 class Edge:
     def __init__(self, settings: EdgeSettings, plane: QueuePlane, lengths: LengthEstimator | None = None) -> None:
@@ -102,6 +100,12 @@ class Edge:
         self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_unrouted: set[str] = set()
+        #: Cancels Redis has not taken yet, and the one loop that sends them (``send_cancels``).
+        self.cancels = PendingCancels()
+        self._cancels_wanted = asyncio.Event()
+        self._cancel_backoff = Backoff("cancel retry", log, min_s=1.0, max_s=5.0)
+        self._warned_cancels_full = False
+        metrics.CANCELS_PENDING.set_function(lambda: len(self.cancels))
 
     # -- carrying out the core's actions -------------------------------------------------
 
@@ -132,8 +136,7 @@ class Edge:
             elif isinstance(action, delivery.ReadStream):
                 self._spawn(self._read_stream(action))
             elif isinstance(action, delivery.CancelRequest):
-                # The plane now: a Finished later in this same batch forgets the request's pool.
-                self._spawn(self._cancel(action, self._plane_of(action.request_id)))
+                self._queue_cancel(action)
             elif isinstance(action, delivery.Repoint):
                 self._spawn(self._repoint(action))
             elif isinstance(action, delivery.CheckRequests):
@@ -156,39 +159,69 @@ class Edge:
             return
         self.carry(self.core.stream_read(action.request_id, events, last, time.monotonic()))
 
-    def _plane_of(self, request_id: str) -> QueuePlane:
-        """The queue plane of the pool a request of ours was enqueued in (or resumed from)."""
-        return self.plane.for_pool(self._pool_of.get(request_id, DEFAULT_POOL))
+    def _queue_cancel(self, action: delivery.CancelRequest) -> None:
+        """Hand a cancel to ``send_cancels``: sent at once, unless Redis is not answering (then
+        at the loop's next attempt, and a client's own cancel is answered now)."""
+        rid = action.request_id
+        # The pool now: a Finished later in this same batch forgets it.
+        if not self.cancels.add(rid, self._pool_of.get(rid, DEFAULT_POOL), action.report, time.monotonic()):
+            metrics.CANCELS_DROPPED.labels("full").inc()
+            if not self._warned_cancels_full:  # once until Redis takes cancels again; the metric counts each
+                self._warned_cancels_full = True
+                log.warning("cancel of %s not kept: %d cancels wait for Redis already, the most kept; it and any "
+                            "more until Redis answers run on for nobody until they end (lanes_edge_cancels_dropped"
+                            "_total{reason=\"full\"})", rid, len(self.cancels))
+            if action.report:
+                self.carry(self.core.cancel_failed(rid, time.monotonic()))
+            return
+        if self._cancel_backoff.failing:
+            self._answer_failed_cancels()
+        self._cancels_wanted.set()  # the loop sends it now, or after its pause while Redis fails
 
-    async def _cancel(self, action: delivery.CancelRequest, plane: QueuePlane) -> None:
-        """Cancel in Redis. A cancel Redis does not answer is retried until it does, for up to
-        ``CANCEL_RETRY_S``: dropped, the request ran on for nobody once Redis was back (this
-        edge is alive, so no worker's orphan check ends it). That holds for a client's own
-        ``cancel`` too: the client is answered at once (``cancel_failed``: its answer ends after
-        the cancel grace, as told), and the cancel itself goes on being retried."""
-        # Retried every few seconds at most: each pending cancel is one small command, and the
-        # request runs on for nobody until one lands.
-        backoff = Backoff(f"cancel of {action.request_id}", log, min_s=1.0, max_s=5.0)
-        deadline = time.monotonic() + CANCEL_RETRY_S
-        report = action.report
+    def _answer_failed_cancels(self) -> None:
+        """Clients whose cancel Redis has not taken are answered all the same: their answers end
+        after the cancel grace (``cancel_failed``); the cancels stay pending."""
+        now = time.monotonic()
+        for rid in self.cancels.unanswered():
+            self.carry(self.core.cancel_failed(rid, now))
+
+    async def send_cancels(self) -> None:
+        """Send the pending cancels (``cancels.py``): each pool's in one pipeline per attempt,
+        again every 1-5 s while Redis does not answer (one warning, one recovery line)."""
+        backoff = self._cancel_backoff
         while True:
-            try:
-                state, _ = await plane.cancel(action.request_id, only_edge=self.edge_id)
-                break
-            except QueueUnavailable as exc:
-                if report:  # answered now; Redis gets the cancel once it answers
-                    self.carry(self.core.cancel_failed(action.request_id, time.monotonic()))
-                    report = False
-                delay = backoff.failed(exc)
-                if time.monotonic() + delay > deadline:
-                    log.warning("cancel of %s failed for %g s; given up: %s", action.request_id, CANCEL_RETRY_S, exc)
-                    return
+            raise_if_cancelled()
+            await self._cancels_wanted.wait()
+            self._cancels_wanted.clear()
+            by_pool, given_up = self.cancels.batch(time.monotonic(), self.core.cancel_stands)
+            if given_up:
+                metrics.CANCELS_DROPPED.labels("expired").inc(len(given_up))
+                log.warning("%d cancels given up after %g s without Redis (the requests run on for nobody until "
+                            "they end): %s", len(given_up), self.cancels.retry_s, ", ".join(given_up[:5]))
+            failure: QueueUnavailable | None = None
+            sent = 0
+            for pool, ids in by_pool.items():
+                try:
+                    outcomes = await self.plane.for_pool(pool).cancel_many(ids, only_edge=self.edge_id)
+                except QueueUnavailable as exc:
+                    failure = exc
+                    continue
+                for rid, outcome in outcomes.items():
+                    if isinstance(outcome, QueueUnavailable):  # a refused write (OOM, READONLY): kept
+                        failure = outcome
+                        continue
+                    sent += 1
+                    if self.cancels.sent(rid):
+                        self.carry(self.core.cancel_result(rid, outcome[0], time.monotonic()))
+            if failure is None:
+                backoff.succeeded(f"{sent} sent")
+                self._warned_cancels_full = False
+                continue
+            self._answer_failed_cancels()
+            delay = backoff.failed(failure, f"{len(self.cancels)} pending ({', '.join(self.cancels.first())}"
+                                            f"{', ...' if len(self.cancels) > 5 else ''})")
             await asyncio.sleep(delay)
-            if not self.core.cancel_stands(action.request_id):  # its client resumed it here meanwhile
-                return
-        backoff.succeeded()
-        if report:
-            self.carry(self.core.cancel_result(action.request_id, state, time.monotonic()))
+            self._cancels_wanted.set()
 
     async def _repoint(self, action: delivery.Repoint) -> None:
         """Re-point a resumed request at this edge, in whichever pool holds it."""
@@ -547,7 +580,7 @@ class Edge:
         self.port = sock.getsockname()[1]
         try:
             async with asyncio.TaskGroup() as group:
-                for loop in (self.read_tokens(), self.tick(), self.reload_predictor(),
+                for loop in (self.read_tokens(), self.tick(), self.reload_predictor(), self.send_cancels(),
                              ship_windows(self.stats, self.plane), self.stats_relay.run(),
                              self.recheck_keys()):
                     group.create_task(loop)

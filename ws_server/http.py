@@ -46,9 +46,10 @@ def routes(edge: Edge) -> list[BaseRoute]:
     async def healthz(request: Request) -> Response:
         # JSON naming this edge, so a supervisor can tell its own edge from another server on
         # the port; ``instance``: its id in Redis, new at each start; ``workers``: warm workers per
-        # the scheduler's latest snapshot (None: none yet).
+        # the scheduler's latest snapshot (None: none yet); ``pending_cancels``: cancels Redis has
+        # not taken yet (``cancels.py``).
         health = {"status": "ok", "edge_id": edge.name, "instance": edge.edge_id,
-                  "workers": edge.admission.num_workers()}
+                  "workers": edge.admission.num_workers(), "pending_cancels": len(edge.cancels)}
         try:
             await edge.plane.ping()
         except QueueUnavailable:
