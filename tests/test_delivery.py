@@ -188,6 +188,38 @@ def test_a_running_resume_rereads_the_stream_after_the_worker_repoints() -> None
     assert ReadStream("r", 0) in d.tick(0.8)
 
 
+def test_a_resume_that_overtook_a_resubmitted_chat_gets_the_answer_not_its_refusal() -> None:
+    """A client resubmits a chat of an id Redis knows (on connection 1) and resumes the id (on
+    connection 2) at once: the resume takes over the chat's registration while its enqueue is
+    out. Redis then refuses the chat as a duplicate; that refusal is the chat's (which got
+    ``resumed_elsewhere``), and the resume goes on to the answer. Before, the resume was answered
+    ``duplicate_id`` and the answer never came (scripts/attack/a45_bookkeeping.py dupresume)."""
+    d = core()
+    assert d.open_chat(1, "r", "k", 0, 0.0) == (True, [])
+    out = d.resume(2, "r", -1, "k", 0.1)
+    assert [(f["type"], f.get("code")) for f in frames(out, 1)] == [("error", "resumed_elsewhere")]
+    out = d.refuse("r", ErrorCode.DUPLICATE_ID, "request r already exists (done); use resume")
+    assert frames(out) == [], "the chat already has its terminal frame; the resume waits for Redis"
+    assert Repoint("r", "k") in out
+    assert any(isinstance(a, Finished) and a.refused and a.outcome == "duplicate_id" for a in out)
+    out = d.repointed("r", "k", "done", 0.2)
+    assert frames(out, 2) == [{"type": "resumed", "id": "r", "last_seq": -1}]
+    assert ReadStream("r", -1, with_last=True) in out
+    out = d.stream_read("r", [tok("r", 0), tok("r", 1)], tok("r", 2, "", FinishReason.STOP), 0.3)
+    assert [(f["type"], f.get("seq")) for f in frames(out, 2)] == [("delta", 0), ("delta", 1), ("done", None)]
+    assert d.entries == {} and not d.per_conn and not d.per_key
+
+
+def test_a_chat_refused_for_other_reasons_after_a_resume_took_it_over_answers_the_resume() -> None:
+    """Any other refusal (the id is new: nothing to resume) ends the resume with it."""
+    d = core()
+    d.open_chat(1, "r", "k", 0, 0.0)
+    d.resume(2, "r", -1, "k", 0.1)
+    out = d.refuse("r", ErrorCode.OVERLOADED, "lane short cannot start this request in time")
+    assert [(f["type"], f.get("code")) for f in frames(out, 2)] == [("error", "overloaded")]
+    assert d.entries == {} and not d.per_conn
+
+
 def test_cancel_before_accepted_waits_for_accepted() -> None:
     d = core()
     d.open_chat(1, "r", "", 0, 0.0)

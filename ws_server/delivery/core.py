@@ -117,6 +117,15 @@ class Delivery:
         entry = self.entries.get(request_id)
         if entry is None or entry.phase is not Phase.OPENING:
             return []
+        if code == ErrorCode.DUPLICATE_ID and entry.resumed_after is not None:
+            # A resume took this registration over while the enqueue was out, and Redis says
+            # the id exists (a resubmitted chat): the refusal is the chat's, which already got
+            # ``resumed_elsewhere``; the resume goes on as one of a request this edge does not
+            # hold. Before, the resume was answered the chat's ``duplicate_id`` and got nothing.
+            entry.phase, entry.announced = Phase.RESUMING, False
+            self.notices += 1
+            entry.notice_no = self.notices
+            return [Finished(request_id, lane, str(code), refused=True), Repoint(request_id, entry.key)]
         self._remove(entry)
         actions: list[Action] = [Finished(request_id, lane, str(code), refused=True,
                                            reason=str(extra.get("reason", "")))]
