@@ -7,10 +7,11 @@ What the earlier attacks (a2, a34, a4*, a5, a6) leave out, one section each:
               absent; equal to the last seq of a finished answer
     ended     resume of a cancelled, a grace-expired, an unknown and another key's request
     many      20 resumes of one id at once over both edges (the original aborted, or still open)
-    race      cancel (owner, e1) racing a resume (same key, e2) on one id
+    race      cancel (owner, e1) racing a resume (same key, e2 or e1) on one id
     dup       chat with an id that is in flight here / on the other edge / in grace / done / cancelled
     dupresume a resubmitted chat and a resume of its id sent at once on one edge (done, or still
-              running on the other edge): the resume must get the answer, not the chat's refusal
+              running on the other edge, or a new id): the resume must get the answer, not the
+              chat's refusal
     mux       32 requests interleaved on one socket: per-request seq order; then all 32 resumed
               at once on one socket of the other edge from different seqs (replays interleaved)
     foreign   resume on e2 while the chat's socket on e1 is open and streaming, at the start (queued
@@ -24,6 +25,8 @@ What the earlier attacks (a2, a34, a4*, a5, a6) leave out, one section each:
               restarted e1; the text equals an uninterrupted answer's
     workerkill a resumed (e1 -> e2) request's worker SIGKILLed mid-stream: retried on the other
               worker, the resumed client gets every seq once, text equal to the reference
+    orphan    e1 SIGTERMed / SIGKILLed with 4 long answers streaming and nobody resuming: they stop
+              running once the resume grace has passed, and a late resume says cancelled
     mem N     N (default 10000) chats abandoned at random points (before any frame, after
               accepted, mid-stream, after done without a close): e1's RSS, in-flight and
               connection gauges, and the workers' running slots once the grace has run out
@@ -235,11 +238,11 @@ async def many(c, key, keep_open: bool, n=20):
 # -- race -----------------------------------------------------------------------------------
 
 async def race(c, key, n=12):
-    print("== race: cancel (owner, e1) against resume (e2) on one id")
+    print("== race: cancel (owner, e1) against resume (e2, or another socket on e1) on one id")
     out = Counter()
     for i in range(n):
         a, rid = await started(c, key, n=5 + i)
-        b = await Conn.open(c.edge_urls["e2"], key)
+        b = await Conn.open(c.edge_urls["e2" if i % 2 == 0 else "e1"], key)
         last = a.seqs(rid)[-1]
         cancel = json.dumps({"type": "cancel", "id": rid})
         resume = json.dumps({"type": "resume", "id": rid, "last_seq": last})
@@ -247,7 +250,7 @@ async def race(c, key, n=12):
         await asyncio.gather(a.wait_terminal(rid, 20), b.wait_terminal(rid, 30))
         await asyncio.sleep(0.5)
         ka, kb = ends(a, rid), ends(b, rid)
-        out[(tuple(ka), tuple(kb))] += 1
+        out[("e2" if i % 2 == 0 else "e1", tuple(ka), tuple(kb))] += 1
         for conn, lab in ((a, "race owner"), (b, "race resumer")):
             if not conn.terminals(rid):
                 P(f"{lab} {rid}: no terminal frame: {ka} / {kb}")
@@ -264,7 +267,7 @@ async def race(c, key, n=12):
         await a.close()
         await b.close()
     for k, v in out.items():
-        print(f"  owner {list(k[0])} | resumer {list(k[1])}: {v}")
+        print(f"  resume on {k[0]}: owner {list(k[1])} | resumer {list(k[2])}: {v}")
     await asyncio.sleep(2)
     r = running(c, key)
     print(f"  slots running afterwards: {r}")
@@ -329,13 +332,14 @@ async def dupresume(c, key, n=15):
     print("== dupresume: chat (resubmitted id) and resume of it at once on one edge")
     out = Counter()
     for i in range(n):
-        running_elsewhere = i % 2 == 1
+        running_elsewhere, new_id = i % 3 == 1, i % 3 == 2
         o = await Conn.open(c.edge_urls["e2"], key)
         rid = uid("dr")
-        await o.chat(rid, PROMPT, max_tokens=60 if not running_elsewhere else TOK)
+        if not new_id:
+            await o.chat(rid, PROMPT, max_tokens=60 if not running_elsewhere else TOK)
         if running_elsewhere:
             await o.wait_deltas(rid, 5, 30)
-        else:
+        elif not new_id:
             await o.wait_terminal(rid, 30)
         a = await Conn.open(c.edge_urls["e1"], key)
         b = await Conn.open(c.edge_urls["e1"], key)
@@ -346,9 +350,17 @@ async def dupresume(c, key, n=15):
         await b.wait_terminal(rid, 40)
         await asyncio.sleep(0.5)
         ka, kb = ends(a, rid), ends(b, rid)
-        out[("running elsewhere" if running_elsewhere else "done", tuple(ka), tuple(kb))] += 1
+        out[("running elsewhere" if running_elsewhere else "new id" if new_id else "done", tuple(ka), tuple(kb))] += 1
+        if new_id and kb == ["unknown_id"]:
+            # a new id: the resume overtook the chat (nothing to resume yet), which runs on
+            await a.wait_terminal(rid, 30)
+            for p in check_one(a, rid, expect=("length",), label="dupresume new chat"):
+                P(p)
+            for x in (o, a, b):
+                await x.close()
+            continue
         want = TOK if running_elsewhere else 60
-        if ends(b, rid)[:1] != ["resumed"] or len(b.deltas(rid)) != want:
+        if kb[:1] != ["resumed"] or len(b.deltas(rid)) != want:
             P(f"dupresume {rid}: the resume got {kb} with {len(b.deltas(rid))}/{want} deltas (the chat: {ka})")
         for p in check_one(b, rid, expect=("length",), label="dupresume resume"):
             P(p)
@@ -603,6 +615,45 @@ async def edgekill(c, key):
         await e.close()
 
 
+async def orphan(c, key):
+    """An edge that stops (SIGTERM or SIGKILL) with answers streaming, and nobody resumes them:
+    each must stop running once the resume grace (10 s here) has passed, not run to its end for
+    nobody (the worker's orphan check: nobody listens on that edge's channel)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        print(f"== orphan: {sig.name} e1 with 4 long answers streaming, nobody resumes")
+        a = await Conn.open(c.edge_urls["e1"], key)
+        rids = [uid("or") for _ in range(4)]
+        for r in rids:
+            await a.chat(r, PROMPT, max_tokens=4000)
+        for r in rids:
+            await a.wait_deltas(r, 5, 30)
+        await asyncio.sleep(1)  # a heartbeat reports them
+        before = running(c, key)
+        await asyncio.to_thread(c.kill, "e1", sig)
+        t0 = time.monotonic()
+        freed = None
+        while time.monotonic() - t0 < 40:
+            if running(c, key) == 0:
+                freed = time.monotonic() - t0
+                break
+            await asyncio.sleep(0.5)
+        print(f"  slots running {before} before; all free {freed and round(freed, 1)} s after the {sig.name} (grace 10 s)")
+        if freed is None:
+            P(f"orphan {sig.name}: requests still running 40 s after their edge stopped")
+        elif freed < 9:
+            P(f"orphan {sig.name}: cancelled {freed:.1f} s after the stop, before the resume grace")
+        b = await Conn.open(c.edge_urls["e2"], key)
+        await b.send({"type": "resume", "id": rids[0], "last_seq": a.seqs(rids[0])[-1]})
+        await b.wait_terminal(rids[0], 10)
+        print(f"  a resume afterwards: {ends(b, rids[0])}")
+        for p in check_one(b, rids[0], start_seq=a.seqs(rids[0])[-1] + 1, expect=("cancelled",), label="orphan"):
+            P(p)
+        await b.close()
+        await a.close()
+        c.restart("e1")
+        c.wait_edge("e1")
+
+
 async def workerkill(c, key):
     print("== workerkill: a request resumed e1 -> e2, its worker SIGKILLed mid-stream")
     ref = await reference(c, key, 400)
@@ -716,7 +767,7 @@ async def mem(c, key, n):
         P(f"mem: e1 RSS kept growing {rows[1][0]} -> {rows[-1][0]} KiB")
 
 
-SECTIONS = ("seqs", "ended", "many", "race", "dup", "dupresume", "mux", "foreign", "slow", "ping", "edgekill", "workerkill")
+SECTIONS = ("seqs", "ended", "many", "race", "dup", "dupresume", "mux", "foreign", "slow", "ping", "edgekill", "workerkill", "orphan")
 
 
 def main(argv):
@@ -758,7 +809,7 @@ def main(argv):
                 asyncio.run(ping(c, key))
         finally:
             c.close()
-    if "edgekill" in which or "workerkill" in which:
+    if "edgekill" in which or "workerkill" in which or "orphan" in which:
         c = start("k", grace_s=10.0, workers=(("w0", "1"), ("w1", "1")), slots=8)
         try:
             key = create_key(c, "alice")
@@ -766,6 +817,8 @@ def main(argv):
                 asyncio.run(edgekill(c, key))
             if "workerkill" in which:
                 asyncio.run(workerkill(c, key))
+            if "orphan" in which:
+                asyncio.run(orphan(c, key))
         finally:
             c.close()
     if "mem" in which:
