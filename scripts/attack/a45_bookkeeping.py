@@ -27,6 +27,8 @@ What the earlier attacks (a2, a34, a4*, a5, a6) leave out, one section each:
               worker, the resumed client gets every seq once, text equal to the reference
     orphan    e1 SIGTERMed / SIGKILLed with 4 long answers streaming and nobody resuming: they stop
               running once the resume grace has passed, and a late resume says cancelled
+    census N  mem's mix (N, default 3000) against two in-process edges: every edge table's size
+              once the grace has run out (entries, sessions, pools, tasks, spans, key counts)
     mem N     N (default 10000) chats abandoned at random points (before any frame, after
               accepted, mid-stream, after done without a close): e1's RSS, in-flight and
               connection gauges, and the workers' running slots once the grace has run out
@@ -767,6 +769,62 @@ async def mem(c, key, n):
         P(f"mem: e1 RSS kept growing {rows[1][0]} -> {rows[-1][0]} KiB")
 
 
+async def census(n):
+    """``mem``'s mix against two edges run in this process (Redis, scheduler and a sim worker as
+    real processes), so every table of the edge can be counted after the grace has run out."""
+    from lanes.queue.plane import QueuePlane
+    from lanes.ws_server.auth import generate_key, hash_key
+    from lanes.ws_server.edge import Edge
+    from lanes.ws_server.settings import EdgeSettings
+    print(f"== census: {n} abandoned chats against in-process edges; every edge table afterwards")
+    key = generate_key()
+    tmp = Path(tempfile.mkdtemp(prefix="lanes-a45-census-"))
+    c = Cluster.embedded("a45census", tmp, port=REDIS_PORT, base_env={**FAST_FAILOVER_ENV})
+    try:
+        c.start_scheduler()
+        c.start_worker("w0", "", "--engine", "sim", "--sim-time-scale", "20", "--max-slots", "16")
+        c.wait_workers(1)
+        edges = {}
+        for i, name in enumerate(("e1", "e2")):
+            st = EdgeSettings(redis_url=c.redis_url, key_prefix=c.prefix, port=EDGE_PORT + 2 + i,
+                              api_key_hashes=hash_key(key), resume_grace_s=3.0, key_rate_per_s=0, key_max_in_flight=0)
+            e = Edge(st, QueuePlane.from_settings(st))
+            ready = asyncio.Event()
+            asyncio.create_task(e.serve(ready))
+            await ready.wait()
+            edges[name] = e
+            c.edge_ports[name], c.edge_urls[name] = e.port, f"ws://127.0.0.1:{e.port}/v1/chat"
+
+        def tables(e):
+            return {"entries": len(e.core.entries), "per_conn": len(e.core.per_conn), "per_key": len(e.core.per_key),
+                    "sessions": len(e.sessions), "ws_identity": len(e._ws_identity), "pool_of": len(e._pool_of),
+                    "tasks": len(e._tasks), "spans": len(e.spans), "key_conns": len(e.keys.connections.open),
+                    "admission_counted": len(e.admission._counted),
+                    "admission_since": sum(len(q) for q in e.admission._since.values())}
+
+        stats = Counter()
+        rng = random.Random(7)
+        sem = asyncio.Semaphore(24)
+
+        async def one(i):
+            async with sem:
+                try:
+                    await asyncio.wait_for(mem_cycle(c, key, i, rng, stats), 60)
+                except Exception as exc:  # noqa: BLE001
+                    P(f"census cycle {i}: {exc!r}")
+        await asyncio.gather(*(one(i) for i in range(n)))
+        print(f"  right after: e1 {tables(edges['e1'])}")
+        await asyncio.sleep(8)  # the 3 s grace, the cancels, the admission's stale window
+        after = tables(edges["e1"])
+        print(f"  settled:     e1 {after}")
+        print(f"  kinds {dict(stats)}")
+        left = {k: v for k, v in after.items() if v and k not in ("tasks",)}
+        if left or after["tasks"] > 2:
+            P(f"census: left behind on e1: {after}")
+    finally:
+        c.close()
+
+
 SECTIONS = ("seqs", "ended", "many", "race", "dup", "dupresume", "mux", "foreign", "slow", "ping", "edgekill", "workerkill", "orphan")
 
 
@@ -821,6 +879,9 @@ def main(argv):
                 asyncio.run(orphan(c, key))
         finally:
             c.close()
+    if "census" in which:
+        n = int(argv[argv.index("census") + 1]) if argv.index("census") + 1 < len(argv) else 3000
+        asyncio.run(census(n))
     if "mem" in which:
         n = int(argv[argv.index("mem") + 1]) if argv.index("mem") + 1 < len(argv) else 10_000
         c = start("m", workers=(("w0", "20"),))
