@@ -190,3 +190,35 @@ async def test_a_burst_larger_than_the_queue_reaches_a_client_that_reads(system:
     assert end["type"] == "done" and end["usage"]["completion_tokens"] == 400, end
     assert [f["seq"] for f in frames if f["type"] == "delta"] == list(range(400))
     assert metric(sys_, "edge-slow", "lanes_slow_clients_total") == num_slow
+
+
+async def test_a_client_that_reads_nothing_after_a_replay_is_dropped_once_the_keepalive_gives_up(
+        system: tuple[System, str, str]) -> None:
+    """A resume's replay is written to the socket at once (a burst never counts against the
+    frame cap), so a client that then reads nothing never reaches the 4008 close. Its keepalive
+    ping goes unanswered and uvicorn closes the transport, which waits to send what it buffers:
+    before, the edge held that connection (its key's connection slot, the buffered replay) for
+    as long as the client's kernel acknowledged, for ever (scripts/attack/a45_bookkeeping.py
+    burst: still held 75 s after). Now it is dropped the close timeout after the keepalive's close."""
+    from e2e_support import Client
+
+    sys_, _, _ = system
+    name = "edge-keepalive"
+    url = start_edge(sys_, name, LANES_WS_PING_INTERVAL_S="1", LANES_WS_PING_TIMEOUT_S="1",
+                     LANES_SLOW_CLIENT_CLOSE_TIMEOUT_S="1", LANES_CLIENT_SEND_BUFFER_BYTES="4096")
+    rid = f"burst-{uuid.uuid4().hex[:8]}"
+    first = await Client.connect(url)
+    await first.send({"type": "chat", "id": rid, "max_tokens": 1000,
+                      "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    assert (await first.wait(rid, scaled(60)))["type"] == "done"
+    await first.close()
+    client = await asyncio.to_thread(RawClient, sys_.edge_ports[name])
+    client.send_text(f'{{"type":"resume","id":"{rid}","last_seq":-1}}')
+    started = time.monotonic()
+    while metric(sys_, name, "lanes_edge_connections") > 0:
+        held_s = time.monotonic() - started
+        assert held_s < scaled(20), f"the edge still holds a client that reads nothing after {held_s:.0f} s"
+        await asyncio.sleep(0.1)
+    print(f"\na client that read nothing of a 1,000-token replay: dropped {time.monotonic() - started:.1f} s "
+          "after its resume (keepalive 1 s + 1 s, close timeout 1 s)")
+    client.sock.close()

@@ -180,14 +180,15 @@ class _HeadersInTime(HttpToolsProtocol):
 
 async def serve_app(app: EdgeApp, sock: socket.socket, *, max_frame_bytes: int, compression: bool,
                     graceful_s: float = 2.0, on_shutdown: Callable[[], None] | None = None,
-                    header_timeout_s: float = 10.0) -> None:
+                    header_timeout_s: float = 10.0, ping_interval_s: float = 20.0,
+                    ping_timeout_s: float = 20.0) -> None:
     """Serve ``app`` on ``sock`` until cancelled; then call ``on_shutdown`` and close connections
     within ``graceful_s``. A request whose headers take over ``header_timeout_s`` is dropped."""
     http = type("HeadersInTime", (_HeadersInTime,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
         app, ws="websockets-sansio", http=http, lifespan="off", log_config=None, access_log=False,
-        ws_max_size=max_frame_bytes, ws_per_message_deflate=compression, ws_ping_interval=20.0,
-        ws_ping_timeout=20.0, timeout_graceful_shutdown=int(graceful_s), server_header=False,
+        ws_max_size=max_frame_bytes, ws_per_message_deflate=compression, ws_ping_interval=ping_interval_s,
+        ws_ping_timeout=ping_timeout_s, timeout_graceful_shutdown=int(graceful_s), server_header=False,
     )
     server = _Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

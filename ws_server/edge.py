@@ -317,8 +317,12 @@ class Edge:
     async def tick(self) -> None:
         while True:
             await asyncio.sleep(_TICK_S)
-            self.carry(self.core.tick(time.monotonic()))
+            now = time.monotonic()
+            self.carry(self.core.tick(now))
             self.spans.prune(self.core.entries)
+            for session in list(self.sessions.values()):
+                if isinstance(session, Session):  # a WebSocket (not an HTTP exchange)
+                    session.drop_if_stuck(now)
 
     async def recheck_keys(self) -> None:
         """Every ``LANES_KEY_RECHECK_S``, look up the keys of the open WebSockets and HTTP
@@ -594,7 +598,9 @@ class Edge:
                 try:
                     await serve_app(EdgeApp(self), sock, max_frame_bytes=self.limits.max_frame_bytes * 4,
                                     compression=self.settings.ws_compression, on_shutdown=self.begin_shutdown,
-                                    header_timeout_s=self.settings.header_timeout_s)
+                                    header_timeout_s=self.settings.header_timeout_s,
+                                    ping_interval_s=self.settings.ws_ping_interval_s,
+                                    ping_timeout_s=self.settings.ws_ping_timeout_s)
                 finally:
                     # Closing connections now is a restart, not a client leaving: keep their
                     # requests running so the clients can resume on another edge.

@@ -133,6 +133,11 @@ class EdgeSettings(RedisSettings):
     #: After closing a too-slow client (4008), how long it gets to read up to the close frame
     #: before the edge drops the TCP connection (and with it the client's requests).
     slow_client_close_timeout_s: float = Field(5.0, ge=0, allow_inf_nan=False)
+    #: WebSocket keepalive: a ping this often; a connection whose client has not answered it
+    #: within the timeout is closed (and dropped ``slow_client_close_timeout_s`` later if the
+    #: client does not read up to the close frame).
+    ws_ping_interval_s: float = Field(20.0, gt=0, allow_inf_nan=False)
+    ws_ping_timeout_s: float = Field(20.0, gt=0, allow_inf_nan=False)
     #: A connection that has not sent a whole request head (HTTP headers, or the WebSocket
     #: upgrade) this long after it opened, or after its previous response, is closed.
     header_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)

@@ -19,6 +19,9 @@ What the earlier attacks (a2, a34, a4*, a5, a6) leave out, one section each:
               covers every seq once, the old one ends resumed_elsewhere, never silence
     slow      a client that stops reading with 16 long answers in flight: closed 4008 / dropped,
               its requests resumable, the edge's RSS bounded, a reading client on the edge unstalled
+    burst     a client that stops reading, then resumes a finished 4,000-token answer 20 times:
+              each replay is written at once, nothing more comes to trigger 4008; the edge must
+              still let go of the socket and its buffer
     ping      a client that neither reads nor answers pings, holding nothing: closed by the
               keepalive (20 s + 20 s)
     edgekill  edge e1 SIGKILLed and SIGTERMed (close 1012) mid-stream: resume on e2 and on the
@@ -542,6 +545,44 @@ async def slow(c, key):
     await watch.close()
 
 
+async def burst(c, key, n_resumes=20, watch_s=75):
+    """A client that stops reading, then resumes a finished 4,000-token answer again and again:
+    each replay is one burst, written to the socket at once (a burst never counts against the
+    4,096-frame queue), so nothing further is sent to trigger the 4008 close. The edge must still
+    let go of it and of what it buffered (the keepalive gives up at ~40 s)."""
+    print(f"== burst: a non-reading client resumes a finished 4,000-token answer {n_resumes} times")
+    pid = c.procs["e1"].pid
+    a, rid = await started(c, key, n=1, tok=4000)
+    await a.wait_terminal(rid, 60)
+    await a.close()
+    await asyncio.sleep(1)
+    r0, conns0 = rss_kb(pid), gauge(c, "e1", key, "lanes_edge_connections")
+    x = await Conn.open(c.edge_urls["e1"], key, ping_interval=None)
+    x.ws.transport.pause_reading()
+    for _ in range(n_resumes):
+        await x.send({"type": "resume", "id": rid, "last_seq": -1})
+    t0 = time.monotonic()
+    peak, gone, row = r0, None, []
+    while time.monotonic() - t0 < watch_s:
+        await asyncio.sleep(1)
+        r = rss_kb(pid)
+        peak = max(peak, r)
+        n = gauge(c, "e1", key, "lanes_edge_connections")
+        row.append((round(time.monotonic() - t0), r - r0, int(n)))
+        if gone is None and n <= conns0:
+            gone = time.monotonic() - t0
+            break
+    print(f"  (s, e1 RSS growth KiB, connections): {row[::5]} ... {row[-1:]}")
+    print(f"  e1 RSS {r0} -> peak {peak} KiB (+{peak - r0}); the edge let go of the socket "
+          f"{f'after {gone:.0f} s' if gone is not None else f'NOT within {watch_s} s'}; now {rss_kb(pid)} KiB")
+    if gone is None:
+        P(f"burst: the edge still holds a non-reading client (and its buffered replays, +{rss_kb(pid) - r0} KiB) "
+          f"{watch_s} s after it stopped reading")
+    await x.abort()
+    await asyncio.sleep(1)
+    print(f"  after the client's TCP reset: connections {gauge(c, 'e1', key, 'lanes_edge_connections'):g}, RSS {rss_kb(pid)} KiB")
+
+
 async def ping(c, key):
     print("== ping: a client holding nothing that neither reads nor answers pings")
     a = await Conn.open(c.edge_urls["e1"], key, ping_interval=None)
@@ -825,7 +866,7 @@ async def census(n):
         c.close()
 
 
-SECTIONS = ("seqs", "ended", "many", "race", "dup", "dupresume", "mux", "foreign", "slow", "ping", "edgekill", "workerkill", "orphan")
+SECTIONS = ("seqs", "ended", "many", "race", "dup", "dupresume", "mux", "foreign", "slow", "burst", "ping", "edgekill", "workerkill", "orphan")
 
 
 def main(argv):
@@ -857,7 +898,7 @@ def main(argv):
             print("crashed:", c.crashed())
         finally:
             c.close()
-    if "slow" in which or "ping" in which:
+    if "slow" in which or "ping" in which or "burst" in which:
         c = start("s", grace_s=15.0, workers=(("w0", "20"),))
         try:
             key = create_key(c, "alice")
@@ -865,6 +906,8 @@ def main(argv):
                 asyncio.run(slow(c, key))
             if "ping" in which:
                 asyncio.run(ping(c, key))
+            if "burst" in which:
+                asyncio.run(burst(c, key))
         finally:
             c.close()
     if "edgekill" in which or "workerkill" in which or "orphan" in which:
