@@ -19,9 +19,9 @@ What the earlier attacks (a2, a34, a4*, a5, a6) leave out, one section each:
               covers every seq once, the old one ends resumed_elsewhere, never silence
     slow      a client that stops reading with 16 long answers in flight: closed 4008 / dropped,
               its requests resumable, the edge's RSS bounded, a reading client on the edge unstalled
-    burst     a client that stops reading, then resumes a finished 4,000-token answer 20 times:
-              each replay is written at once, nothing more comes to trigger 4008; the edge must
-              still let go of the socket and its buffer
+    burst     a client that stops reading, then resumes finished 4,000-token answers (one 20
+              times, 20 different ones): each replay is written at once, nothing more comes to
+              trigger 4008; the edge must still let go of the socket and its buffer
     ping      a client that neither reads nor answers pings, holding nothing: closed by the
               keepalive (20 s + 20 s)
     edgekill  edge e1 SIGKILLed and SIGTERMed (close 1012) mid-stream: resume on e2 and on the
@@ -546,41 +546,48 @@ async def slow(c, key):
 
 
 async def burst(c, key, n_resumes=20, watch_s=75):
-    """A client that stops reading, then resumes a finished 4,000-token answer again and again:
-    each replay is one burst, written to the socket at once (a burst never counts against the
-    4,096-frame queue), so nothing further is sent to trigger the 4008 close. The edge must still
-    let go of it and of what it buffered (the keepalive gives up at ~40 s)."""
-    print(f"== burst: a non-reading client resumes a finished 4,000-token answer {n_resumes} times")
+    """A client that stops reading, then resumes finished 4,000-token answers: each replay is one
+    burst, written to the socket at once (a burst never counts against the 4,096-frame queue), so
+    once the replays are sent nothing further comes to trigger the 4008 close. The edge must
+    still let go of it and of what it buffered (the keepalive gives up at ~40 s). Once with the
+    same answer resumed again and again (each resume after the previous replay ended), once with
+    ``n_resumes`` different answers at once."""
     pid = c.procs["e1"].pid
-    a, rid = await started(c, key, n=1, tok=4000)
-    await a.wait_terminal(rid, 60)
+    a = await Conn.open(c.edge_urls["e1"], key)
+    rids = [uid("bu") for _ in range(n_resumes)]
+    for r in rids:
+        await a.chat(r, PROMPT, max_tokens=4000)
+    for r in rids:
+        await a.wait_terminal(r, 120)
     await a.close()
-    await asyncio.sleep(1)
-    r0, conns0 = rss_kb(pid), gauge(c, "e1", key, "lanes_edge_connections")
-    x = await Conn.open(c.edge_urls["e1"], key, ping_interval=None)
-    x.ws.transport.pause_reading()
-    for _ in range(n_resumes):
-        await x.send({"type": "resume", "id": rid, "last_seq": -1})
-    t0 = time.monotonic()
-    peak, gone, row = r0, None, []
-    while time.monotonic() - t0 < watch_s:
+    for label, ids in (("one answer, resumed again and again", [rids[0]] * n_resumes),
+                       (f"{n_resumes} different answers", rids)):
+        print(f"== burst: a non-reading client resumes {label}")
         await asyncio.sleep(1)
-        r = rss_kb(pid)
-        peak = max(peak, r)
-        n = gauge(c, "e1", key, "lanes_edge_connections")
-        row.append((round(time.monotonic() - t0), r - r0, int(n)))
-        if gone is None and n <= conns0:
-            gone = time.monotonic() - t0
-            break
-    print(f"  (s, e1 RSS growth KiB, connections): {row[::5]} ... {row[-1:]}")
-    print(f"  e1 RSS {r0} -> peak {peak} KiB (+{peak - r0}); the edge let go of the socket "
-          f"{f'after {gone:.0f} s' if gone is not None else f'NOT within {watch_s} s'}; now {rss_kb(pid)} KiB")
-    if gone is None:
-        P(f"burst: the edge still holds a non-reading client (and its buffered replays, +{rss_kb(pid) - r0} KiB) "
-          f"{watch_s} s after it stopped reading")
-    await x.abort()
-    await asyncio.sleep(1)
-    print(f"  after the client's TCP reset: connections {gauge(c, 'e1', key, 'lanes_edge_connections'):g}, RSS {rss_kb(pid)} KiB")
+        r0, conns0 = rss_kb(pid), gauge(c, "e1", key, "lanes_edge_connections")
+        x = await Conn.open(c.edge_urls["e1"], key, ping_interval=None)
+        x.ws.transport.pause_reading()
+        for r in ids:
+            await x.send({"type": "resume", "id": r, "last_seq": -1})
+        t0 = time.monotonic()
+        peak, gone, row = r0, None, []
+        while time.monotonic() - t0 < watch_s:
+            await asyncio.sleep(1)
+            r = rss_kb(pid)
+            peak = max(peak, r)
+            n = gauge(c, "e1", key, "lanes_edge_connections")
+            row.append((round(time.monotonic() - t0), r - r0, int(n)))
+            if gone is None and n <= conns0:
+                gone = time.monotonic() - t0
+                break
+        print(f"  (s, e1 RSS growth KiB, connections): {row[::5]} ... {row[-1:]}")
+        print(f"  e1 RSS {r0} -> peak {peak} KiB (+{peak - r0}); the edge let go of the socket "
+              f"{f'after {gone:.0f} s' if gone is not None else f'NOT within {watch_s} s'}; now {rss_kb(pid)} KiB")
+        if gone is None:
+            P(f"burst ({label}): the edge still holds a non-reading client (and its buffered replays, "
+              f"+{rss_kb(pid) - r0} KiB) {watch_s} s after it stopped reading")
+        await x.abort()
+        await asyncio.sleep(1)
 
 
 async def ping(c, key):
