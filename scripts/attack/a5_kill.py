@@ -75,13 +75,13 @@ async def kill_edge(c, key, ref):
     await b.close()
     # restart e1 on same port
     c.restart("e1"); c.wait_edge("e1")
-    # edge SIGTERM: spec says close 1001 and nothing cancelled
+    # edge SIGTERM: docs/protocol.md says close 1012 (service restart) and nothing cancelled
     a = await Conn.open(c.edge_urls["e1"], key); r = uid("st")
     await a.chat(r, PROMPT, max_tokens=TOK, temperature=0, seed=7); await a.wait_deltas(r, 20)
     c.kill("e1", signal.SIGTERM)
     await asyncio.wait_for(a.closed.wait(), 15)
     print("  SIGTERM edge: client close code", a.close_code, "terminal frames:", [strip(f) for f in a.terminals(r)])
-    if a.close_code != 1001: P(f"edge SIGTERM close code {a.close_code}")
+    if a.close_code != 1012: P(f"edge SIGTERM close code {a.close_code}")
     b = await Conn.open(c.edge_urls["e2"], key)
     last = a.seqs(r)[-1]
     await b.send({"type": "resume", "id": r, "last_seq": last}); await b.wait_terminal(r, 60)
@@ -95,8 +95,7 @@ async def main(c, key):
     print("reference len", len(ref))
     await kill_worker(c, key, signal.SIGKILL, ref, "kill -9 worker")
     await kill_worker(c, key, signal.SIGTERM, ref, "SIGTERM worker")
-
-    pass
+    await kill_edge(c, key, ref)
 
 if __name__ == "__main__":
     c, tmp = start_cluster("a5", workers=(("w0", "1"), ("w1", "1")), slots=8, grace_s=5.0)
