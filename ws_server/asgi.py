@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -77,13 +79,71 @@ class _AllowlistCORS(CORSMiddleware):
         return origin_allowed(origin, self.allowed)
 
 
+#: ``accept()`` errors that mean this process or machine is out of a resource (file descriptors
+#: above all: every connection is one); asyncio stops accepting for a second on them.
+_OUT_OF_RESOURCE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class _ListenSocket(socket.socket):
+    """The edge's listening socket: once out of file descriptors, one warning and one recovery
+    line, and one pause of accepting, instead of a traceback per pending connection.
+
+    CPython's selector loop (3.11-3.14 before gh-151615) goes on calling ``accept()`` after
+    EMFILE, up to the backlog (2,048) times per wake-up, logging a traceback and scheduling a
+    retry each time; the retries then multiply. At ``ulimit -n 64`` and 120 clients the edge
+    wrote 1 GB of tracebacks in 4 minutes and never recovered. Here the first such error of a
+    wake-up goes to asyncio (which pauses accepting for a second), the rest of that wake-up
+    read as "nothing to accept"; asyncio's own report of it is filtered (``_NoAcceptTraceback``)."""
+
+    _paused_until = 0.0
+    _exhausted_since: float | None = None
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if time.monotonic() < self._paused_until:
+            raise BlockingIOError(errno.EAGAIN, "accepting paused: out of file descriptors")
+        try:
+            return super().accept()
+        except BlockingIOError:
+            # Every waiting connection taken: the shortage is over (not at the first accept
+            # that works, which the next connection's EMFILE follows while at the limit).
+            if self._exhausted_since is not None:
+                log.info("accepting connections again after %.1f s", time.monotonic() - self._exhausted_since)
+                self._exhausted_since = None
+            raise
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_RESOURCE:
+                raise
+            now = time.monotonic()
+            self._paused_until = now + 0.5  # asyncio's retry comes after 1 s (ACCEPT_RETRY_DELAY)
+            if self._exhausted_since is None:
+                self._exhausted_since = now
+                import resource
+
+                limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                log.warning("cannot accept new connections: %s (open files limit %d; each connection is one): "
+                            "they wait until others close; raise the limit (`ulimit -n`, systemd LimitNOFILE, "
+                            "docker --ulimit nofile)", exc.strerror or exc, limit)
+            raise
+
+
+class _NoAcceptTraceback(logging.Filter):
+    """asyncio's "socket.accept() out of system resource" (with a traceback): ``_ListenSocket``
+    has said it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("socket.accept() out of system resource")
+
+
+logging.getLogger("asyncio").addFilter(_NoAcceptTraceback())
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """Bind and listen now; raises ``OSError`` (e.g. EADDRINUSE) for the caller to report."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose ``proto`` says TCP,
     # and accepted sockets inherit the listener's. With proto 0, Nagle's algorithm and delayed
     # ACKs held each small frame ~40 ms on loopback.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = _ListenSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
