@@ -70,3 +70,33 @@ def test_an_edge_out_of_file_descriptors_says_so_once_and_recovers(redis_url: st
     assert "Too many open files (open files limit 48; each connection is one)" in warnings[0]
     assert "accepting connections again after" in out
     assert len(out.splitlines()) < 20 + 4 * 80, out[-3000:]  # uvicorn's open/closed lines, not millions
+
+
+def test_a_worker_stopped_while_its_model_loads_exits(redis_url: str, tiny_model) -> None:
+    """SIGTERM (or Ctrl-C) while the hf engine loaded its model: the worker logged "stopped by
+    signal" and then never exited. The load runs in a thread a cancel cannot stop; it went on
+    to start transformers' batching thread, which nobody stopped, and the interpreter waited for
+    it at exit, for good (``lanes up``'s stop, systemd's, hung on it). The marker below is
+    printed as the load begins, so the signal lands inside it every time."""
+    script = ("import sys, time\nimport lanes.workers.engines.hf as hf\nload = hf.HFEngine._load\n"
+              "def slow_load(self):\n    print('LOADING', file=sys.stderr, flush=True)\n    time.sleep(1.0)\n"
+              "    load(self)\nhf.HFEngine._load = slow_load\nfrom lanes.cli.main import main\n"
+              f"sys.argv = ['lanes', 'worker', '--model', {str(tiny_model.target)!r}]\nmain()\n")
+    env = {**os.environ, "LANES_REDIS_URL": redis_url, "LANES_KEY_PREFIX": f"ld{uuid.uuid4().hex[:6]}"}
+    worker = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    assert worker.stdout is not None
+    seen = []
+    for line in worker.stdout:
+        seen.append(line)
+        if line.strip() == "LOADING":
+            break
+    worker.send_signal(signal.SIGTERM)
+    try:
+        out = "".join(seen) + worker.communicate(timeout=scaled(40))[0]
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        raise AssertionError("the worker did not exit after SIGTERM: " + "".join(seen)[-2000:]) from None
+    assert worker.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "letting the engine finish starting, then closing it" in out and "stopped by signal" in out

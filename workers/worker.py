@@ -125,12 +125,13 @@ class Worker:
 
     async def serve(self, *, burst: bool = False) -> None:
         """Run until cancelled (or, with ``burst``, until the lanes are empty and idle)."""
-        await self.engine.start()
-        metrics.WORKER_INFO.info({"worker": self.worker_id, "pool": self.settings.pool, "engine": self.engine.name})
-        await self._report()  # registered only now: a worker is listed once its engine is warm
-        log.info("worker %s ready: pool=%s engine=%s slots=%s", self.worker_id, self.settings.pool, self.engine.name,
-                 self.slots)
         try:
+            await self._start_engine()
+            metrics.WORKER_INFO.info({"worker": self.worker_id, "pool": self.settings.pool,
+                                      "engine": self.engine.name})
+            await self._report()  # registered only now: a worker is listed once its engine is warm
+            log.info("worker %s ready: pool=%s engine=%s slots=%s", self.worker_id, self.settings.pool,
+                     self.engine.name, self.slots)
             async with asyncio.TaskGroup() as group:
                 background = [group.create_task(loop) for loop in
                               (self._publish_loop(), self._heartbeat_loop(), self._control_loop())]
@@ -151,6 +152,23 @@ class Worker:
         finally:
             await self._deregister()
             await self.engine.close()
+
+    async def _start_engine(self) -> None:
+        """``engine.start()``, which a stop does not cut short. Engines load their model in a
+        thread, which a cancel cannot stop: a SIGTERM or Ctrl-C while the model loaded left
+        that thread to start the engine's batching thread after the process had stopped, and
+        the process never exited (it waited for that thread at interpreter exit). A stop now
+        waits for the start to end (the stop watchdog bounds the wait; a second signal exits at
+        once), and ``serve`` closes the engine."""
+        starting = asyncio.ensure_future(self.engine.start())
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            if not starting.done():
+                log.info("stopping: letting the engine finish starting, then closing it")
+                with contextlib.suppress(Exception):  # its failure no longer matters
+                    await starting
+            raise
 
     async def _report_draining(self) -> None:
         """Say at once that this worker claims nothing more: the pool stops counting it, so once
