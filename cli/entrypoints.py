@@ -3,7 +3,8 @@
 Each parses its settings once, checks what it depends on before anything slow (Redis at
 ``LANES_REDIS_URL``; for a worker its settings and model; for an edge its port), sets up
 logging and tracing, and runs until SIGINT/SIGTERM. What it cannot fix is raised as a
-``ConfigFailure`` / ``ConfigError``: the command line prints one line and exits 2. A write the
+``ConfigFailure`` / ``ConfigError``: the command line prints one line and exits 2. A Redis that
+refuses or does not answer is one line and exit 1 (it may come back: restart). A write the
 disk refuses (full, read-only, a quota) is one line too, but exits 1 here: these processes run
 until stopped, and such a disk is usually freed again, so their supervisor should restart them
 (``cli/failures.py: exit_code_for``).
@@ -20,7 +21,7 @@ import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from lanes.cli.failures import ConfigFailure, load_settings, safe_url, unknown_variables
+from lanes.cli.failures import ConfigFailure, Failure, load_settings, safe_url, unknown_variables
 from lanes.queue.errors import QueueAuthError, QueueUnavailable
 from lanes.queue.plane import QueuePlane
 from lanes.queue.settings import RedisSettings
@@ -77,9 +78,11 @@ def run_until_signal(main: Coroutine[Any, Any, None], watchdog_s: float = STOP_W
 
 
 async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_S, *, writes: bool = True) -> None:
-    """One round trip to Redis; ``ConfigFailure`` naming ``LANES_REDIS_URL`` and the address
-    tried (never the password) if it does not answer, or if it is a replica and the caller
-    ``writes`` (a command that only reads, such as ``lanes keys list``, may use a replica)."""
+    """One round trip to Redis; a ``Failure`` naming ``LANES_REDIS_URL`` and the address tried
+    (never the password) if it refuses or does not answer (exit 1: it may come back), a
+    ``ConfigFailure`` (exit 2) for an unknown host, a refused login, no such database, or a
+    replica where the caller ``writes`` (a command that only reads, such as ``lanes keys
+    list``, may use a replica)."""
     url = safe_url(plane.settings.redis_url)
     try:
         await asyncio.wait_for(plane.server_time_ms(), timeout_s)
@@ -93,7 +96,12 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
         reason = _unreachable_reason(exc, timeout_s)
         if url.startswith("rediss") and "no answer" in reason:
             reason += " (a rediss:// URL waits like this on a Redis without TLS: check the scheme and port)"
-        raise ConfigFailure(
+        # A host that does not exist is a mistake to fix (2); a Redis that refuses or does not
+        # answer may be down for a while (1): a supervisor restarts the process until it is
+        # back. With 2, a Redis outage plus one worker crash under ``lanes up`` stopped the
+        # whole system for good (the restarted worker exited 2, which stops everything).
+        failure = ConfigFailure if reason == "unknown host" else Failure
+        raise failure(
             f"cannot reach Redis at {url} (LANES_REDIS_URL): {reason}. Start Redis there or "
             "point LANES_REDIS_URL at yours (`lanes up` without LANES_REDIS_URL starts its own)"
         ) from None
@@ -123,6 +131,8 @@ def _unreachable_reason(exc: BaseException, timeout_s: float) -> str:
         return f"no answer within {timeout_s:.0f} s"
     if "connection refused" in lowered or "connect call failed" in lowered:
         return "connection refused"
+    if "temporary failure in name resolution" in lowered:
+        return "the name lookup (DNS) failed for now"
     if "name or service not known" in lowered or "name resolution" in lowered or "nodename" in lowered:
         return "unknown host"
     return text.rstrip(".")

@@ -4,8 +4,8 @@ supervised on top of the process harness (``cli/cluster.py``).
 - Ready means: *its own* edge answers ``/healthz`` (the edge id ``lanes up`` gave it, so another
   server on the port does not count) and at least one worker's engine is loaded and warm. While
   waiting it says every ``SLOW_NOTICE_S`` which child is slow and what it last printed.
-- A child that exits with status 2 (configuration error: port taken, Redis unreachable, model not
-  found) stops everything, with that child's message; nothing is restarted.
+- A child that exits with status 2 (configuration error: port taken, Redis at an unknown host,
+  model not found) stops everything, with that child's message; nothing is restarted.
 - A child that crashes (any other status) is restarted after a capped, growing pause.
 - SIGINT / SIGTERM are honoured at once, also while waiting: children get SIGTERM (workers
   hand their leases back), then Redis stops. No traceback.
@@ -161,7 +161,8 @@ class Supervisor:
 
 
 def _redis_url(settings: RedisSettings) -> tuple[str, EmbeddedRedis | None]:
-    """``LANES_REDIS_URL`` if set (checked now: exit 2 with its message if unreachable), else
+    """``LANES_REDIS_URL`` if set (checked now: its message and exit 1 if it refuses or does not
+    answer, 2 for a configuration error such as an unknown host), else
     an embedded redis-server of our own."""
     if "redis_url" in settings.model_fields_set:
 

@@ -15,6 +15,7 @@ import uuid
 from lanes.queue.embedded import free_port
 
 from conftest import scaled
+from test_up import up_runs  # noqa: F401 - the fixture
 
 
 def test_an_edge_out_of_file_descriptors_says_so_once_and_recovers(redis_url: str) -> None:
@@ -100,3 +101,36 @@ def test_a_worker_stopped_while_its_model_loads_exits(redis_url: str, tiny_model
     assert worker.returncode == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert "letting the engine finish starting, then closing it" in out and "stopped by signal" in out
+
+
+def test_a_worker_restarted_during_a_redis_outage_waits_for_redis(tmp_path, up_runs) -> None:  # noqa: F811
+    """Redis went away under ``lanes up`` and a worker crashed meanwhile: the restarted worker
+    could not reach Redis and exited 2, a configuration error, so ``lanes up`` stopped every
+    process for good. It exits 1 now, is restarted with backoff, and serves once Redis is back."""
+    import psutil
+    from test_up import Up, wait_for
+
+    from lanes.queue.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        up = Up(tmp_path, "--port", str(free_port()), "--engine", "sim", LANES_REDIS_URL=server.url)
+        up_runs.append(up)
+        wait_for(lambda: "ready: chat at" in up.output, scaled(60), "ready")
+        worker = next(p for p in up.children() if "worker" in p.cmdline())
+        server.stop()
+        worker.kill()
+        wait_for(lambda: "worker-0 exited with 1; restarting in" in up.output, scaled(60), "the restart notice")
+        assert up.proc.poll() is None, up.output[-3000:]
+        assert "configuration error" not in up.output, up.output[-3000:]
+        assert "error: cannot reach Redis at" in up.output
+        server = EmbeddedRedis(port=server.port).start()  # the same address again
+        wait_for(lambda: up.output.count(" ready: pool=default") >= 2,
+                 scaled(90), "the restarted worker ready")
+        children = up.children()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait(scaled(60)) == 0, up.output[-3000:]
+        psutil.wait_procs(children, timeout=scaled(10))
+        assert "Traceback" not in up.output, up.output[-3000:]
+    finally:
+        server.stop()
