@@ -102,8 +102,13 @@ class Scheduler:
 
         every = self.settings.predictor_refresh_minutes
         backoff = Backoff("arq cron", log, min_s=1.0, max_s=30.0)
+
+        async def connected(ctx: dict[str, Any]) -> None:
+            backoff.succeeded()  # the outage's one "recovered" line (it was never logged)
+
         while True:
             worker = ArqWorker(
+                on_startup=connected,
                 functions=[],
                 cron_jobs=[refresh_cron(self.settings.key_prefix, every, cron)],
                 redis_settings=_arq_redis_settings(ArqRedisSettings, self.settings.redis_url),
@@ -431,7 +436,9 @@ def _arq_redis_settings(cls: type, url: str) -> object:
     from dataclasses import fields, replace
     from urllib.parse import parse_qs, urlparse
 
-    settings = cls.from_dsn(url)
+    # No retries of arq's own: they logged a warning per attempt ("5 retries remaining...",
+    # every second of a Redis outage); ``_arq_cron``'s backoff retries, with one line an outage.
+    settings = replace(cls.from_dsn(url), conn_retries=0)
     known = {f.name for f in fields(cls)}
     extra: dict[str, object] = {}
     for name, values in parse_qs(urlparse(url).query).items():

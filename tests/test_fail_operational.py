@@ -134,3 +134,39 @@ def test_a_worker_restarted_during_a_redis_outage_waits_for_redis(tmp_path, up_r
         assert "Traceback" not in up.output, up.output[-3000:]
     finally:
         server.stop()
+
+
+def test_the_scheduler_logs_one_line_per_redis_outage_and_recovery(tmp_path) -> None:
+    """arq's own connection retries logged a warning a second ("redis connection error ... 4
+    retries remaining...") all through a Redis outage, and the arq cron loop never said it had
+    recovered, so its next outage went unlogged. Now each loop logs its outage once and its
+    recovery once."""
+    from lanes.queue.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    log_path = tmp_path / "scheduler.log"
+    with log_path.open("wb") as log_file:
+        scheduler = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "scheduler"], stdout=log_file,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "LANES_REDIS_URL": server.url})
+    try:
+        deadline = time.monotonic() + scaled(60)
+        while "Starting worker for 1 functions" not in log_path.read_text():
+            assert time.monotonic() < deadline and scheduler.poll() is None, log_path.read_text()[-2000:]
+            time.sleep(0.2)
+        server.stop()
+        time.sleep(4)
+        server = EmbeddedRedis(port=server.port).start()
+        deadline = time.monotonic() + scaled(60)
+        while "arq cron: recovered after" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        scheduler.send_signal(signal.SIGINT)
+        scheduler.wait(timeout=scaled(30))
+        server.stop()
+    out = log_path.read_text()
+    assert "retries remaining" not in out, out[-3000:]
+    assert out.count("arq cron: ConnectionError") == 1, out[-3000:]
+    for loop in ("reaper", "depth snapshots"):
+        assert out.count(f"{loop}: ConnectionError") == 1 and out.count(f"{loop}: recovered after") == 1, out
+    assert "Traceback" not in out
