@@ -174,7 +174,7 @@ def _known_profile(name: str) -> str:
 @app.command("policy")
 def policy(
     trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trace (read in place): an Azure LLM "
-                                        "inference CSV, a BurstGPT CSV or a Mooncake JSONL.")],
+                                        "inference CSV, a BurstGPT CSV or a Mooncake JSONL, gzipped or not.")],
     start: Annotated[int, typer.Option(min=0, help="First row of the trace simulated.")] = 0,
     requests: Annotated[int, typer.Option(min=0, help="Rows simulated from --start (0: to the end).")] = 0,
     prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths: JSON "
@@ -593,7 +593,7 @@ def connections(
 
 @app.command("live")
 def live(
-    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trace (read in place): Azure CSV, BurstGPT CSV or Mooncake JSONL.")] = DEFAULT_TRACE,
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trace (read in place): Azure CSV, BurstGPT CSV or Mooncake JSONL, gzipped or not.")] = DEFAULT_TRACE,
     prompts: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Prompts with known answer lengths, as for `bench policy`. "
                        "Default: benchmarks/data/prompt_pool.json.")] = None,
     requests: Annotated[int, typer.Option("--requests", help="Rows of the trace replayed (the slice).")] = 400,

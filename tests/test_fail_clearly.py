@@ -633,3 +633,28 @@ def test_redis_on_an_address_not_of_this_machine_says_so() -> None:
     assert out.stderr.strip().splitlines() == [
         "configuration error: 192.0.2.1 is not an address of this machine (--host): 127.0.0.1, 0.0.0.0 "
         "(every interface) or one of its interfaces' addresses"], out.stderr
+
+
+def test_a_gzipped_trace_is_read_and_a_broken_one_is_named(tmp_path) -> None:
+    """A ``.csv.gz`` trace (as the public ones ship) was refused with "'utf-8' codec can't decode
+    byte 0x8b in position 1", naming neither the file nor gzip; a binary file the same way. A
+    gzipped trace is read now, and a cut one or a binary one is one line naming the file."""
+    import gzip
+
+    from lanes.scheduler.sim.trace import load_trace
+
+    rows = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:{40 + i:02d}.0000000,{100 + i},{10 + i}\n" for i in range(12))
+    plain, zipped, cut, binary = (tmp_path / name for name in ("t.csv", "t.csv.gz", "cut.csv.gz", "bin.csv"))
+    plain.write_text(rows)
+    zipped.write_bytes(gzip.compress(rows.encode()))
+    cut.write_bytes(zipped.read_bytes()[:40])
+    binary.write_bytes(b"\xff\xfe\x00 not text\n")
+    assert load_trace(zipped).trace.output_tokens.tolist() == load_trace(plain).trace.output_tokens.tolist()
+    for path, words in ((cut, "the gzip data is damaged or cut short"),
+                        (binary, "not UTF-8 text (byte 0xff: invalid start byte)")):
+        out = lanes("bench", "policy", "--trace", str(path), "--policy", "fcfs", COLUMNS="300")
+        assert out.returncode == 2, out.stderr[-1500:]
+        text = " ".join(out.stderr.replace("│", " ").split())
+        assert f"Invalid value for --trace: {path}: {words}" in text, text
+        no_traceback(out)

@@ -21,7 +21,9 @@ to the next timestamp (``spread_ties``).
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -93,20 +95,33 @@ class LoadedTrace:
 def load_trace(path: str | Path) -> LoadedTrace:
     """Load a trace in any of ``TRACE_FORMATS``, told apart by content (a JSON object on the
     first line, else the CSV header). Requests are put in arrival order (stable) and their
-    times made relative to the first. Raises ``ValueError`` naming the file, line and problem."""
-    with open(path, newline="") as f:
-        first = f.readline()
-        f.seek(0)
-        if first.lstrip().startswith("{"):
-            return _finish(path, "mooncake", *_read_mooncake(path, f))
-        reader = csv.DictReader(f)
-        columns = set(reader.fieldnames or ())
-        if _AZURE_COLUMNS <= columns:
-            return _finish(path, "azure", *_read_rows(path, reader, "TIMESTAMP", _parse_time, "ContextTokens",
-                                                      "GeneratedTokens", skip_zero=False))
-        if _BURSTGPT_COLUMNS <= columns:
-            return _finish(path, "burstgpt", *_read_rows(path, reader, "Timestamp", float, "Request tokens",
-                                                         "Response tokens", skip_zero=True))
+    times made relative to the first. A gzipped file is read as it is (the public traces ship
+    as ``.csv.gz``). Raises ``ValueError`` naming the file, line and problem, also for text
+    that is not UTF-8 or a gzip stream that is cut short (a traceback before, or a bare
+    "'utf-8' codec can't decode byte 0x8b" that named neither the file nor gzip)."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"  # whatever the name says
+    try:
+        with (gzip.open(path, "rt", newline="", encoding="utf-8") if gzipped
+              else open(path, newline="", encoding="utf-8")) as f:
+            first = f.readline()
+            f.seek(0)
+            if first.lstrip().startswith("{"):
+                return _finish(path, "mooncake", *_read_mooncake(path, f))
+            reader = csv.DictReader(f)
+            columns = set(reader.fieldnames or ())
+            if _AZURE_COLUMNS <= columns:
+                return _finish(path, "azure", *_read_rows(path, reader, "TIMESTAMP", _parse_time, "ContextTokens",
+                                                          "GeneratedTokens", skip_zero=False))
+            if _BURSTGPT_COLUMNS <= columns:
+                return _finish(path, "burstgpt", *_read_rows(path, reader, "Timestamp", float, "Request tokens",
+                                                             "Response tokens", skip_zero=True))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}: {exc.reason}): a trace is "
+                         "a CSV or JSON lines file, gzipped or not") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: the gzip data is damaged or cut short ({exc}): copy or download it "
+                         "again") from None
     raise ValueError(f"{path}: not a trace format lanes reads (its first line: {first.strip()[:80]!r}); expected "
                      + "; or ".join(TRACE_FORMATS.values()))
 
