@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import sys
 import time
 import uuid
 
 import websockets
 
-from lanes.cli.failures import Failure
+from lanes.cli.failures import ConfigFailure, Failure
 
 
 async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: object = sys.stdout,
@@ -25,29 +27,43 @@ async def chat(url: str, prompt: str, max_tokens: int, temperature: float, out: 
     async with websockets.connect(url, max_size=None, additional_headers=headers) as ws:
         sent = time.perf_counter()
         await ws.send(json.dumps(frame))
-        async for raw in ws:
-            msg = json.loads(raw)
-            if msg["type"] == "accepted":
-                pool = f"pool {msg['pool']}, " if msg.get("pool") else ""
-                print(f"[{pool}{msg['lane']} lane, ~{msg['predicted_tokens']} tokens predicted]", file=sys.stderr)
-            elif msg["type"] == "delta":
-                out.write(msg["text"])  # type: ignore[attr-defined]
-                out.flush()  # type: ignore[attr-defined]
-            elif msg["type"] in ("done", "error"):
-                msg["client_total_ms"] = (time.perf_counter() - sent) * 1000
-                return msg
+        try:
+            async for raw in ws:
+                msg = json.loads(raw)
+                if msg["type"] == "accepted":
+                    pool = f"pool {msg['pool']}, " if msg.get("pool") else ""
+                    print(f"[{pool}{msg['lane']} lane, ~{msg['predicted_tokens']} tokens predicted]", file=sys.stderr)
+                elif msg["type"] == "delta":
+                    out.write(msg["text"])  # type: ignore[attr-defined]
+                    out.flush()  # type: ignore[attr-defined]
+                elif msg["type"] in ("done", "error"):
+                    msg["client_total_ms"] = (time.perf_counter() - sent) * 1000
+                    return msg
+        except asyncio.CancelledError:
+            # Ctrl-C (asyncio.run cancels us): cancel the request, or the edge takes the closed
+            # connection for a client that may resume, and the answer went on being generated
+            # for LANES_RESUME_GRACE_S (15 s) after the user stopped it.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.send(json.dumps({"type": "cancel", "id": request_id})), 1.0)
+            out.write("\n")  # type: ignore[attr-defined]
+            print("interrupted: request cancelled", file=sys.stderr)
+            raise
     raise Failure(f"the edge at {url} closed the connection before the answer finished")
 
 
 def _connect_failure(url: str, exc: BaseException) -> Failure:
+    """What the user must change (a URL, a key: ``ConfigFailure``, exit 2), or what may pass (an
+    edge not up yet: exit 1)."""
     if isinstance(exc, websockets.InvalidURI):
-        return Failure(f"{url} is not a WebSocket URL (--url): use ws://HOST:PORT/v1/chat")
+        return ConfigFailure(f"{url} is not a WebSocket URL (--url): use ws://HOST:PORT/v1/chat")
     if isinstance(exc, websockets.InvalidStatus):
         if exc.response.status_code == 401:
-            return Failure(f"{url} refused the API key (HTTP 401): pass one with --api-key or LANES_API_KEY "
-                           "(`lanes keys create NAME` makes one)")
-        return Failure(f"{url} answered HTTP {exc.response.status_code} instead of a WebSocket "
-                       "(--url): is the path /v1/chat?")
+            return ConfigFailure(f"{url} refused the API key (HTTP 401): pass one with --api-key or LANES_API_KEY "
+                                 "(`lanes keys create NAME` makes one)")
+        return ConfigFailure(f"{url} answered HTTP {exc.response.status_code} instead of a WebSocket "
+                             "(--url): is the path /v1/chat?")
+    if isinstance(exc, socket.gaierror) and exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)):
+        return ConfigFailure(f"cannot connect to {url}: unknown host (--url)")
     reason = "connection refused" if isinstance(exc, ConnectionRefusedError) else (str(exc) or type(exc).__name__)
     return Failure(f"cannot connect to {url}: {reason}; is `lanes up` (or `lanes edge`) running "
                    "there? (--url)")

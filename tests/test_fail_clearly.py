@@ -658,3 +658,15 @@ def test_a_gzipped_trace_is_read_and_a_broken_one_is_named(tmp_path) -> None:
         text = " ".join(out.stderr.replace("│", " ").split())
         assert f"Invalid value for --trace: {path}: {words}" in text, text
         no_traceback(out)
+
+
+def test_chat_mistakes_in_the_url_exit_2() -> None:
+    """A URL that is not a WebSocket's, or whose host does not exist, is the user's to fix: exit 2
+    (it was 1, the status of an edge that is not up yet, which a retry may get past)."""
+    for url, words in (("http://127.0.0.1:1/v1/chat", "is not a WebSocket URL (--url): use ws://HOST:PORT/v1/chat"),
+                       ("ws://no-such-host.invalid:1/v1/chat", "unknown host (--url)")):
+        out = lanes("chat", "--url", url, "hello")
+        assert out.returncode == 2, out.stderr[-1500:]
+        assert out.stderr.strip().splitlines() == [f"configuration error: {url} {words}" if "WebSocket" in words
+                                                   else f"configuration error: cannot connect to {url}: {words}"]
+        no_traceback(out)

@@ -170,3 +170,36 @@ def test_the_scheduler_logs_one_line_per_redis_outage_and_recovery(tmp_path) -> 
     for loop in ("reaper", "depth snapshots"):
         assert out.count(f"{loop}: ConnectionError") == 1 and out.count(f"{loop}: recovered after") == 1, out
     assert "Traceback" not in out
+
+
+def test_ctrl_c_of_lanes_chat_cancels_its_request(tmp_path, up_runs) -> None:  # noqa: F811
+    """Ctrl-C of ``lanes chat`` closed the connection without a word: the edge took it for a
+    client that may resume, and the answer went on being generated for LANES_RESUME_GRACE_S
+    (15 s). It sends ``cancel`` first now: the worker stops within a moment, exit 130, no
+    traceback."""
+    import re
+    import urllib.request
+
+    from test_up import Up, wait_for
+
+    port = free_port()
+    up = Up(tmp_path, "--port", str(port), "--engine", "sim")
+    up_runs.append(up)
+    wait_for(lambda: "ready: chat at" in up.output, scaled(60), "ready")
+    worker_metrics = re.search(r"worker-0 (http://127\.0\.0\.1:\d+/metrics)", up.output).group(1)
+
+    def running() -> float:
+        text = urllib.request.urlopen(worker_metrics, timeout=5).read().decode()
+        return sum(float(v) for v in re.findall(r"^lanes_worker_running\{[^}]*\} (\S+)", text, re.M))
+
+    chat = subprocess.Popen([sys.executable, "-m", "lanes.cli.main", "chat", "--url", f"ws://127.0.0.1:{port}/v1/chat",
+                             "--max-tokens", "4000", "write a long essay about everything"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert chat.stdout is not None
+    chat.stdout.read(20)  # streaming
+    assert running() == 1
+    chat.send_signal(signal.SIGINT)
+    err = chat.communicate(timeout=scaled(30))[1]
+    wait_for(lambda: running() == 0, scaled(5), "the worker to stop generating (15 s on the old code)")
+    assert chat.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted: request cancelled", err
