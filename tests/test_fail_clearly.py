@@ -670,3 +670,21 @@ def test_chat_mistakes_in_the_url_exit_2() -> None:
         assert out.stderr.strip().splitlines() == [f"configuration error: {url} {words}" if "WebSocket" in words
                                                    else f"configuration error: cannot connect to {url}: {words}"]
         no_traceback(out)
+
+
+def test_a_hub_id_with_the_hub_out_of_reach_is_one_line_at_once(redis_url: str, tmp_path) -> None:
+    """Online (HF_HUB_OFFLINE=0) with the hub out of reach, a model not in the cache took ~50 s
+    of huggingface_hub's retries (22 warning lines), then the loader's "check your internet
+    connection". Now one request to the hub, and one line that says it cannot be reached and
+    what to do. (A refused port stands in for a machine without network: deterministic.)"""
+    started = time.monotonic()
+    out = lanes("worker", "--model", "example-org/not-cached-model", LANES_REDIS_URL=redis_url,
+                HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:1", HF_HUB_CACHE=str(tmp_path), HF_HOME=str(tmp_path))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert time.monotonic() - started < 30
+    assert out.stderr.strip().splitlines() == [
+        f"configuration error: model example-org/not-cached-model is not in the Hugging Face cache ({tmp_path}) "
+        "and the hub at http://127.0.0.1:1 cannot be reached ([Errno 111] Connection refused) (--model / "
+        "LANES_MODEL): download it where the hub is reachable (`hf download example-org/not-cached-model`) and "
+        "copy the cache to this machine, point HF_ENDPOINT at a mirror you can reach, or give a local model "
+        "directory"], out.stderr[-2000:]

@@ -55,8 +55,8 @@ def looks_like_path(spec: str) -> bool:
 def check_model(spec: str, setting: str = "--model / LANES_MODEL") -> None:
     """Raise ``ConfigError`` naming ``setting`` if ``spec`` (already resolved) cannot load:
     a missing directory, a directory without ``config.json`` (``params.json`` for Mistral's own
-    format), a file other than a GGUF, a malformed hub id, or (offline) a hub id absent from the
-    cache."""
+    format), a file other than a GGUF, a malformed hub id, or a hub id absent from the cache
+    while offline or while the hub cannot be reached (one probe, ``hub_unreachable``)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if not any((path / name).is_file() for name in ("config.json", "params.json")):
@@ -80,9 +80,36 @@ def check_model(spec: str, setting: str = "--model / LANES_MODEL") -> None:
     except HFValidationError:
         raise ConfigError(f"model {spec!r} is neither a directory nor a Hugging Face hub id "
                           f"({setting})") from None
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    if not constants.HF_HUB_OFFLINE and (why := hub_unreachable()) is not None:
+        # Before: huggingface_hub retried for ~50 s (22 warning lines) and the loader's
+        # message said "check your internet connection", not what to do here.
+        raise ConfigError(
+            f"model {spec} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub at "
+            f"{constants.ENDPOINT} cannot be reached ({why}) ({setting}): download it where the hub is "
+            f"reachable (`hf download {spec}`) and copy the cache to this machine, point HF_ENDPOINT at a mirror "
+            "you can reach, or give a local model directory")
+    if constants.HF_HUB_OFFLINE:
         raise ConfigError(
             f"model {spec} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
             f"HF_HUB_OFFLINE=1 forbids downloading it ({setting}): download it first "
             f"(`hf download {spec}`), set HF_HUB_OFFLINE=0 (`lanes up` and scripts/up.sh run offline unless it "
             f"is set: `HF_HUB_OFFLINE=0 lanes up --model {spec}` downloads it), or give a local model directory")
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face hub (``HF_ENDPOINT``) cannot be reached, in a few words, or None if it
+    answers at all (any HTTP status). One request through huggingface_hub's own session, so its
+    proxy settings apply, and no retries."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a probe: whatever stopped it is the answer
+        text = str(exc).strip()
+        if "name or service not known" in text.lower() or "nodename nor servname" in text.lower():
+            return "its name does not resolve: no network or no DNS here"
+        return text.splitlines()[0] if text else type(exc).__name__
+    return None
