@@ -21,7 +21,7 @@ class SchedulerSettings(RedisSettings):
     #: Refit the length predictor from observed lengths every this many minutes (arq cron; 0 = off;
     #: a negative number, once silently off too, is refused).
     predictor_refresh_minutes: int = Field(default=5, ge=0)
-    predictor_min_observations: int = 50
+    predictor_min_observations: int = Field(default=50, ge=1)
     #: The refresh's window: the newest this many observations (at most what the list keeps)...
     predictor_max_observations: int = Field(default=REFRESH_WINDOW, ge=1, le=MAX_OBSERVATIONS)
     #: ...in which one API key's entries beyond this share give way to other keys' older ones

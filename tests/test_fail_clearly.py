@@ -213,6 +213,15 @@ def test_bad_input_files_of_the_tools_are_usage_errors_naming_the_flag(tmp_path)
     (["worker", "--engine", "sim"], {"LANES_DEVICE": "tpu"}, "LANES_DEVICE='tpu': Value error, use cpu, cuda"),
     (["edge"], {"LANES_API_KEY_HASHES": "lanes_pastedthekey"},
      "each entry must be a SHA-256 hex digest (64 hex digits) of a key, not the key itself"),
+    # Negative numbers these took without a word (a negative drain, GPU -1 hidden from vLLM):
+    (["worker", "--engine", "sim"], {"LANES_DRAIN_TIMEOUT_S": "-1"},
+     "LANES_DRAIN_TIMEOUT_S='-1': Input should be greater than or equal to 0"),
+    (["worker", "--engine", "sim"], {"LANES_GPU_INDEX": "-1"}, "LANES_GPU_INDEX='-1': Input should be greater"),
+    (["worker", "--engine", "sim"], {"LANES_MAX_MODEL_LEN": "-1"}, "LANES_MAX_MODEL_LEN='-1'"),
+    (["worker", "--engine", "sim"], {"LANES_PREEMPT_AFTER_MS": "-5"}, "LANES_PREEMPT_AFTER_MS='-5'"),
+    (["worker", "--engine", "sim"], {"LANES_NUM_SPECULATIVE_TOKENS": "-2"}, "LANES_NUM_SPECULATIVE_TOKENS='-2'"),
+    (["scheduler"], {"LANES_PREDICTOR_MIN_OBSERVATIONS": "0"},
+     "LANES_PREDICTOR_MIN_OBSERVATIONS='0': Input should be greater than or equal to 1"),
 ])
 def test_a_setting_that_does_not_validate_is_one_line_naming_it(command: list[str], env: dict[str, str],
                                                                 named: str) -> None:

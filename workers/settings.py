@@ -45,7 +45,7 @@ class WorkerSettings(RedisSettings):
     #: Draft model directory/id for ``spec_method=draft_model`` (and eagle heads).
     draft_model: str = ""
     spec_method: SpecMethod = "none"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = Field(4, ge=0)
     #: ``none``, ``awq`` (INT4 weights of a pre-quantized AWQ checkpoint) or ``fp8``. vLLM and
     #: TensorRT-LLM read an AWQ checkpoint's method from its config, so ``awq`` passes no
     #: argument to them (vLLM then picks its fast ``awq_marlin`` kernel where the GPU has it).
@@ -96,7 +96,7 @@ class WorkerSettings(RedisSettings):
     report_observations: bool = True
     #: Preemption by hand-back (``scheduler/preemption.py``): when a lane's oldest request has
     #: waited this long and no free slot may take it, hand one long-lane run back (0 = never).
-    preempt_after_ms: float = Field(20_000.0, allow_inf_nan=False)
+    preempt_after_ms: float = Field(20_000.0, ge=0, allow_inf_nan=False)
     #: A request is handed back at most this many times.
     max_preemptions: int = Field(1, ge=0)
     #: Hand back demoted runs too (claimed from a shorter lane, past its bound), not only
@@ -112,13 +112,13 @@ class WorkerSettings(RedisSettings):
     #: died and the client did not resume elsewhere), to free the slot and KV cache.
     orphan_grace_s: float = Field(15.0, ge=0, allow_inf_nan=False)
     #: On SIGTERM: stop claiming, let running requests finish this long, hand back the rest.
-    drain_timeout_s: float = Field(5.0, allow_inf_nan=False)
+    drain_timeout_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     #: Address the ``--metrics-port`` endpoint binds (0.0.0.0 for a Prometheus on another host).
     metrics_host: str = "127.0.0.1"
     #: Where the ``hf`` engines run: ``cpu``, ``cuda`` (the GPU ``gpu_index``), ``cuda:N`` or ``mps``.
     device: str = "cpu"
     #: Which GPU (vLLM / TensorRT-LLM see only it: CUDA_VISIBLE_DEVICES is set from it).
-    gpu_index: int = 0
+    gpu_index: int = Field(0, ge=0)
     #: Share of GPU memory the engine may take (weights + KV cache).
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     #: Weights dtype for vLLM and TensorRT-LLM (the ``hf`` engines run float32 whatever it says).
@@ -127,7 +127,7 @@ class WorkerSettings(RedisSettings):
     #: or more (tests, GPU checks, quick restarts) at some decode speed.
     enforce_eager: bool = False
     #: Max tokens of prompt + output the engine accepts (0 = the model's own limit).
-    max_model_len: int = 0
+    max_model_len: int = Field(0, ge=0)
     #: Time scale for the ``sim`` engine (10 = ten times faster than real time).
     sim_time_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
     sim_profile: str = "l70-h100"
