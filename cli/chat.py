@@ -72,6 +72,14 @@ def _connect_failure(url: str, exc: BaseException) -> Failure:
 def run_chat(url: str, prompt: str, max_tokens: int, temperature: float, api_key: str = "",
              model: str | None = None) -> int:
     try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Bytes that are not UTF-8 reach Python as lone surrogates; sent on, the edge refused the
+        # frame as "not valid JSON", as if the client were broken.
+        byte = prompt[exc.start].encode("utf-8", "surrogateescape")[0]
+        raise ConfigFailure(f"the prompt is not UTF-8 text (byte 0x{byte:02x} at character {exc.start}): pass "
+                            "UTF-8 text (a terminal in a UTF-8 locale, such as LANG=C.UTF-8, sends it)") from None
+    try:
         result = asyncio.run(chat(url, prompt, max_tokens, temperature, api_key=api_key, model=model))
     except (OSError, asyncio.TimeoutError, websockets.InvalidURI, websockets.InvalidHandshake) as exc:
         raise _connect_failure(url, exc) from None

@@ -669,6 +669,18 @@ def test_a_gzipped_trace_is_read_and_a_broken_one_is_named(tmp_path) -> None:
         no_traceback(out)
 
 
+def test_a_chat_prompt_that_is_not_utf8_is_named_before_sending() -> None:
+    """Bytes that are not UTF-8 in the prompt argument (a Latin-1 terminal) went out as lone
+    surrogates, and the edge answered "invalid_json: frame is not valid JSON", blaming a frame
+    the user never wrote. The CLI refuses them itself now (no edge needed: nothing is sent)."""
+    out = subprocess.run([sys.executable, "-m", "lanes.cli.main", "chat", "--url", "ws://127.0.0.1:1/v1/chat",
+                          b"caf\xe9"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert out.stderr.strip().splitlines() == [
+        "configuration error: the prompt is not UTF-8 text (byte 0xe9 at character 3): pass UTF-8 text (a "
+        "terminal in a UTF-8 locale, such as LANG=C.UTF-8, sends it)"]
+
+
 def test_chat_mistakes_in_the_url_exit_2() -> None:
     """A URL that is not a WebSocket's, or whose host does not exist, is the user's to fix: exit 2
     (it was 1, the status of an edge that is not up yet, which a retry may get past)."""
