@@ -95,6 +95,9 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
                                 "`databases` setting (16 by default: /0 to /15)") from None
         reason = _unreachable_reason(exc, timeout_s)
         if url.startswith("rediss") and "no answer" in reason:
+            if await _answers_without_tls(plane.settings.redis_url):
+                raise ConfigFailure(f"Redis at {url} does not speak TLS: it answered a plain PING (LANES_REDIS_URL): "
+                                    "use redis://, or turn TLS on in that Redis (tls-port)") from None
             reason += " (a rediss:// URL waits like this on a Redis without TLS: check the scheme and port)"
         # A host that does not exist is a mistake to fix (2); a Redis that refuses or does not
         # answer may be down for a while (1): a supervisor restarts the process until it is
@@ -109,6 +112,29 @@ async def check_redis(plane: QueuePlane, timeout_s: float = REDIS_CHECK_TIMEOUT_
         # Every process writes (enqueues, leases, heartbeats): on a replica each write fails,
         # which the edge would report to clients as "unavailable; retry shortly" for good.
         raise ConfigFailure(f"Redis at {url} is a read-only replica (LANES_REDIS_URL): point it at the primary")
+
+
+async def _answers_without_tls(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether a plain Redis listens at ``url``'s address (a ``rediss://`` URL whose TLS
+    handshake got no answer): ``PING`` without TLS, answered ``+PONG`` or with an error that
+    only Redis sends (``-NOAUTH``). Such a URL waited 5 s and, as an outage, exited 1 to be
+    restarted for good; a TLS-only server does not answer plain text this way."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return False
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port or 6379), timeout_s)
+        writer.write(b"PING\r\n")
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+    return line.startswith((b"+PONG", b"-NOAUTH", b"-ERR"))
 
 
 async def _is_replica(plane: QueuePlane) -> bool:

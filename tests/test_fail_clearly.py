@@ -709,3 +709,15 @@ def test_a_hub_id_with_the_hub_out_of_reach_is_one_line_at_once(redis_url: str, 
         "LANES_MODEL): download it where the hub is reachable (`hf download example-org/not-cached-model`) and "
         "copy the cache to this machine, point HF_ENDPOINT at a mirror you can reach, or give a local model "
         "directory"], out.stderr[-2000:]
+
+
+def test_a_tls_url_to_a_redis_without_tls_is_named_as_such(redis_url: str) -> None:
+    """``rediss://`` to a plain Redis waited 5 s and said "no answer", which now exits 1 as an
+    outage would (restarted for good). A plain PING at the same address tells them apart: a
+    configuration error (2) that says to use redis://."""
+    url = redis_url.replace("redis://", "rediss://", 1)
+    out = lanes("scheduler", LANES_REDIS_URL=url)
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert out.stderr.strip().splitlines() == [
+        f"configuration error: Redis at {url} does not speak TLS: it answered a plain PING (LANES_REDIS_URL): "
+        "use redis://, or turn TLS on in that Redis (tls-port)"]
