@@ -157,7 +157,8 @@ def test_the_scheduler_logs_one_line_per_redis_outage_and_recovery(tmp_path) -> 
         time.sleep(4)
         server = EmbeddedRedis(port=server.port).start()
         deadline = time.monotonic() + scaled(60)
-        while "arq cron: recovered after" not in log_path.read_text():
+        while not all(f"{loop}: recovered after" in log_path.read_text()
+                      for loop in ("arq cron", "reaper", "depth snapshots")):
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
     finally:
