@@ -45,6 +45,8 @@ def redis_values(client: redis.Redis) -> Iterator[tuple[bytes, str, bytes]]:
     set and zset members, stream entry fields and values."""
     for key in client.scan_iter(count=1000):
         kind = client.type(key).decode()
+        if kind == "none":  # gone between SCAN and TYPE (the system is still running: a watch entry ended)
+            continue
         if kind == "string":
             parts = [client.get(key)]
         elif kind == "hash":
