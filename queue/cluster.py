@@ -186,11 +186,15 @@ class _Pipeline(ClusterPipeline):
             raise ClusterUnavailable(str(exc)) from exc
 
 
-def node_client(cluster: RedisCluster, host: str, port: int, single_connection: bool = True) -> aioredis.Redis:
+def node_client(cluster: RedisCluster, host: str, port: int, single_connection: bool = True,
+                socket_timeout: float | None = None) -> aioredis.Redis:
     """A plain client of one node (one connection unless ``single_connection`` is false: a
-    ``PubSub`` takes its own), with the cluster client's credentials and TLS."""
+    ``PubSub`` takes its own), with the cluster client's credentials and TLS (and
+    ``socket_timeout`` when given)."""
     given = cluster.get_connection_kwargs()
     kwargs = {name: given[name] for name in _NODE_KWARGS if name in given}
+    if socket_timeout is not None:
+        kwargs["socket_timeout"] = socket_timeout
     return aioredis.Redis(host=host, port=port, ssl=given.get("connection_class") is SSLConnection,
                           single_connection_client=single_connection, **kwargs)
 
@@ -253,9 +257,11 @@ class SlotConnection:
     """A dedicated connection to the master of one key's slot, for blocking commands (see the
     module doc). ``connection()`` (re)connects; ``reset()`` after any error."""
 
-    def __init__(self, cluster: RedisCluster, key: str) -> None:
+    def __init__(self, cluster: RedisCluster, key: str, read_timeout_s: float | None = None) -> None:
         self.cluster = cluster
         self.key = key
+        #: Its read timeout: the longest pop plus ``redis_dead_after_s`` (``blocking_client``).
+        self.read_timeout_s = read_timeout_s
         self.conn: aioredis.Redis | None = None
         self.address: tuple[str, int] | None = None
         #: ``CLIENT ID`` of the current connection on its node (for ``CLIENT UNBLOCK``).
@@ -264,7 +270,7 @@ class SlotConnection:
     async def connection(self) -> aioredis.Redis:
         if self.conn is None:
             address = await slot_owner(self.cluster, self.key)
-            conn = node_client(self.cluster, *address)
+            conn = node_client(self.cluster, *address, socket_timeout=self.read_timeout_s)
             try:
                 client_id = int(await conn.client_id())
             except BaseException:

@@ -330,18 +330,25 @@ class QueuePlane(TokenStreams):
 
     # -- worker -----------------------------------------------------------------------
 
-    def blocking_client(self) -> aioredis.Redis | SlotConnection:
-        """A dedicated connection for ``pop`` (a blocked connection serves nobody else); on a
-        cluster, one to the master of this pool's slot that follows failovers."""
+    def blocking_client(self, block_s: float) -> aioredis.Redis | SlotConnection:
+        """A dedicated connection for ``pop`` (a blocked connection serves nobody else), for pops
+        of at most ``block_s``; on a cluster, one to the master of this pool's slot that follows
+        failovers.
+
+        Its read timeout is ``block_s`` plus ``redis_dead_after_s``, whatever the URL says: one
+        under the pop's block failed every idle pop (a URL's ``?socket_timeout=1``) and the
+        worker claimed nothing more; none at all left a pop on a connection whose Redis
+        vanished without closing it (a partition, a failover's moved address) waiting for good,
+        while the heartbeat reconnected and the worker looked healthy.
+        """
+        read_timeout_s = block_s + self.settings.redis_dead_after_s
         if self.cluster:
-            blocker = SlotConnection(self.redis, self.keys.pending(LANE_ORDER[0]))
+            blocker = SlotConnection(self.redis, self.keys.pending(LANE_ORDER[0]), read_timeout_s)
             self._blockers.add(blocker)
             return blocker
-        # No command timeout: the pop itself blocks for up to its own timeout. Set on the pool,
-        # since a URL's ``socket_timeout`` wins over keyword arguments: one under the pop's 2 s
-        # failed every idle pop, and the worker claimed nothing more.
+        # Set on the pool, since a URL's ``socket_timeout`` wins over keyword arguments.
         blocker = connect(self.settings.redis_url, single_connection_client=True)
-        blocker.connection_pool.connection_kwargs["socket_timeout"] = None
+        blocker.connection_pool.connection_kwargs["socket_timeout"] = read_timeout_s
         return blocker
 
     async def client_id(self, conn: aioredis.Redis | SlotConnection) -> int:

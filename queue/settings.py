@@ -50,6 +50,13 @@ class RedisSettings(BaseSettings):
     #: Prefix of every key and channel (lets several deployments share one Redis); never empty
     #: (an empty one was taken as given: keys starting ``:``, shared with any other empty prefix).
     key_prefix: str = Field("lanes", min_length=1)
+    #: A connection that waits on Redis (the worker's blocking pop, each pub/sub subscription)
+    #: and hears nothing from it this long beyond what it asked to wait is taken as dead and
+    #: opened again: a Redis host that vanished without closing its connections (a partition,
+    #: an address moved to a new primary on failover) left them waiting for good. A
+    #: subscription PINGs after a third of it in silence; the pop's read timeout is its block
+    #: plus this.
+    redis_dead_after_s: float = Field(15.0, gt=0, allow_inf_nan=False)
     #: A running request's lease; a worker renews it every ``heartbeat_s``.
     lease_ms: int = Field(2000, gt=0)
     heartbeat_s: float = Field(0.5, gt=0, allow_inf_nan=False)

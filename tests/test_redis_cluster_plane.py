@@ -165,7 +165,7 @@ async def test_request_path_on_each_master(redis_cluster: LocalCluster, plane: Q
             await p.enqueue(payload(other, Lane.LONG), "e1")
             pending, _ = await p.lane_depths(await p.server_time_ms())
             assert pending == {"short": 1, "medium": 0, "long": 1}
-            blocker = p.blocking_client()
+            blocker = p.blocking_client(1)
             assert isinstance(blocker, SlotConnection)
             try:
                 assert await p.pop(blocker, (Lane.SHORT, Lane.MEDIUM, Lane.LONG), 1) == (rid, Lane.SHORT)
@@ -282,7 +282,7 @@ async def test_refresh_runs_without_arq_once_per_tick(redis_cluster: LocalCluste
 
 async def test_unblock_reaches_the_node_holding_the_pop(plane: QueuePlane) -> None:
     p = plane.for_pool("small")
-    blocker = p.blocking_client()
+    blocker = p.blocking_client(30)
     try:
         client_id = await p.client_id(blocker)
         pop = asyncio.create_task(p.pop(blocker, (Lane.SHORT,), timeout_s=30))
@@ -312,7 +312,7 @@ async def test_queue_plane_through_a_failover(fresh_redis_cluster: LocalCluster,
         edge = Subscriber(plane.redis, [plane.keys.edge_channel(edge_id)])
         await asyncio.wait_for(edge.subscribed.wait(), scaled(10))
         await plane.enqueue(payload(rid), edge_id)
-        blocker = plane.blocking_client()
+        blocker = plane.blocking_client(60)
         assert await plane.pop(blocker, (Lane.SHORT,), 1) == (rid, Lane.SHORT)
         await plane.claim(rid, "w1")
         await plane.fence(rid, 1)

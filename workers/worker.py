@@ -76,6 +76,10 @@ log = logging.getLogger(__name__)
 _FLUSH_AT_STOP_S = 5.0
 #: After the engine said it is busy, how long this slot waits before claiming again (s).
 _BUSY_PAUSE_S = 0.2
+#: How long one blocking pop waits for a request (s); a burst worker's shorter one lets it
+#: see sooner that the lanes are empty.
+_POP_S = 2.0
+_BURST_POP_S = 0.5
 
 
 class Worker:
@@ -265,7 +269,8 @@ class Worker:
         return self.work_mix.prefill_share(self.settings.decode_token_cost)
 
     async def _claim_loop(self, burst: bool) -> None:
-        blocker = self.plane.blocking_client()
+        block_s = _BURST_POP_S if burst else _POP_S
+        blocker = self.plane.blocking_client(block_s)
         backoff = Backoff("claim loop", log)
         try:
             while True:
@@ -279,7 +284,7 @@ class Worker:
                 try:
                     if self._blocker_id is None:
                         self._blocker_id = await self.plane.client_id(blocker)
-                    popped = await self.plane.pop(blocker, lanes, timeout_s=0.5 if burst else 2.0)
+                    popped = await self.plane.pop(blocker, lanes, timeout_s=block_s)
                     # Redis answered, empty-handed or not: an outage ends here. (Counted from the
                     # next claim only, a restart with no traffic after it was logged as an
                     # outage lasting until the next request: "recovered after 149.3 s".)
