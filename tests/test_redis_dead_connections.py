@@ -1,10 +1,12 @@
-"""The worker's blocking pop against a Redis host that vanished without closing its connection
-(``BlackHoleProxy``: a partition, a failover that moved Redis's address): it must give up within
-its block plus ``redis_dead_after_s`` and connect again; before, it waited for good."""
+"""The connections that wait on Redis, the worker's blocking pop and ``pubsub.listen``, against
+a Redis host that vanished without closing them (``BlackHoleProxy``: a partition, a failover
+that moved Redis's address). Each must give up within ``redis_dead_after_s`` and connect again;
+before, each waited for good. And neither may give up on a Redis that is merely quiet."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -12,10 +14,12 @@ import pytest
 import redis.asyncio as aioredis
 from blackhole import BlackHoleProxy
 from conftest import scaled
+from lanes.queue.backoff import Backoff
 from lanes.queue.embedded import EmbeddedRedis
 from lanes.queue.errors import QueueUnavailable
 from lanes.queue.messages import Lane
 from lanes.queue.plane import QueuePlane
+from lanes.queue.pubsub import listen
 from lanes.queue.settings import RedisSettings
 
 DEAD_AFTER_S = 1.0
@@ -63,6 +67,95 @@ async def test_a_black_holed_pop_fails_within_its_block_plus_the_bound(proxy: Bl
     finally:
         await blocker.aclose()
         await plane.close()
+
+
+async def test_a_black_holed_subscription_resubscribes_and_says_so(proxy: BlackHoleProxy, key_prefix: str,
+                                                                   direct: aioredis.Redis) -> None:
+    plane = proxied_plane(proxy, key_prefix)
+    channel = f"{key_prefix}:chan"
+    got: list[tuple[bytes, float]] = []
+    subscriptions: list[float] = []
+
+    async def subscriber() -> None:
+        async for _, data in listen(plane.redis, [channel, f"{key_prefix}:other"], Backoff("test", logging.getLogger()),
+                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
+            got.append((data, time.monotonic()))
+
+    task = asyncio.create_task(subscriber())
+    try:
+        await wait_for(lambda: len(subscriptions) == 1, "subscribed")
+        # on_subscribed runs once Redis has the subscription: a message published now arrives.
+        assert await direct.publish(channel, b"before") == 1
+        await wait_for(lambda: [d for d, _ in got] == [b"before"], "the first message")
+
+        assert proxy.black_hole(sent=b"SUBSCRIBE") == 1
+        holed_at = time.monotonic()
+        # Redis still counts the black-holed subscriber: this one goes into the hole.
+        assert await direct.publish(channel, b"lost") >= 1
+        await wait_for(lambda: len(subscriptions) == 2, "subscribed again", scaled(DEAD_AFTER_S + 5))
+        took = subscriptions[1] - holed_at
+        print(f"\nsubscribed again {took:.2f} s after the black hole")
+        assert DEAD_AFTER_S - 0.1 <= took <= DEAD_AFTER_S + scaled(1.5)
+        await direct.publish(channel, b"after")
+        await wait_for(lambda: [d for d, _ in got][-1:] == [b"after"], "a message after the resubscription")
+        assert [d for d, _ in got] == [b"before", b"after"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await plane.close()
+
+
+async def test_a_quiet_subscription_is_kept(proxy: BlackHoleProxy, key_prefix: str, direct: aioredis.Redis) -> None:
+    """No message for several bounds in a row: its PINGs are answered, it stays subscribed."""
+    plane = proxied_plane(proxy, key_prefix)
+    channel = f"{key_prefix}:quiet"
+    subscriptions: list[float] = []
+    got: list[bytes] = []
+
+    async def subscriber() -> None:
+        async for _, data in listen(plane.redis, [channel], Backoff("test", logging.getLogger()),
+                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
+            got.append(data)
+
+    task = asyncio.create_task(subscriber())
+    try:
+        await wait_for(lambda: len(subscriptions) == 1, "subscribed")
+        await asyncio.sleep(4 * DEAD_AFTER_S)
+        assert len(subscriptions) == 1, "a quiet subscription was taken as dead"
+        assert await direct.publish(channel, b"still here") == 1
+        await wait_for(lambda: got == [b"still here"], "the message")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await plane.close()
+
+
+async def test_a_reset_subscription_catches_up(plane: QueuePlane, key_prefix: str, direct: aioredis.Redis) -> None:
+    """Redis closes the subscriber's connection (``CLIENT KILL``; a restart, an output buffer
+    limit): redis-py reconnects and resubscribes by itself inside ``get_message``, and whatever
+    was published meanwhile is gone. ``on_subscribed`` must run again so the caller catches up
+    (the edge refills its requests from their streams)."""
+    channel = f"{key_prefix}:reset"
+    subscriptions: list[float] = []
+    got: list[bytes] = []
+
+    async def subscriber() -> None:
+        async for _, data in listen(plane.redis, [channel], Backoff("test", logging.getLogger()),
+                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
+            got.append(data)
+
+    task = asyncio.create_task(subscriber())
+    try:
+        await wait_for(lambda: len(subscriptions) == 1, "subscribed")
+        assert await direct.publish(channel, b"one") == 1
+        await wait_for(lambda: got == [b"one"], "the first message")
+        assert await direct.client_kill_filter(_type="pubsub") >= 1
+        await wait_for(lambda: len(subscriptions) == 2, "told of the resubscription", scaled(DEAD_AFTER_S + 5))
+        assert await direct.publish(channel, b"two") == 1
+        await wait_for(lambda: got == [b"one", b"two"], "a message after it")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def wait_for(done, what: str, timeout_s: float | None = None) -> None:  # type: ignore[no-untyped-def]

@@ -638,7 +638,7 @@ class Worker:
         depth_channel = keys.depth_channel.encode()
         backoff = Backoff("control channel", log)
         async for channel, data in listen(self.plane.redis, [keys.control_channel(self.worker_id), keys.depth_channel],
-                                          backoff):
+                                          backoff, dead_after_s=self.plane.settings.redis_dead_after_s):
             try:
                 if channel == depth_channel:
                     snapshot = decode(data, DepthSnapshot)

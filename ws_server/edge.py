@@ -299,7 +299,8 @@ class Edge:
             self._ready.set()
 
         channels = [keys.edge_channel(self.edge_id), keys.depth_channel, keys.takeover_channel(self.edge_id)]
-        async for channel, data in listen(self.plane.redis, channels, backoff, subscribed):
+        async for channel, data in listen(self.plane.redis, channels, backoff, subscribed,
+                                          dead_after_s=self.plane.settings.redis_dead_after_s):
             if channel == depth_channel:
                 self.admission.observe(data)
                 self._warn_unrouted()

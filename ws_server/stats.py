@@ -125,7 +125,8 @@ class StatsRelay:
         self.closed = False
 
     async def run(self) -> None:
-        async for _, data in listen(self.plane.redis, [self.plane.keys.stats_channel], Backoff("stats channel", log)):
+        async for _, data in listen(self.plane.redis, [self.plane.keys.stats_channel], Backoff("stats channel", log),
+                                    dead_after_s=self.plane.settings.redis_dead_after_s):
             for queue in self._queues:
                 _put(queue, data)
 
