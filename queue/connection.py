@@ -71,15 +71,19 @@ def connect(url: str, **kwargs: object) -> aioredis.Redis:
         from lanes.queue.cluster import connect_cluster
 
         return connect_cluster(url)  # type: ignore[return-value]
-    options: dict[str, object] = {"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S,
-                                  **kwargs}
-    return aioredis.Redis.from_url(
-        url,
-        retry=TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5, supported_errors=(RedisConnectionError,)),
-        retry_on_error=[RedisConnectionError],
-        health_check_interval=10,
-        **options,
-    )
+    return aioredis.Redis.from_url(url, **connection_options(**kwargs))
+
+
+def connection_options(**kwargs: object) -> dict[str, object]:
+    """``connect``'s options for a single Redis (``kwargs`` over the timeouts), for a client
+    or a ``ConnectionPool.from_url`` (the URL's own options win over both)."""
+    return {
+        "socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S, **kwargs,
+        "retry": TransientRetry(ExponentialBackoff(cap=1.0, base=0.02), retries=5,
+                                supported_errors=(RedisConnectionError,)),
+        "retry_on_error": [RedisConnectionError],
+        "health_check_interval": 10,
+    }
 
 
 def raise_if_cancelled() -> None:

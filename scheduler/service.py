@@ -11,6 +11,7 @@ latest snapshot, the workers' reports and the edges' windows (``sampling.py``) i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -18,8 +19,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 from lanes.queue.backoff import Backoff
-from lanes.queue.connection import raise_if_cancelled
+from lanes.queue.connection import connection_options, raise_if_cancelled
 from lanes.queue.errors import ErrorCode, QueueUnavailable
 from lanes.queue.messages import (
     DepthSnapshot,
@@ -33,6 +35,7 @@ from lanes.scheduler.sampling import Sampler
 from lanes.scheduler.settings import SchedulerSettings
 from lanes.telemetry import metrics
 from lanes.telemetry.tracing import extract_context, tracer
+from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
@@ -96,32 +99,40 @@ class Scheduler:
 
     async def _arq_cron(self) -> None:
         """arq runs the periodic jobs (off the request path): unique per tick across schedulers."""
-        from arq.connections import RedisSettings as ArqRedisSettings
         from arq.cron import cron
         from arq.worker import Worker as ArqWorker
 
         every = self.settings.predictor_refresh_minutes
         backoff = Backoff("arq cron", log, min_s=1.0, max_s=30.0)
+        queue_name = f"{self.settings.key_prefix}:arq"
 
         async def connected(ctx: dict[str, Any]) -> None:
             backoff.succeeded()  # the outage's one "recovered" line (it was never logged)
 
         while True:
+            # Our own pool (``_arq_pool``): arq makes no connection, so it retries none of its own
+            # (it logged a warning per attempt, every second of an outage); the backoff here
+            # retries, with one line an outage.
+            pool = _arq_pool(self.settings.redis_url, queue_name)
             worker = ArqWorker(
                 on_startup=connected,
                 functions=[],
                 cron_jobs=[refresh_cron(self.settings.key_prefix, every, cron)],
-                redis_settings=_arq_redis_settings(ArqRedisSettings, self.settings.redis_url),
-                queue_name=f"{self.settings.key_prefix}:arq",
+                redis_pool=pool,
+                queue_name=queue_name,
                 ctx=self._refresh_ctx(),
                 handle_signals=False, keep_result=0, poll_delay=1.0,
-                # JSON, never pickle: a Redis writer must not get code execution here.
-                job_serializer=lambda obj: json.dumps(obj).encode(), job_deserializer=json.loads,
+                job_serializer=_arq_serialize, job_deserializer=json.loads,
             )
             try:
                 await worker.async_run()
-            except (QueueUnavailable, OSError) as exc:
+            except (QueueUnavailable, OSError, RedisError) as exc:
                 await asyncio.sleep(backoff.failed(exc))
+            finally:
+                # Its connections: black-holed ones close at once (nothing left to send on them).
+                with contextlib.suppress(QueueUnavailable, OSError, TimeoutError, RedisError):
+                    async with asyncio.timeout(1.0):
+                        await pool.aclose(close_connection_pool=True)
 
     async def _refresh_loop(self, every_s: float | None = None) -> None:
         """The predictor refresh without arq, for a Redis Cluster (arq pins redis-py < 6 and its
@@ -430,22 +441,22 @@ class Smoothed:
         return self.value
 
 
-def _arq_redis_settings(cls: type, url: str) -> object:
-    """arq's ``from_dsn`` drops the URL's ``ssl_*`` options (a private CA, hostname checks):
-    carry them over so the cron jobs reach a TLS Redis like every other connection."""
-    from dataclasses import fields, replace
-    from urllib.parse import parse_qs, urlparse
+def _arq_serialize(obj: object) -> bytes:
+    """JSON, never pickle: a Redis writer must not get code execution here."""
+    return json.dumps(obj).encode()
 
-    # No retries of arq's own: they logged a warning per attempt ("5 retries remaining...",
-    # every second of a Redis outage); ``_arq_cron``'s backoff retries, with one line an outage.
-    settings = replace(cls.from_dsn(url), conn_retries=0)
-    known = {f.name for f in fields(cls)}
-    extra: dict[str, object] = {}
-    for name, values in parse_qs(urlparse(url).query).items():
-        if name.startswith("ssl_") and name in known:
-            value = values[-1]
-            extra[name] = {"true": True, "false": False}.get(value.lower(), value)
-    return replace(settings, **extra) if extra else settings
+
+def _arq_pool(url: str, queue_name: str) -> Any:
+    """arq's connections, with the options of every other lanes connection (``connect``): the
+    5 s command timeout above all. arq's own settings have none to give, so a connection whose
+    Redis host vanished without closing it (a partition, a failover that moved the address)
+    held arq's once-a-second poll, and with it the predictor refresh, for good, without a word.
+    The URL's options (``ssl_*`` on ``rediss://``) are read by redis-py itself, as for every
+    other connection (arq's ``from_dsn`` dropped them)."""
+    from arq.connections import ArqRedis
+
+    pool = aioredis.ConnectionPool.from_url(url, **connection_options())
+    return ArqRedis(pool, job_serializer=_arq_serialize, job_deserializer=json.loads, default_queue_name=queue_name)
 
 
 def refresh_cron(key_prefix: str, every_minutes: int, cron: Callable[..., Any]) -> Any:

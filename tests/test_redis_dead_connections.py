@@ -163,3 +163,38 @@ async def wait_for(done, what: str, timeout_s: float | None = None) -> None:  # 
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting: {what}"
         await asyncio.sleep(0.01)
+
+
+async def test_the_schedulers_arq_cron_outlives_a_black_hole(proxy: BlackHoleProxy, key_prefix: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The predictor refresh runs as an arq cron job; arq polls its queue every second on a
+    pool of its own. That pool had no command timeout (arq's settings have none to give), so
+    a black-holed connection stopped the cron for good, without a word. The scheduler's arq
+    worker, as it runs it, with a cron job every second in place of the refresh."""
+    from lanes.scheduler import service
+    from lanes.scheduler.settings import SchedulerSettings
+
+    ticks: list[float] = []
+
+    async def tick(ctx: dict[str, object]) -> None:
+        ticks.append(time.monotonic())
+
+    monkeypatch.setattr(service, "refresh_cron", lambda prefix, every, cron: cron(
+        tick, name=f"cron:tick:{prefix}", second=set(range(60)), unique=True, timeout=5))
+    settings = SchedulerSettings(redis_url=proxy.url(), key_prefix=key_prefix, predictor_refresh_minutes=1,
+                                 redis_dead_after_s=DEAD_AFTER_S)
+    plane = QueuePlane.from_settings(settings)
+    task = asyncio.create_task(service.Scheduler(settings, plane)._arq_cron())
+    try:
+        await wait_for(lambda: len(ticks) >= 2, "the cron job ran", scaled(10))
+        assert proxy.black_hole() >= 1
+        holed_at = time.monotonic()
+        # A command on a black-holed connection fails after its 5 s timeout; arq's worker stops,
+        # and the scheduler starts another (backoff from 1 s) on new connections.
+        await wait_for(lambda: sum(t > holed_at for t in ticks) >= 2, "the cron job ran after the black hole",
+                       scaled(15))
+        print(f"\nthe cron job ran again {next(t for t in ticks if t > holed_at) - holed_at:.1f} s after the black hole")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await plane.close()

@@ -106,6 +106,12 @@ async def test_rediss_url_with_ca_and_password(tls_redis: tuple[int, Path, str])
         client = connect(base + query)
         assert await client.ping(), query
         await client.aclose()
+    # The scheduler's arq pool (the predictor refresh) reads the same options from the URL.
+    from lanes.scheduler.service import _arq_pool
+
+    arq_pool = _arq_pool(base + f"?ssl_ca_certs={ca}", "tls:arq")
+    assert await arq_pool.ping()
+    await arq_pool.aclose()
     unverified = connect(base)  # the system trust store does not know our CA: refused, not silently trusted
     with pytest.raises(ConnectionError, match="certificate verify failed"):
         await unverified.ping()
