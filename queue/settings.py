@@ -56,7 +56,8 @@ class RedisSettings(BaseSettings):
     #: an address moved to a new primary on failover) left them waiting for good. A
     #: subscription PINGs after a third of it in silence; the pop's read timeout is its block
     #: plus this.
-    redis_dead_after_s: float = Field(15.0, gt=0, allow_inf_nan=False)
+    #: At least 1 s: below a busy Redis's answer time, healthy connections would be dropped.
+    redis_dead_after_s: float = Field(15.0, ge=1.0, allow_inf_nan=False)
     #: A running request's lease; a worker renews it every ``heartbeat_s``.
     lease_ms: int = Field(2000, gt=0)
     heartbeat_s: float = Field(0.5, gt=0, allow_inf_nan=False)

@@ -158,6 +158,14 @@ async def test_a_reset_subscription_catches_up(plane: QueuePlane, key_prefix: st
         await asyncio.gather(task, return_exceptions=True)
 
 
+def test_the_bound_is_at_least_a_second() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        RedisSettings(redis_dead_after_s=0.5)
+    assert RedisSettings().redis_dead_after_s == 15.0
+
+
 async def wait_for(done, what: str, timeout_s: float | None = None) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + (timeout_s or scaled(5))
     while not done():
