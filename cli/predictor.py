@@ -9,8 +9,13 @@ Data formats accepted by ``--data``:
   instead of ``"prompt"``: its last user message is the prompt, as at the edge;
 - an AlpacaEval ``model_outputs.json`` (``instruction``, ``output``, ``generator``, ``dataset``):
   output tokens come from ``alpaca_eval_token_counts.csv`` when it sits in the same folder (rows
-  matched by position), else are approximated as ``round(len(output) / 4.6)`` (the Llama-3
-  tokenizer's mean on these answers: 4.61 characters per token).
+  matched by position), else are counted from each ``output``.
+
+A row may give its answer's text (``"output"``) instead of ``"output_tokens"``. Answer text is
+counted with the Llama-3 BPE (``quicktok-v1``, the ``dev`` extra: the tokenizer the shipped
+weights' labels were counted with), or, without it, approximated as ``round(len(output) / 4.6)``
+(the Llama-3 tokenizer's mean on AlpacaEval answers: 4.61 characters per token).
+``load_counted`` also says which of these gave the lengths (``eval`` prints it).
 """
 
 from __future__ import annotations
@@ -53,21 +58,50 @@ CHARS_PER_TOKEN = 4.6
 MAX_OUTPUT_TOKENS = 10_000_000
 
 
-def _alpaca_observations(path: Path, records: list[dict[str, object]]) -> list[Observation]:
+#: How a file's answer lengths were had (``eval`` prints it as ``output_tokens_from``).
+FROM_FILE = "the file's output_tokens"
+FROM_COUNTS_CSV = f"{COUNTS_CSV} beside the file (Llama-3 BPE)"
+FROM_LLAMA3 = "Llama-3 BPE counts of each output text (quicktok-v1)"
+FROM_CHARS = (f"approximated from each output text as characters / {CHARS_PER_TOKEN} "
+              "(install quicktok-v1, the dev extra, for exact Llama-3 BPE counts)")
+
+
+def count_output_tokens(texts: list[str]) -> tuple[list[int], str]:
+    """Answer texts' lengths in tokens, and how they were had: the Llama-3 BPE the shipped
+    labels were counted with where ``quicktok-v1`` is installed, else characters / 4.6."""
+    from lanes.scheduler.predictor.sources import quicktok_counter
+
+    try:
+        counter = quicktok_counter()
+    except ImportError:
+        return [round(len(t) / CHARS_PER_TOKEN) for t in texts], FROM_CHARS
+    return counter(texts), FROM_LLAMA3
+
+
+def _alpaca_observations(path: Path, records: list[dict[str, object]]) -> tuple[list[Observation], str]:
     counts_path = path.parent / COUNTS_CSV
-    column = _COUNT_COLUMNS.get(records[0].get("generator", "")) if records else None
+    column = _COUNT_COLUMNS.get(records[0].get("generator", "")) if records else None  # type: ignore[arg-type]
     if counts_path.is_file() and column is not None:
         rows = list(csv.DictReader(counts_path.open()))
         if len(rows) != len(records):
             raise typer.BadParameter(f"{counts_path} has {len(rows)} rows, {path} has {len(records)}")
-        tokens = [int(row[column]) for row in rows]
+        tokens, counted = [int(row[column]) for row in rows], FROM_COUNTS_CSV
     else:
-        tokens = [round(len(r["output"]) / CHARS_PER_TOKEN) for r in records]
-    return [Observation(r["instruction"], t, r.get("dataset", "")) for r, t in zip(records, tokens)]
+        texts = [r.get("output") for r in records]
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise ValueError(f"row {bad}: AlpacaEval row without a string 'output'")
+        tokens, counted = count_output_tokens(texts)  # type: ignore[arg-type]
+    return [Observation(r["instruction"], t, r.get("dataset", "")) for r, t in zip(records, tokens)], counted  # type: ignore[arg-type]
 
 
 def load_observations(data: Path) -> list[Observation]:
     """Read ``data`` in any format described in this module's docstring."""
+    return load_counted(data)[0]
+
+
+def load_counted(data: Path) -> tuple[list[Observation], str]:
+    """``load_observations``, and how the answer lengths were had (``FROM_*``)."""
     raw = data.read_bytes()
     if raw[:2] == b"\x1f\x8b":  # gzip, whatever the name says
         raw = gzip.decompress(raw)
@@ -86,10 +120,22 @@ def load_observations(data: Path) -> list[Observation]:
     first = records[0] if records and isinstance(records[0], dict) else {}
     if "lengths" in first:  # the data set build-data writes
         examples = [example_from_record(r, f"{data}: row {i}") for i, r in enumerate(records)]
-        return [Observation(e.prompt, e.output_tokens, e.source) for e in examples]
+        return [Observation(e.prompt, e.output_tokens, e.source) for e in examples], FROM_FILE
     if "instruction" in first:
         return _alpaca_observations(data, records)
-    return [_observation(r, i) for i, r in enumerate(records)]
+    texts = {i: row["output"] for i, row in enumerate(records)
+             if isinstance(row, dict) and "output_tokens" not in row and "output" in row}
+    for i, output in texts.items():
+        if not isinstance(output, str):
+            raise ValueError(f"row {i}: 'output' (the answer's text, counted when 'output_tokens' is not given) "
+                             f"must be a string, not {type(output).__name__}")
+    counted = FROM_FILE
+    if texts:
+        tokens, counted = count_output_tokens(list(texts.values()))
+        records = [{**row, "output_tokens": tokens.pop(0)} if i in texts else row for i, row in enumerate(records)]
+        if len(texts) < len(records):
+            counted = f"{FROM_FILE} ({len(records) - len(texts)} rows), {counted} ({len(texts)} rows)"
+    return [_observation(r, i) for i, r in enumerate(records)], counted
 
 
 def _json_line(line: str, index: int) -> object:
@@ -110,7 +156,8 @@ def _observation(row: object, index: int) -> Observation:
         row = {**row, "prompt": _last_user_content(row["messages"], index)}
     missing = [key for key in ("prompt", "output_tokens") if key not in row]
     if missing:
-        raise ValueError(f"row {index}: no {' or '.join(repr(k) for k in missing)} (it has {sorted(row)[:8]})")
+        raise ValueError(f"row {index}: no {' or '.join(repr(k) for k in missing)} (it has {sorted(row)[:8]}; "
+                         "an answer's text as 'output' is counted instead of 'output_tokens')")
     prompt, tokens = row["prompt"], row["output_tokens"]
     if not isinstance(prompt, str):
         raise ValueError(f"row {index}: 'prompt' must be a string, not {type(prompt).__name__}")
@@ -141,15 +188,21 @@ def _last_user_content(messages: list[object], index: int) -> str:
 def read_observations(data: Path, flag: str = "--data") -> list[Observation]:
     """``load_observations`` for the command line: a malformed or empty file is a usage error
     that names the flag, the file and the formats it may hold (no traceback)."""
+    return read_counted(data, flag)[0]
+
+
+def read_counted(data: Path, flag: str = "--data") -> tuple[list[Observation], str]:
+    """``read_observations``, and how the answer lengths were had."""
     try:
-        observations = load_observations(data)
+        observations, counted = load_counted(data)
     except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError, OverflowError) as exc:
-        raise typer.BadParameter(f"{data}: expected rows of {{'prompt' (or a chat's 'messages'), 'output_tokens'}} "
+        raise typer.BadParameter(f"{data}: expected rows of {{'prompt' (or a chat's 'messages'), 'output_tokens' (or "
+                                 "the answer's text as 'output')} "
                                  "as a JSON list or JSON lines (gzipped or not), AlpacaEval model_outputs.json or "
                                  f"a data set from build-data ({type(exc).__name__}: {exc})", param_hint=flag) from exc
     if not observations:
         raise typer.BadParameter(f"{data} holds no prompts", param_hint=flag)
-    return observations
+    return observations, counted
 
 
 def _require_train_extra(base: str | None = None, base_option: bool = True) -> None:
@@ -418,7 +471,9 @@ def refresh_curve_command(
 
 @app.command("eval")
 def eval_command(
-    data: Path = typer.Option(..., exists=True, dir_okay=False, help="JSON file: [{prompt, output_tokens}], AlpacaEval outputs or a data set"),
+    data: Path = typer.Option(..., exists=True, dir_okay=False, help="JSON file: [{prompt, output_tokens}] (or the answer's text as output: counted with the "
+                      "Llama-3 BPE, as the shipped labels were; the report's output_tokens_from says how), "
+                      "AlpacaEval outputs or a data set"),
     weights: Path | None = typer.Option(None, exists=True, dir_okay=False, help="weights .npz (default: the committed model)"),
     short_max_tokens: int = typer.Option(DEFAULT_ROUTING.short_max_tokens, min=1,
                                          help="misroute rates at the edges' default thresholds (LANES_SHORT_MAX_TOKENS)"),
@@ -430,7 +485,7 @@ def eval_command(
     if medium_max_tokens < short_max_tokens:
         raise typer.BadParameter(f"{medium_max_tokens} is below --short-max-tokens {short_max_tokens}",
                                  param_hint="--medium-max-tokens")
-    observations = read_observations(data)
+    observations, counted = read_counted(data)
     if source is not None:
         _require_source(observations, source, data)
         observations = [o for o in observations if o.source == source]
@@ -441,8 +496,12 @@ def eval_command(
         [o.output_tokens for o in observations],
         LaneThresholds(short_max_tokens, medium_max_tokens),
     ).as_dict()
+    report["output_tokens_from"] = counted
     if as_json:
         typer.echo(jsonout.dumps(report))
     else:
         for key, value in report.items():
             typer.echo(f"{key:28s} {value:.4f}" if isinstance(value, float) else f"{key:28s} {value}")
+    if report["kendall_tau"] is None or (isinstance(report["kendall_tau"], float) and math.isnan(report["kendall_tau"])):
+        typer.echo("note: no Kendall tau: it needs two prompts or more whose answer lengths differ and whose "
+                   "predictions differ", err=True)

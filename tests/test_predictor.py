@@ -226,7 +226,7 @@ def test_eval_reads_the_files_people_have(tmp_path: Path) -> None:
     alpaca = [{"instruction": r["prompt"], "output": "x" * 46, "generator": "g", "dataset": "d"} for r in rows]
     (tmp_path / "alpaca.json").write_bytes("\ufeff".encode() + json.dumps(alpaca).encode())
     assert [(o.prompt, o.output_tokens) for o in load_observations(tmp_path / "alpaca.json")] == \
-        [(r["prompt"], 10) for r in rows]
+        [(r["prompt"], 7) for r in rows]  # "x" * 46: 7 Llama-3 tokens
     examples = [{"prompt": r["prompt"], "source": "s", "lengths": {"m": r["output_tokens"]}} for r in rows]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(e) for e in examples))
     assert [(o.prompt, o.output_tokens) for o in load_observations(tmp_path / "data.jsonl")] == expected
@@ -373,9 +373,9 @@ def test_load_observations_formats(tmp_path: Path) -> None:
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps([{"prompt": "hi", "output_tokens": 7}]))
     assert load_observations(plain) == [Observation("hi", 7)]
-    alpaca = tmp_path / "alpaca.json"  # no token-count CSV beside it: chars / 4.6
+    alpaca = tmp_path / "alpaca.json"  # no token-count CSV beside it: the answers counted (Llama-3 BPE)
     alpaca.write_text(json.dumps([{"instruction": "hi", "output": "x" * 46, "generator": "g", "dataset": "d"}]))
-    assert load_observations(alpaca) == [Observation("hi", 10, "d")]
+    assert load_observations(alpaca) == [Observation("hi", 7, "d")]
 
 
 def test_source_balance_centres_each_source_and_weighs_by_root_size() -> None:
@@ -930,3 +930,40 @@ def test_a_feature_config_the_hashing_cannot_serve_is_refused() -> None:
     with pytest.raises(ValueError, match="char_ngram_min"):
         FeatureConfig(char_ngram_min=0)
     assert FeatureConfig(num_buckets_log2=32).num_buckets == 1 << 32
+
+
+def test_eval_counts_answer_text_and_says_how_lengths_were_had(tmp_path: Path) -> None:
+    """Rows may give the answer's text (``output``) instead of ``output_tokens``: it is counted
+    with the Llama-3 BPE the shipped labels were counted with, and the report says so in
+    ``output_tokens_from`` (before, such rows were refused, and an AlpacaEval file without its
+    count CSV was silently approximated by characters / 4.6: tau 0.4886 instead of 0.4956)."""
+    from lanes.cli.predictor import FROM_FILE, FROM_LLAMA3, app
+    from lanes.scheduler.predictor.sources import quicktok_counter
+    from typer.testing import CliRunner
+
+    answers = ["Yes.", "The sea is large and blue. " * 20, "A short poem:\nwaves, salt, wind.", "x" * 900]
+    rows = [{"prompt": f"Write about the sea, part {i}.", "output": a} for i, a in enumerate(answers)]
+    (tmp_path / "text.json").write_text(json.dumps(rows))
+    counted = [{"prompt": r["prompt"], "output_tokens": n} for r, n in zip(rows, quicktok_counter()(answers))]
+    (tmp_path / "counted.json").write_text(json.dumps(counted))
+    assert [o.output_tokens for o in load_observations(tmp_path / "text.json")] == [c["output_tokens"] for c in counted]
+    by_text = json.loads(CliRunner().invoke(app, ["eval", "--data", str(tmp_path / "text.json"), "--json"]).stdout)
+    by_count = json.loads(CliRunner().invoke(app, ["eval", "--data", str(tmp_path / "counted.json"), "--json"]).stdout)
+    assert by_text["output_tokens_from"] == FROM_LLAMA3 and by_count["output_tokens_from"] == FROM_FILE
+    assert by_text["kendall_tau"] == by_count["kendall_tau"] is not None
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"prompt": "a", "output": 12}]))
+    out = CliRunner().invoke(app, ["eval", "--data", str(bad)])
+    assert out.exit_code == 2 and "'output' (the answer's text" in " ".join(out.output.split())
+
+
+def test_answer_text_without_quicktok_is_approximated_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lanes.cli import predictor as cli
+    from lanes.scheduler.predictor import sources
+
+    def missing() -> None:
+        raise ImportError("No module named 'quicktok'")
+
+    monkeypatch.setattr(sources, "quicktok_counter", missing)
+    tokens, counted = cli.count_output_tokens(["x" * 46, ""])
+    assert tokens == [10, 0] and counted == cli.FROM_CHARS and "install quicktok-v1" in counted
