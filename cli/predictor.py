@@ -24,6 +24,8 @@ import csv
 import gzip
 import json
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -275,6 +277,7 @@ def _encoder_out_of_fold(observations: list[Observation], groups: np.ndarray, lo
 
 def generalization_report(
     observations: list[Observation], num_folds: int = 5, scores_out: Path | None = None, encoder: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
     """Leave-one-source-out and in-source k-fold Kendall taus, per source and averaged.
 
@@ -286,6 +289,7 @@ def generalization_report(
     lexical model alone, 1: the encoder alone) and over the training sources only (the held-out
     ones left out: what the weight was chosen on).
     ``scores_out`` receives every prompt's out-of-fold predicted tokens (JSON, row-aligned).
+    ``progress`` receives one line per lexical fit (what was left out, its time, the time left).
     """
     sources = np.array([o.source for o in observations])
     names = sorted(set(sources.tolist()))
@@ -294,7 +298,19 @@ def generalization_report(
     tokens = np.array([o.output_tokens for o in observations], float)
     groups = {"loso": np.unique(sources, return_inverse=True)[1],
               f"cv{num_folds}": fold_ids(len(observations), num_folds, seed=0)}
-    lexical = {name: out_of_fold_scores(observations, ids) for name, ids in groups.items()}
+    total, done, started = len(names) + num_folds, [0], time.monotonic()
+
+    def on_fit(kind: str) -> Callable[[int, int], None]:
+        def report(group: int, scored: int) -> None:
+            done[0] += 1
+            if progress is not None:
+                elapsed = time.monotonic() - started
+                what = f"source {names[group]} left out" if kind == "loso" else f"fold {group + 1} of {num_folds}"
+                progress(f"lexical fit {done[0]}/{total} ({what}, {scored:,} prompts scored): {elapsed:.0f} s so far, "
+                         f"about {elapsed / done[0] * (total - done[0]):.0f} s left")
+        return report
+
+    lexical = {name: out_of_fold_scores(observations, ids, on_fit(name)) for name, ids in groups.items()}
     encoded = {name: _encoder_out_of_fold(observations, ids, log=True) for name, ids in groups.items()} if encoder else {}
 
     weights = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0) if encoder else (0.0,)
@@ -446,7 +462,15 @@ def cv_command(
     cross-validates (RESULTS.md "Stop 27": 0.403 / 0.437)."""
     if encoder:
         _require_train_extra(base_option=False)  # cv has no --base: the wheel's model or nothing
-    typer.echo(jsonout.dumps(generalization_report(read_observations(data), folds, scores, encoder), indent=2))
+    observations = read_observations(data)
+    sources = len({o.source for o in observations})
+    typer.echo(f"lanes predictor cv: {len(observations):,} prompts of {sources} sources; {sources} leave-one-source-out "
+               f"fits and {folds} in-source folds of the lexical model"
+               + (", then as many encoder fine-tunes (about an hour on two cores)" if encoder else
+                  " (several minutes on two cores: each fit's time and the time left follow here)")
+               + "; the taus print as JSON on stdout at the end", err=True)
+    report = generalization_report(observations, folds, scores, encoder, progress=lambda line: typer.echo(line, err=True))
+    typer.echo(jsonout.dumps(report, indent=2))
 
 
 @app.command("refresh-curve")

@@ -26,7 +26,7 @@ Metrics (Kendall tau-b, Spearman, lane misroutes, latency) live in ``eval``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -379,16 +379,20 @@ def fold_ids(num_items: int, num_folds: int, seed: int) -> np.ndarray:
     return ids
 
 
-def out_of_fold_scores(observations: Sequence[Observation], groups: np.ndarray) -> np.ndarray:
+def out_of_fold_scores(observations: Sequence[Observation], groups: np.ndarray,
+                       on_fit: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Predicted log(1 + tokens) for every item, each by a model trained without its group.
 
     ``groups`` holds one id per observation: fold ids for k-fold CV, source ids for
     leave-one-source-out. IDF, cue statistics and source levels are refitted per fold, so no
-    test text leaks into training.
+    test text leaks into training. ``on_fit(group, items scored)`` is called after each fit
+    (the command line's progress).
     """
     scores = np.zeros(len(observations))
     for group in np.unique(groups):
         test, fit = np.flatnonzero(groups == group), np.flatnonzero(groups != group)
         model = train_lexical([observations[i] for i in fit])
         scores[test] = [model.score_text(observations[i].prompt) for i in test]
+        if on_fit is not None:
+            on_fit(int(group), len(test))
     return scores
