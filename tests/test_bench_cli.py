@@ -296,3 +296,26 @@ def test_bench_live_waits_for_the_last_answers_in_trace_time() -> None:
 
     assert drain_wall_s(2.0) == 120.0 and drain_wall_s(0.1) == pytest.approx(2400.0)
     assert drain_wall_s(200.0) == 120.0, "at least 120 s of wall time"
+
+
+def test_bench_tables_never_cut_a_figure_short() -> None:
+    """``bench fanout``'s 12 columns printed "844…" for 84,452 tokens/s on an 80-column terminal
+    (and in a pipe or a file, which Rich gives 80 columns): a table wider than the console is now
+    printed turned, one line per column, every figure whole; one that fits is unchanged."""
+    import io
+
+    from lanes.bench.common import print_table
+    from rich.console import Console
+
+    columns = ["in flight", "tokens/s", "server CPU ms/1k", "edge", "workers", "redis", "client (load)", "gaps",
+               "done", "not done", "clients closed", "crashed"]
+    rows = [[16, 84452, 20.6, 4.3, 12.8, 3.4, 1.4, 0, 64, 0, 0, "-"], [256, 123456, 19.9, 4.1, 12.5, 3.3, 1.3, 0, 9, 0, 0, "-"]]
+    narrow = io.StringIO()
+    print_table("Token fan-out", columns, rows, Console(file=narrow, width=80))
+    text = narrow.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "84452" in text and "123456" in text and "server CPU ms/1k" in text and "clients closed" in text
+    wide = io.StringIO()
+    print_table("Token fan-out", columns, rows, Console(file=wide, width=250))
+    header = next(line for line in wide.getvalue().splitlines() if "in flight" in line)
+    assert "tokens/s" in header and "crashed" in header, "a table that fits keeps one line per row"
