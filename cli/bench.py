@@ -49,11 +49,9 @@ def _fallback_prompts() -> Path:
     return SHARED_DATA / "prompts" / "alpaca_eval_Mistral-7B-Instruct-v0.2.json"
 
 
-def _load_prompt_pool(prompts: Path | None) -> list[Any]:
-    """The prompts with known answer lengths (``--prompts``, else the held-out pool, else the
-    AlpacaEval answers beside the checkout, with a warning); clear errors for bad files."""
-    from lanes.cli.predictor import read_observations
-
+def _prompt_pool_path(prompts: Path | None) -> Path:
+    """``--prompts``, else the held-out pool, else the AlpacaEval answers beside the checkout
+    (with a warning)."""
     path = prompts or DEFAULT_PROMPT_POOL
     if prompts is None and not path.is_file():
         path = _fallback_prompts()
@@ -61,7 +59,44 @@ def _load_prompt_pool(prompts: Path | None) -> list[Any]:
                    "prompts, so its tau here is optimistic); pass --prompts FILE", err=True)
     if not path.is_file():
         raise typer.BadParameter(f"prompt file {path} not found", param_hint="--prompts")
-    return read_observations(path, "--prompts")
+    return path
+
+
+def _load_prompt_pool(prompts: Path | None) -> list[Any]:
+    """The prompts with known answer lengths (``_prompt_pool_path``); clear errors for bad files."""
+    from lanes.cli.predictor import read_observations
+
+    return read_observations(_prompt_pool_path(prompts), "--prompts")
+
+
+def prompts_seen_in_training(model: Any, prompts: list[str]) -> int | None:
+    """How many of the distinct ``prompts`` the weights of ``model`` were trained on: those in
+    the data set its ``info`` names (``data``, ``sources``) under one of its training sources;
+    None where the weights do not say what they were trained on (or that data set is absent)."""
+    from lanes.scheduler.predictor.data import DEFAULT_DATASET_PATH, read_examples
+
+    info = getattr(model, "info", None) or {}
+    sources = info.get("sources")
+    if info.get("data") != DEFAULT_DATASET_PATH.name or not isinstance(sources, list) \
+            or not DEFAULT_DATASET_PATH.is_file():
+        return None
+    trained = {e.prompt for e in read_examples(DEFAULT_DATASET_PATH) if e.source in set(sources)}
+    return sum(prompt in trained for prompt in set(prompts))
+
+
+def describe_prompts(path: Path, observations: list[Any], seen: int | None, label: str) -> str:
+    """One line naming the prompt pool and whether the weights saw its prompts."""
+    distinct = len({o.prompt for o in observations})
+    sources = sorted({o.source for o in observations if o.source})
+    where = f" ({', '.join(sources[:4])}{', ...' if len(sources) > 4 else ''})" if sources else ""
+    if seen is None:
+        trained = f"whether the {label} weights were trained on them is not recorded in the weights"
+    elif seen == 0:
+        trained = f"none of them in the {label} weights' training data"
+    else:
+        trained = (f"{seen:,} of them in the {label} weights' training data, so the predictor's tau here is "
+                   "optimistic")
+    return f"prompts {path}: {len(observations):,} rows, {distinct:,} distinct prompts{where}; {trained}"
 
 
 def _load_trace(trace: Path, start: int = 0, requests: int = 0) -> Any:
@@ -113,11 +148,18 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
     from lanes.scheduler.sim.policies import SIM_MAX_TOKENS
     from lanes.scheduler.sim.predictions import Predictions, from_pool, pair_prompts, predict_prompts
 
-    observations = _load_prompt_pool(prompts)
+    from lanes.cli.predictor import read_observations
+
+    path = _prompt_pool_path(prompts)
+    observations = read_observations(path, "--prompts")
     sources: list[str | None] = [x.strip() for x in source.split(",")] if source is not None else [None]
     for name in sources:
         if name is not None:
-            _require_source(observations, name, prompts or DEFAULT_PROMPT_POOL, "--prompt-source")
+            _require_source(observations, name, path, "--prompt-source")
+    used = [o for o in observations if source is None or o.source in sources]
+    seen = prompts_seen_in_training(model, [o.prompt for o in used])
+    info = {"prompts": str(path), "prompts_in_training_data": seen, "distinct_prompts": len({o.prompt for o in used}),
+            "prompts_description": describe_prompts(path, used, seen, label)}
     tokens, latency_ms = np.empty(len(true_tokens)), np.empty(len(true_tokens))
     row_prompts = [""] * len(true_tokens)
     for rows, name in zip(np.array_split(np.arange(len(true_tokens)), len(sources)), sources, strict=True):
@@ -128,7 +170,7 @@ def _pool_predictions(prompts: Path | None, true_tokens: np.ndarray, model: Any,
         tokens[rows], latency_ms[rows] = part.tokens, part.latency_ms
         for row, i in zip(rows, paired, strict=True):
             row_prompts[row] = pool[i].prompt
-    return Predictions(tokens, latency_ms, label, kendall_tau(true_tokens, tokens)), row_prompts
+    return Predictions(tokens, latency_ms, label, kendall_tau(true_tokens, tokens), info=info), row_prompts
 
 
 def _scheduler_refresh_s() -> float:
@@ -158,7 +200,7 @@ def _with_refresh(predictions: Any, row_prompts: list[str], arrival_s: np.ndarra
             "long_above_tokens_median": float(np.median(fitted)) if fitted else None,
             "predictor_tau_unseen_prompts": refreshed.tau_unseen, "seen_prompt_share": refreshed.seen_share}
     return replace(predictions, tokens=refreshed.tokens, tau=refreshed.tau, routing=refreshed.routing,
-                   source=f"{predictions.source}+refresh", info=info)
+                   source=f"{predictions.source}+refresh", info={**predictions.info, **info})
 
 
 def _known_profile(name: str) -> str:
@@ -334,6 +376,8 @@ def policy(
                    f"predictor {predictions.source}, realised tau {predictions.tau:.3f}"
                    + (f", refitted every {refresh_every_s:g} s as the scheduler does (--refresh-every-s 0: off)"
                       if refresh_every_s > 0 else ""))
+        if "prompts_description" in predictions.info:
+            typer.echo(predictions.info["prompts_description"])
         typer.echo(format_table(results))
         for name, r in results.items():
             if "prefill_share" in r:

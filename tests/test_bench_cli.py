@@ -298,6 +298,28 @@ def test_bench_live_waits_for_the_last_answers_in_trace_time() -> None:
     assert drain_wall_s(200.0) == 120.0, "at least 120 s of wall time"
 
 
+def test_bench_policy_names_its_prompt_pool_and_whether_the_weights_saw_it(tmp_path: Path) -> None:
+    """The table and the JSON name the prompt file the predictions came from and how many of its
+    prompts the weights were trained on (none for the default held-out pool; most for AlpacaEval
+    answers, whose tau is then optimistic). Before, neither said which pool was used."""
+    from lanes.scheduler.predictor.data import DEFAULT_DATASET_PATH, read_examples
+
+    trace = write_trace(tmp_path / "trace.csv", 300, 0.2, 100, 4.5)
+    base = ("bench", "policy", "--trace", str(trace), "--policy", "fcfs,lanes", "--refresh-every-s", "0")
+    out = lanes(*base)
+    assert out.returncode == 0, out.stderr
+    assert "prompts " in out.stdout and "prompt_pool.json: 1,504 rows, 188 distinct prompts (alpaca_eval/oasst); " \
+        "none of them in the shipped weights' training data" in out.stdout
+    trained = [e for e in read_examples(DEFAULT_DATASET_PATH) if e.source == "code_alpaca"][:40]
+    seen = tmp_path / "seen.json"
+    seen.write_text(json.dumps([{"prompt": e.prompt, "output_tokens": e.output_tokens} for e in trained]))
+    out = lanes(*base, "--prompts", str(seen), "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)["lanes"]["predictor"]
+    assert info["prompts"] == str(seen) and info["prompts_in_training_data"] == 40 and info["distinct_prompts"] == 40
+    assert "so the predictor's tau here is optimistic" in info["prompts_description"]
+
+
 def test_bench_tables_never_cut_a_figure_short() -> None:
     """``bench fanout``'s 12 columns printed "844…" for 84,452 tokens/s on an 80-column terminal
     (and in a pipe or a file, which Rich gives 80 columns): a table wider than the console is now

@@ -40,7 +40,7 @@ class Predictions:
     #: ``refresh.py``); None: the ``lanes`` policies fit them on the trace's first rows.
     routing: list[LaneThresholds] | None = None
     #: What else the source reports (the refresh's seen share, tau on unseen prompts).
-    info: dict[str, float | None] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
 
 
 def pair_prompts(trace_tokens: np.ndarray, pool_tokens: np.ndarray, seed: int | None = None) -> np.ndarray:
