@@ -226,8 +226,10 @@ def policy(
                          "(true x lognormal at --tau), random (the real outputs shuffled), oracle.")] = "real",
     profile: Annotated[str, typer.Option(callback=_known_profile, help="Cost profile: l70-h100, l70-a100, l7-a100.")] = "l70-h100",
     load: Annotated[float, typer.Option(min=0.01, max=100.0, help="Offered load as a fraction of FCFS capacity.")] = 0.88,
-    policy: Annotated[str, typer.Option(help="Comma-separated policies (fcfs, lanes, lanes-static, priority, "
-                                             "mlfq, lanes-oracle, oracle-2q, oracle-sjf).")] = DEFAULT_POLICIES,
+    policy: Annotated[str, typer.Option(help="Comma-separated policies: fcfs, lanes, lanes-static (no demotion "
+                                             "or hand-back), priority (shortest predicted first, as vLLM's priority "
+                                             "scheduling), mlfq (FastServe's skip-join MLFQ, no predictor), and "
+                                             "with true lengths lanes-oracle, oracle-2q, oracle-sjf.")] = DEFAULT_POLICIES,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by policy.")] = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of P99 TTFT vs load here.",
                                               callback=writable_file)] = None,
@@ -378,6 +380,9 @@ def policy(
                       if refresh_every_s > 0 else ""))
         if "prompts_description" in predictions.info:
             typer.echo(predictions.info["prompts_description"])
+        typer.echo(f"classes by true answer length: short <= {np.percentile(true, 50):.0f} tokens (the median "
+                   f"of the rows run), long > {np.percentile(true, 90):.0f} (their p90); <=1/5/30 s: share of short requests "
+                   "with TTFT within; --json: every figure for short, long and all")
         typer.echo(format_table(results))
         for name, r in results.items():
             if "prefill_share" in r:

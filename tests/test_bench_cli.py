@@ -341,3 +341,18 @@ def test_bench_tables_never_cut_a_figure_short() -> None:
     print_table("Token fan-out", columns, rows, Console(file=wide, width=250))
     header = next(line for line in wide.getvalue().splitlines() if "in flight" in line)
     assert "tokens/s" in header and "crashed" in header, "a table that fits keeps one line per row"
+
+
+def test_bench_policy_table_says_what_its_classes_and_policies_are(files: tuple[Path, Path]) -> None:
+    """The table's "short" and "long" are classes of the true answer length (the rows' median and
+    p90), which neither the table nor --help said; --help now says what priority and mlfq are."""
+    trace, prompts = files
+    out = lanes("bench", "policy", "--trace", str(trace), "--prompts", str(prompts), "--refresh-every-s", "0",
+                "--policy", "fcfs,lanes,priority,mlfq")
+    assert out.returncode == 0, out.stderr
+    true = np.loadtxt(trace, delimiter=",", skiprows=1, usecols=2)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("classes by true answer length"))
+    assert f"short <= {np.percentile(true, 50):.0f} tokens" in line and f"long > {np.percentile(true, 90):.0f}" in line
+    assert [x.split()[0] for x in out.stdout.splitlines()[-5:-1]] == ["fcfs", "lanes", "priority", "mlfq"]
+    helped = " ".join(lanes("bench", "policy", "--help").stdout.replace("│", " ").split())
+    assert "priority (shortest predicted first" in helped and "mlfq (FastServe's skip-join MLFQ" in helped
