@@ -298,16 +298,21 @@ def generalization_report(
     tokens = np.array([o.output_tokens for o in observations], float)
     groups = {"loso": np.unique(sources, return_inverse=True)[1],
               f"cv{num_folds}": fold_ids(len(observations), num_folds, seed=0)}
-    total, done, started = len(names) + num_folds, [0], time.monotonic()
+    # A fit's time grows with the prompts it trains on: the time left is told from the rows
+    # still to train on (each group's fit trains on every row outside the group).
+    total, done, started = len(names) + num_folds, [0, 0], time.monotonic()
+    rows_to_fit = (len(names) - 1 + num_folds - 1) * len(observations)
 
     def on_fit(kind: str) -> Callable[[int, int], None]:
         def report(group: int, scored: int) -> None:
             done[0] += 1
+            done[1] += len(observations) - scored
             if progress is not None:
                 elapsed = time.monotonic() - started
+                left = elapsed / max(done[1], 1) * (rows_to_fit - done[1])
                 what = f"source {names[group]} left out" if kind == "loso" else f"fold {group + 1} of {num_folds}"
                 progress(f"lexical fit {done[0]}/{total} ({what}, {scored:,} prompts scored): {elapsed:.0f} s so far, "
-                         f"about {elapsed / done[0] * (total - done[0]):.0f} s left")
+                         f"about {left:.0f} s left")
         return report
 
     lexical = {name: out_of_fold_scores(observations, ids, on_fit(name)) for name, ids in groups.items()}
