@@ -341,6 +341,15 @@ def test_bench_tables_never_cut_a_figure_short() -> None:
     print_table("Token fan-out", columns, rows, Console(file=wide, width=250))
     header = next(line for line in wide.getvalue().splitlines() if "in flight" in line)
     assert "tokens/s" in header and "crashed" in header, "a table that fits keeps one line per row"
+    # `bench background`'s table: its figures fit side by side in 80 columns once the headers
+    # wrap (it printed "medium:…" before); it keeps one line per row.
+    background = io.StringIO()
+    print_table("Short TTFT (ms)", ["policy", "p50", "p99", "max", "done", "short lanes", "long lanes", "long running"],
+                [["fcfs", 7792.6, 9603.6, 9641.5, "40/40", "medium:40", "medium:24", "8/6"],
+                 ["lanes", 8.9, 13.4, 14.2, "40/40", "short:40", "long:24", "6/6"]], Console(file=background, width=80))
+    text = background.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert any("fcfs" in line and "medium:40" in line and "medium:24" in line for line in text.splitlines())
 
 
 def test_bench_policy_table_says_what_its_classes_and_policies_are(files: tuple[Path, Path]) -> None:
