@@ -105,11 +105,15 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[obje
     if out.measure(natural, options=out.options.update(width=10_000)).maximum <= out.width:
         out.print(natural)
         return
-    # Each column as wide as its widest figure or header word (3 more for its border and padding).
-    needed = [max([len(row[j]) for row in cells] + [len(word) for word in column.split()])
-              for j, column in enumerate(columns)]
-    if sum(needed) + 3 * len(columns) + 1 <= out.width or len(cells) >= len(columns):
-        out.print(table(needed))
+    # Each column at least as wide as its longest word (a figure is one), 3 more for its border
+    # and padding; the room left goes to the columns whose text would rather not wrap.
+    texts = [[row[j] for row in cells] + [column] for j, column in enumerate(columns)]
+    needed = [max(len(word) for text in column for word in text.split() or [""]) for column in texts]
+    wanted = [max(len(text) for text in column) - need for column, need in zip(texts, needed, strict=True)]
+    room = out.width - (sum(needed) + 3 * len(columns) + 1)
+    if room >= 0 or len(cells) >= len(columns):
+        share = max(room, 0) / max(sum(wanted), 1)
+        out.print(table([need + min(want, int(want * share)) for need, want in zip(needed, wanted, strict=True)]))
         return
     turned = Table(title=title)  # each row's first cell (what it varies) heads its column
     turned.add_column(columns[0], justify="left")

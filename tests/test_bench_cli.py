@@ -350,6 +350,14 @@ def test_bench_tables_never_cut_a_figure_short() -> None:
     text = background.getvalue()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
     assert any("fcfs" in line and "medium:40" in line and "medium:24" in line for line in text.splitlines())
+    # `bench overhead`'s: its labels wrap so that its figures keep their room (it printed "21.…").
+    overhead = io.StringIO()
+    print_table("Added latency", ["ms", "sim p50", "sim p99", "hf p50", "hf p99"],
+                [["baseline TTFT (engine in-process)", "1.21", "4.55", "9.78", "21.43"],
+                 ["overhead, per-round paired (client - baseline)", "3.65", "9.45", "5.12", "20.77"]],
+                Console(file=overhead, width=80))
+    text = overhead.getvalue()
+    assert "…" not in text and "21.43" in text and "20.77" in text and max(len(x) for x in text.splitlines()) <= 80
 
 
 def test_bench_policy_table_says_what_its_classes_and_policies_are(files: tuple[Path, Path]) -> None:
