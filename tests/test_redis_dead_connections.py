@@ -6,6 +6,7 @@ before, each waited for good. And neither may give up on a Redis that is merely 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,6 +45,26 @@ def proxied_plane(proxy: BlackHoleProxy, key_prefix: str, query: str = "") -> Qu
                                                   redis_dead_after_s=DEAD_AFTER_S))
 
 
+@contextlib.asynccontextmanager
+async def listening(client: aioredis.Redis, channels: list[str]) -> AsyncIterator[tuple[list[float], list[bytes]]]:
+    """``listen`` on ``channels`` in a task, for the block's length: (when each subscription,
+    first or again, was confirmed; the messages' data as they came)."""
+    subscriptions: list[float] = []
+    got: list[bytes] = []
+
+    async def subscriber() -> None:
+        async for _, data in listen(client, channels, Backoff("test", logging.getLogger()),
+                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
+            got.append(data)
+
+    task = asyncio.create_task(subscriber())
+    try:
+        yield subscriptions, got
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_black_holed_pop_fails_within_its_block_plus_the_bound(proxy: BlackHoleProxy, key_prefix: str,
                                                                        direct: aioredis.Redis) -> None:
     # A URL's short command timeout must not fail idle pops (it did once: the worker claimed
@@ -73,35 +94,25 @@ async def test_a_black_holed_subscription_resubscribes_and_says_so(proxy: BlackH
                                                                    direct: aioredis.Redis) -> None:
     plane = proxied_plane(proxy, key_prefix)
     channel = f"{key_prefix}:chan"
-    got: list[tuple[bytes, float]] = []
-    subscriptions: list[float] = []
-
-    async def subscriber() -> None:
-        async for _, data in listen(plane.redis, [channel, f"{key_prefix}:other"], Backoff("test", logging.getLogger()),
-                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
-            got.append((data, time.monotonic()))
-
-    task = asyncio.create_task(subscriber())
     try:
-        await wait_for(lambda: len(subscriptions) == 1, "subscribed")
-        # on_subscribed runs once Redis has the subscription: a message published now arrives.
-        assert await direct.publish(channel, b"before") == 1
-        await wait_for(lambda: [d for d, _ in got] == [b"before"], "the first message")
+        async with listening(plane.redis, [channel, f"{key_prefix}:other"]) as (subscriptions, got):
+            await wait_for(lambda: len(subscriptions) == 1, "subscribed")
+            # on_subscribed runs once Redis has the subscription: a message published now arrives.
+            assert await direct.publish(channel, b"before") == 1
+            await wait_for(lambda: got == [b"before"], "the first message")
 
-        assert proxy.black_hole(sent=b"SUBSCRIBE") == 1
-        holed_at = time.monotonic()
-        # Redis still counts the black-holed subscriber: this one goes into the hole.
-        assert await direct.publish(channel, b"lost") >= 1
-        await wait_for(lambda: len(subscriptions) == 2, "subscribed again", scaled(DEAD_AFTER_S + 5))
-        took = subscriptions[1] - holed_at
-        print(f"\nsubscribed again {took:.2f} s after the black hole")
-        assert DEAD_AFTER_S - 0.1 <= took <= DEAD_AFTER_S + scaled(1.5)
-        await direct.publish(channel, b"after")
-        await wait_for(lambda: [d for d, _ in got][-1:] == [b"after"], "a message after the resubscription")
-        assert [d for d, _ in got] == [b"before", b"after"]
+            assert proxy.black_hole(sent=b"SUBSCRIBE") == 1
+            holed_at = time.monotonic()
+            # Redis still counts the black-holed subscriber: this one goes into the hole.
+            assert await direct.publish(channel, b"lost") >= 1
+            await wait_for(lambda: len(subscriptions) == 2, "subscribed again", scaled(DEAD_AFTER_S + 5))
+            took = subscriptions[1] - holed_at
+            print(f"\nsubscribed again {took:.2f} s after the black hole")
+            assert DEAD_AFTER_S - 0.1 <= took <= DEAD_AFTER_S + scaled(1.5)
+            await direct.publish(channel, b"after")
+            await wait_for(lambda: got[-1:] == [b"after"], "a message after the resubscription")
+            assert got == [b"before", b"after"]
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await plane.close()
 
 
@@ -109,24 +120,14 @@ async def test_a_quiet_subscription_is_kept(proxy: BlackHoleProxy, key_prefix: s
     """No message for several bounds in a row: its PINGs are answered, it stays subscribed."""
     plane = proxied_plane(proxy, key_prefix)
     channel = f"{key_prefix}:quiet"
-    subscriptions: list[float] = []
-    got: list[bytes] = []
-
-    async def subscriber() -> None:
-        async for _, data in listen(plane.redis, [channel], Backoff("test", logging.getLogger()),
-                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
-            got.append(data)
-
-    task = asyncio.create_task(subscriber())
     try:
-        await wait_for(lambda: len(subscriptions) == 1, "subscribed")
-        await asyncio.sleep(4 * DEAD_AFTER_S)
-        assert len(subscriptions) == 1, "a quiet subscription was taken as dead"
-        assert await direct.publish(channel, b"still here") == 1
-        await wait_for(lambda: got == [b"still here"], "the message")
+        async with listening(plane.redis, [channel]) as (subscriptions, got):
+            await wait_for(lambda: len(subscriptions) == 1, "subscribed")
+            await asyncio.sleep(4 * DEAD_AFTER_S)
+            assert len(subscriptions) == 1, "a quiet subscription was taken as dead"
+            assert await direct.publish(channel, b"still here") == 1
+            await wait_for(lambda: got == [b"still here"], "the message")
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await plane.close()
 
 
@@ -136,16 +137,7 @@ async def test_a_reset_subscription_catches_up(plane: QueuePlane, key_prefix: st
     was published meanwhile is gone. ``on_subscribed`` must run again so the caller catches up
     (the edge refills its requests from their streams)."""
     channel = f"{key_prefix}:reset"
-    subscriptions: list[float] = []
-    got: list[bytes] = []
-
-    async def subscriber() -> None:
-        async for _, data in listen(plane.redis, [channel], Backoff("test", logging.getLogger()),
-                                    lambda: subscriptions.append(time.monotonic()), dead_after_s=DEAD_AFTER_S):
-            got.append(data)
-
-    task = asyncio.create_task(subscriber())
-    try:
+    async with listening(plane.redis, [channel]) as (subscriptions, got):
         await wait_for(lambda: len(subscriptions) == 1, "subscribed")
         assert await direct.publish(channel, b"one") == 1
         await wait_for(lambda: got == [b"one"], "the first message")
@@ -153,9 +145,6 @@ async def test_a_reset_subscription_catches_up(plane: QueuePlane, key_prefix: st
         await wait_for(lambda: len(subscriptions) == 2, "told of the resubscription", scaled(DEAD_AFTER_S + 5))
         assert await direct.publish(channel, b"two") == 1
         await wait_for(lambda: got == [b"one", b"two"], "a message after it")
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def test_the_bound_is_at_least_a_second() -> None:
