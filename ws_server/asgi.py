@@ -24,6 +24,7 @@ from lanes.ws_server.auth import origin_allowed
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 if TYPE_CHECKING:
     from lanes.ws_server.edge import Edge
@@ -238,15 +239,52 @@ class _HeadersInTime(HttpToolsProtocol):
             self.transport.close()
 
 
+class _ClosesInTime(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O WebSocket protocol, whose own closes let go of a client that reads
+    nothing: after its close frame (an unanswered keepalive ping, a frame it cannot parse, a
+    close the client began), the TCP connection is dropped ``close_timeout_s`` later if it has
+    not gone by then.
+
+    uvicorn closes the transport, and a transport first sends what it buffers: a client that
+    reads nothing (a resume's replay written at once, then nothing read) never takes it, so the
+    connection, its key's connection slot and the buffered frames were held for as long as the
+    client's kernel acknowledged: for ever. The edge's own 4008 close has its timer in
+    ``Session``."""
+
+    close_timeout_s = 5.0
+
+    def keepalive_timeout(self) -> None:
+        super().keepalive_timeout()
+        self._drop_if_still_here()
+
+    def handle_close(self, event: Any) -> None:
+        super().handle_close(event)
+        self._drop_if_still_here()
+
+    def handle_parser_exception(self) -> None:
+        super().handle_parser_exception()
+        self._drop_if_still_here()
+
+    def _drop_if_still_here(self) -> None:
+        if self.transport.is_closing() and not self.disconnected:
+            self.loop.call_later(self.close_timeout_s, self._drop)
+
+    def _drop(self) -> None:
+        if not self.disconnected:
+            self.transport.abort()
+
+
 async def serve_app(app: EdgeApp, sock: socket.socket, *, max_frame_bytes: int, compression: bool,
                     graceful_s: float = 2.0, on_shutdown: Callable[[], None] | None = None,
                     header_timeout_s: float = 10.0, ping_interval_s: float = 20.0,
-                    ping_timeout_s: float = 20.0) -> None:
+                    ping_timeout_s: float = 20.0, close_timeout_s: float = 5.0) -> None:
     """Serve ``app`` on ``sock`` until cancelled; then call ``on_shutdown`` and close connections
-    within ``graceful_s``. A request whose headers take over ``header_timeout_s`` is dropped."""
+    within ``graceful_s``. A request whose headers take over ``header_timeout_s`` is dropped; a
+    WebSocket that does not read up to uvicorn's close frame, ``close_timeout_s`` after it."""
     http = type("HeadersInTime", (_HeadersInTime,), {"header_timeout_s": header_timeout_s})
+    ws = type("ClosesInTime", (_ClosesInTime,), {"close_timeout_s": close_timeout_s})
     config = uvicorn.Config(
-        app, ws="websockets-sansio", http=http, lifespan="off", log_config=None, access_log=False,
+        app, ws=ws, http=http, lifespan="off", log_config=None, access_log=False,
         ws_max_size=max_frame_bytes, ws_per_message_deflate=compression, ws_ping_interval=ping_interval_s,
         ws_ping_timeout=ping_timeout_s, timeout_graceful_shutdown=int(graceful_s), server_header=False,
     )

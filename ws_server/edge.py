@@ -174,8 +174,11 @@ class Edge:
             if action.report:
                 self.carry(self.core.cancel_failed(rid, time.monotonic()))
             return
-        if self._cancel_backoff.failing:
-            self._answer_failed_cancels()
+        if self._cancel_backoff.failing and self.cancels.answered(rid):
+            # Redis is failing: answered now (every cancel before it was, when it was queued or
+            # when the attempt failed; a scan of all of them per cancel was quadratic in a mass
+            # disconnect during an outage).
+            self.carry(self.core.cancel_failed(rid, time.monotonic()))
         self._cancels_wanted.set()  # the loop sends it now, or after its pause while Redis fails
 
     def _answer_failed_cancels(self) -> None:
@@ -318,12 +321,8 @@ class Edge:
     async def tick(self) -> None:
         while True:
             await asyncio.sleep(_TICK_S)
-            now = time.monotonic()
-            self.carry(self.core.tick(now))
+            self.carry(self.core.tick(time.monotonic()))
             self.spans.prune(self.core.entries)
-            for session in list(self.sessions.values()):
-                if isinstance(session, Session):  # a WebSocket (not an HTTP exchange)
-                    session.drop_if_stuck(now)
 
     async def recheck_keys(self) -> None:
         """Every ``LANES_KEY_RECHECK_S``, look up the keys of the open WebSockets and HTTP
@@ -601,7 +600,8 @@ class Edge:
                                     compression=self.settings.ws_compression, on_shutdown=self.begin_shutdown,
                                     header_timeout_s=self.settings.header_timeout_s,
                                     ping_interval_s=self.settings.ws_ping_interval_s,
-                                    ping_timeout_s=self.settings.ws_ping_timeout_s)
+                                    ping_timeout_s=self.settings.ws_ping_timeout_s,
+                                    close_timeout_s=self.settings.slow_client_close_timeout_s)
                 finally:
                     # Closing connections now is a restart, not a client leaving: keep their
                     # requests running so the clients can resume on another edge.

@@ -59,8 +59,6 @@ class Session:
         #: How long a too-slow client gets to read up to the 4008 close frame.
         self.close_timeout_s = close_timeout_s
         self._wake = asyncio.Event()
-        #: When the connection was first seen closing but not gone (``drop_if_stuck``).
-        self._closing_since: float | None = None
         if send_buffer_bytes > 0 and self._proto is not None:
             _limit_send_buffer(self._proto.transport, send_buffer_bytes)
 
@@ -154,27 +152,6 @@ class Session:
                 proto.transport.close()
             else:
                 proto.transport.abort()
-
-
-    def drop_if_stuck(self, now: float) -> None:
-        """Drop the TCP connection of a client that has not read up to a close frame sent to it
-        ``close_timeout_s`` ago (``now``: monotonic s; the edge calls this from its tick).
-
-        The 4008 close has its own timer (``_close``); this covers uvicorn's keepalive: after an
-        unanswered ping it sends its close frame and closes the transport, and a transport waits
-        to send what it buffers before it lets go. A client that reads nothing never takes it
-        (a resume's replay written at once is such a buffer; a burst never counts against
-        ``max_queue_frames``), so the connection, its key's connection slot and the buffered
-        frames were held for as long as the client's kernel acknowledged: for ever.
-        """
-        proto = self._proto
-        if proto is None or proto.disconnected or not (proto.close_sent or proto.transport.is_closing()):
-            self._closing_since = None
-            return
-        if self._closing_since is None:
-            self._closing_since = now
-        elif now - self._closing_since >= self.close_timeout_s:
-            proto.transport.abort()
 
 
 def _sansio_protocol(send: Send) -> Any | None:
