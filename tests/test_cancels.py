@@ -39,6 +39,15 @@ def test_unanswered_client_cancels_are_answered_once() -> None:
     assert len(q) == 2 and q.sent("mine") is False, "answered already: no cancel_result after it lands"
 
 
+def test_one_cancel_is_answered_once_without_a_scan() -> None:
+    q = PendingCancels()
+    q.add("mine", "default", report=True, now_s=0.0)
+    q.add("left", "default", report=False, now_s=0.0)
+    assert q.answered("mine") is True and q.answered("mine") is False
+    assert q.answered("left") is False and q.answered("unknown") is False
+    assert q.unanswered() == [] and len(q) == 2
+
+
 def test_at_the_cap_a_new_cancel_is_refused_and_those_pending_keep_their_place() -> None:
     q = PendingCancels(max_pending=2)
     assert q.add("a", "default", report=False, now_s=0.0)

@@ -94,6 +94,15 @@ class PendingCancels:
             self._pending[request_id].report = False
         return ids
 
+    def answered(self, request_id: str) -> bool:
+        """``unanswered`` for one cancel: whether it waited for its client's answer (now marked
+        answered)."""
+        pending = self._pending.get(request_id)
+        if pending is None or not pending.report:
+            return False
+        pending.report = False
+        return True
+
     def first(self, limit: int = 5) -> list[str]:
         """The oldest pending ids (for log lines)."""
         return list(self._pending)[:limit]
