@@ -134,7 +134,8 @@ def load_counted(data: Path) -> tuple[list[Observation], str]:
     counted = FROM_FILE
     if texts:
         tokens, counted = count_output_tokens(list(texts.values()))
-        records = [{**row, "output_tokens": tokens.pop(0)} if i in texts else row for i, row in enumerate(records)]
+        counts = dict(zip(texts, tokens))  # row -> its count (list.pop(0) per row was quadratic)
+        records = [{**row, "output_tokens": counts[i]} if i in texts else row for i, row in enumerate(records)]
         if len(texts) < len(records):
             counted = f"{FROM_FILE} ({len(records) - len(texts)} rows), {counted} ({len(texts)} rows)"
     return [_observation(r, i) for i, r in enumerate(records)], counted
