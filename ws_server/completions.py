@@ -87,10 +87,9 @@ def _refused_request(error: oai.APIError, request_id: str) -> Response:
     """A body refused before it became a chat: counted in ``lanes_requests_total`` (by its code)
     and ``lanes_errors_total`` as the WebSocket's refused chat frames are (the codes are a
     fixed set)."""
-    code = error.code or "invalid_request"
-    # OpenAI's name for a prompt over the limit; the series keep ours, as a WebSocket chat's
-    # refusal counts it (one refusal, one outcome name, whichever API it came by).
-    code = ErrorCode.PROMPT_TOO_LONG.value if code == "context_length_exceeded" else code
+    # The series keep our name where OpenAI's differs, as a WebSocket chat's refusal counts it
+    # (one refusal, one outcome name, whichever API it came by).
+    code = error.counted_as or error.code or "invalid_request"
     metrics.count_refused_request(code)
     metrics.ERRORS.labels(code).inc()
     return _error(error, request_id)

@@ -79,6 +79,8 @@ class APIError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after_ms: int | None = None
+    #: The code lanes' own series count it under, where OpenAI names it otherwise (``OPENAI_CODES``).
+    counted_as: str | None = None
 
     def body(self) -> bytes:
         return _enc.encode({"error": {"message": self.message, "type": self.type, "code": self.code,
@@ -135,8 +137,8 @@ def parse_request(body: object, limits: Limits) -> CompletionRequest:
         frame = chat_frame(body, None, _messages(body.get("messages"), limits), limits,
                            max_tokens_field=max_tokens_field, default_temperature=1.0)
     except ProtocolError as err:
-        code = "context_length_exceeded" if err.code is ErrorCode.PROMPT_TOO_LONG else err.code.value  # OpenAI's
-        raise APIError(400, err.message, code=code, param=_param(err, max_tokens_field)) from None
+        raise APIError(400, err.message, code=OPENAI_CODES.get(err.code, err.code.value),
+                       param=_param(err, max_tokens_field), counted_as=err.code.value) from None
     return CompletionRequest(frame, stream, bool(options and options.get("include_usage")))
 
 
@@ -228,6 +230,8 @@ def _param(err: ProtocolError, max_tokens_field: str) -> str | None:
 
 # -- our error codes in OpenAI's shape ---------------------------------------------------
 
+#: Our codes that OpenAI names otherwise, as its clients key their handling on its names.
+OPENAI_CODES = {ErrorCode.PROMPT_TOO_LONG: "context_length_exceeded"}
 _TOO_MANY = {ErrorCode.RATE_LIMITED, ErrorCode.TOO_MANY_IN_FLIGHT, ErrorCode.OVERLOADED}
 #: The code an answer ends with when its API key is revoked while it runs (OpenAI's for a bad key).
 KEY_REVOKED = "invalid_api_key"
@@ -242,8 +246,8 @@ def error_from_frame(frame: dict[str, Any]) -> APIError:
         return APIError(401, message, code=code)
     if code == "model_not_found":
         return APIError(404, message, code=code, param="model")
-    if code == ErrorCode.PROMPT_TOO_LONG:  # OpenAI's code for it, which clients key their handling on
-        return APIError(400, message, code="context_length_exceeded", param="messages")
+    if code == ErrorCode.PROMPT_TOO_LONG:
+        return APIError(400, message, code=OPENAI_CODES[ErrorCode.PROMPT_TOO_LONG], param="messages", counted_as=code)
     if code in _TOO_MANY:
         return APIError(429, message, "rate_limit_error", code, retry_after_ms=retry or 1000)
     if code == ErrorCode.UNAVAILABLE:
