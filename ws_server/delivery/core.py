@@ -122,10 +122,7 @@ class Delivery:
             # the id exists (a resubmitted chat): the refusal is the chat's, which already got
             # ``resumed_elsewhere``; the resume goes on as one of a request this edge does not
             # hold. Before, the resume was answered the chat's ``duplicate_id`` and got nothing.
-            entry.phase, entry.announced = Phase.RESUMING, False
-            self.notices += 1
-            entry.notice_no = self.notices
-            return [Finished(request_id, lane, str(code), refused=True), Repoint(request_id, entry.key)]
+            return [Finished(request_id, lane, str(code), refused=True), self._repoint(entry)]
         self._remove(entry)
         actions: list[Action] = [Finished(request_id, lane, str(code), refused=True,
                                            reason=str(extra.get("reason", "")))]
@@ -167,13 +164,18 @@ class Delivery:
         # Redis may point the request at another edge by now (a client that hopped there and
         # back; this edge would hear of it only at its next check): point it here again first,
         # exactly as for a request this edge does not hold. Tokens meanwhile are buffered.
-        entry.phase, entry.announced = Phase.RESUMING, False
         # The re-point settles any notice heard so far (it is later than their re-points); an
         # end held for one is in the stream, which the resume reads once re-pointed.
         entry.takeover_pending, entry.held_end = False, None
+        return actions + [self._repoint(entry)]
+
+    def _repoint(self, entry: Entry) -> Repoint:
+        """Resume ``entry`` as one of a request this edge does not hold: re-point it here in
+        Redis and announce it once that is done."""
+        entry.phase, entry.announced = Phase.RESUMING, False
         self.notices += 1  # a check read before this re-point must not say it moved
         entry.notice_no = self.notices
-        return actions + [Repoint(request_id, key)]
+        return Repoint(entry.id, entry.key)
 
     def refuse_resume(self, request_id: str, key: str, message: str) -> list[Action]:
         """The re-point ``key`` asked for could not be made (Redis down): tell the client, forget
